@@ -1,0 +1,78 @@
+#include "collectives/collective_util.h"
+
+#include "collectives/reduce_kernels.h"
+#include "common/error.h"
+#include "transport/progress.h"
+
+namespace rr {
+
+std::vector<size_t> split_offsets(size_t count, int parts) {
+  std::vector<size_t> off(parts + 1, 0);
+  size_t base = count / parts, extra = count % parts;
+  for (int i = 0; i < parts; ++i) off[i + 1] = off[i] + base + (static_cast<size_t>(i) < extra);
+  return off;
+}
+
+void ReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
+  reduce_into(dst_ + offset, data, n / dtype_size(dtype_), dtype_, op_);
+}
+
+void send_recv(Context& ctx, int to, const void* sbuf, size_t sn, int from, RecvSink* sink,
+               size_t rn, const std::string& what) {
+  std::vector<SendOp> sends;
+  std::vector<RecvOp> recvs;
+  if (to >= 0 && sn > 0) sends.push_back(SendOp{&ctx.link(to), static_cast<const uint8_t*>(sbuf), sn});
+  if (from >= 0 && rn > 0) recvs.push_back(RecvOp{&ctx.link(from), sink, rn});
+  run_transfers(ctx.progress(), sends, recvs, what);
+}
+
+void apply_prescale(void* buf, size_t count, DType dtype, double prescale) {
+  if (prescale != 1.0) scale_inplace(buf, count, dtype, prescale);
+}
+
+void finalize_reduction(void* buf, size_t count, DType dtype, ReduceOp op, double postscale,
+                        int nranks) {
+  bool average = op == ReduceOp::kAverage && nranks > 1;
+  if (average && dtype_is_integer(dtype)) divide_integers(buf, count, dtype, nranks);
+  // Floats fold the divisor into postscale: one pass, one rounding.
+  double factor = (average && !dtype_is_integer(dtype)) ? postscale / nranks : postscale;
+  if (factor != 1.0) scale_inplace(buf, count, dtype, factor);
+}
+
+
+void check_shape(const Context& ctx, const Tensor& t, const char* op) {
+  for (int64_t d : t.shape)
+    if (d < 0)
+      throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": ", op, " '", t.name,
+                  "': negative dimension in shape");
+}
+
+void check_reduce(const Context& ctx, const Tensor& t, ReduceOp op, const char* what) {
+  check_shape(ctx, t, what);
+  if (!reduce_supported(t.dtype, op))
+    throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": ", what, " '", t.name,
+                "': op ", reduce_op_name(op), " is not supported for dtype ", dtype_name(t.dtype),
+                bool(t.dtype == DType::kBool) ? " (use Sum/Max for 'any', Min/Product for 'all')"
+                                              : "");
+}
+
+size_t row_bytes(const Tensor& t) {
+  size_t b = dtype_size(t.dtype);
+  for (size_t i = 1; i < t.shape.size(); ++i) b *= static_cast<size_t>(t.shape[i]);
+  return b;
+}
+
+std::vector<size_t> row_offsets_bytes(const std::vector<OpHeader>& hs, size_t rowb) {
+  std::vector<size_t> off(hs.size() + 1, 0);
+  for (size_t r = 0; r < hs.size(); ++r)
+    off[r + 1] = off[r] + static_cast<size_t>(hs[r].ndim ? hs[r].dims[0] : 1) * rowb;
+  return off;
+}
+
+void check_has_rows(const Context& ctx, const Tensor& t, const char* what) {
+  if (t.shape.empty())
+    throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": ", what, " '", t.name,
+                "' needs at least one dimension (got a 0-d scalar; reshape it to [1])");
+}
+
+}  // namespace rr

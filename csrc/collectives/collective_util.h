@@ -1,0 +1,73 @@
+// Pieces shared by the collective algorithms: segment arithmetic, the sink
+// that reduces incoming bytes in place, a one-send-one-receive step, and the
+// final scaling step of Average / postscale.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/error.h"
+#include "collectives/collectives.h"
+#include "collectives/op_header.h"
+#include "transport/context.h"
+#include "transport/link.h"
+
+namespace rr {
+
+// Splits `count` items into `parts` contiguous pieces whose sizes differ by at
+// most one, larger pieces first. offsets has parts + 1 entries.
+std::vector<size_t> split_offsets(size_t count, int parts);
+
+// dst[offset ...] = dst[offset ...] (op) incoming, element-wise.
+class ReduceSink : public RecvSink {
+ public:
+  ReduceSink(void* dst, DType dtype, ReduceOp op)
+      : dst_(static_cast<uint8_t*>(dst)), dtype_(dtype), op_(op) {}
+  void consume(const uint8_t* data, size_t offset, size_t n) override;
+
+ private:
+  uint8_t* dst_;
+  DType dtype_;
+  ReduceOp op_;
+};
+
+// Sends `sn` bytes to rank `to` while receiving `rn` bytes from rank `from`
+// into `sink`; either side may be empty (n == 0 or rank < 0).
+void send_recv(Context& ctx, int to, const void* sbuf, size_t sn, int from, RecvSink* sink,
+               size_t rn, const std::string& what);
+
+// Applies prescale to a rank's own contribution (before any reduction).
+void apply_prescale(void* buf, size_t count, DType dtype, double prescale);
+// Turns a fully reduced buffer into the result: Average divides by `nranks`
+// (integers truncate toward zero), then postscale multiplies.
+void finalize_reduction(void* buf, size_t count, DType dtype, ReduceOp op, double postscale,
+                        int nranks);
+
+// Runs an entry point's body under the failure policy: transport failures,
+// timeouts and internal errors mark the Context broken; mismatches and bad
+// arguments do not (all ranks stopped at the same point, streams in step).
+template <typename Fn>
+auto guarded(Context& ctx, Fn&& fn) -> decltype(fn()) {
+  ctx.check_usable();
+  try {
+    return fn();
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::kPeerLost || e.kind() == ErrorKind::kTimeout ||
+        e.kind() == ErrorKind::kInternal)
+      ctx.mark_broken(e.what());
+    throw;
+  }
+}
+
+void check_shape(const Context& ctx, const Tensor& t, const char* op);
+void check_reduce(const Context& ctx, const Tensor& t, ReduceOp op, const char* what);
+void check_has_rows(const Context& ctx, const Tensor& t, const char* what);
+// Bytes of one row (all dims but the first).
+size_t row_bytes(const Tensor& t);
+// Byte offsets of each rank's rows, from the dim 0 each rank announced.
+std::vector<size_t> row_offsets_bytes(const std::vector<OpHeader>& hs, size_t rowb);
+
+}  // namespace rr

@@ -1,0 +1,59 @@
+// Entry points of the collectives. Each validates its input locally, then
+// agrees with the other ranks through the header exchange (op_header.h),
+// then runs one algorithm over the Context's links. All are blocking and
+// must be called by every rank in the same order.
+//
+// Buffers are raw pointers plus shape and dtype: the bindings erase types.
+// Outputs whose size depends on other ranks are obtained from an Allocator
+// called once with the output shape, after the ranks have agreed.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "transport/context.h"
+
+namespace rr {
+
+using Allocator = std::function<void*(const std::vector<int64_t>& shape)>;
+
+struct Tensor {
+  const void* data = nullptr;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kFloat32;
+  std::string name;
+};
+
+// out may equal in.data (in place).
+void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double prescale,
+               double postscale);
+// Concatenates along dim 0; dim 0 may differ between ranks.
+void allgather(Context& ctx, const Tensor& in, const Allocator& alloc);
+// In place: on root `buf` is the source, elsewhere the destination.
+void broadcast(Context& ctx, void* buf, const Tensor& desc, int root);
+// Reduces, then rank r keeps rows [off_r, off_r+1) of dim 0 (split as evenly as
+// possible, lower ranks get the extra rows).
+void reducescatter(Context& ctx, const Tensor& in, ReduceOp op, double prescale, double postscale,
+                   const Allocator& alloc);
+// Sends splits[r] rows of dim 0 to rank r; returns the rows received from each.
+std::vector<int64_t> alltoall(Context& ctx, const Tensor& in, const std::vector<int64_t>& splits,
+                              const Allocator& alloc);
+void barrier(Context& ctx, const std::string& name);
+
+// --- algorithms (one file each) ---
+void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
+                    double postscale, const std::string& what);
+void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
+                      double postscale, const std::vector<std::vector<uint8_t>>& contributions);
+void reduce_scatter_ring(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
+                         DType dtype, ReduceOp op, const std::string& what);
+void allgather_ring(Context& ctx, uint8_t* out, const std::vector<size_t>& byte_off,
+                    const std::string& what);
+void broadcast_chain(Context& ctx, uint8_t* buf, size_t bytes, int root, const std::string& what);
+void alltoall_pairwise(Context& ctx, const uint8_t* in, const std::vector<size_t>& send_off,
+                       uint8_t* out, const std::vector<size_t>& recv_off, const std::string& what);
+
+}  // namespace rr

@@ -1,0 +1,88 @@
+// Entry points of reducescatter, alltoall and barrier (see collective_util.h
+// for the failure policy they share through guarded()).
+#include <cstring>
+
+#include "collectives/collective_util.h"
+#include "collectives/collectives.h"
+#include "collectives/op_header.h"
+#include "common/error.h"
+
+namespace rr {
+
+void reducescatter(Context& ctx, const Tensor& in, ReduceOp op, double prescale, double postscale,
+                   const Allocator& alloc) {
+  guarded(ctx, [&] {
+    check_reduce(ctx, in, op, "reducescatter");
+    check_has_rows(ctx, in, "reducescatter");
+    const int n = ctx.size(), r = ctx.rank();
+    const size_t rowb = row_bytes(in), es = dtype_size(in.dtype);
+    const std::vector<size_t> rows = split_offsets(static_cast<size_t>(in.shape[0]), n);
+    std::vector<size_t> off = rows;
+    for (auto& o : off) o *= rowb;
+    // The input must stay intact: reduce in persistent scratch.
+    uint8_t* work = ctx.scratch(0, off.back());
+    if (off.back()) std::memcpy(work, in.data, off.back());
+    apply_prescale(work, off.back() / es, in.dtype, prescale);
+    OpDesc d{CollKind::kReducescatter, in.dtype, op, -1, in.shape, prescale, postscale, in.name};
+    uint64_t seq = ctx.next_seq();
+    exchange_headers(ctx, d, seq, nullptr, 0);
+    reduce_scatter_ring(ctx, work, off, in.dtype, op, describe_op(d, seq));
+    const size_t mine = off[r + 1] - off[r];
+    finalize_reduction(work + off[r], mine / es, in.dtype, op, postscale, n);
+    std::vector<int64_t> shape = in.shape;
+    shape[0] = static_cast<int64_t>(rows[r + 1] - rows[r]);
+    void* out = alloc(shape);
+    if (mine) std::memcpy(out, work + off[r], mine);
+  });
+}
+
+static void check_splits(const Context& ctx, const Tensor& in, const std::vector<int64_t>& splits) {
+  int64_t total = 0;
+  for (int64_t s : splits) {
+    if (s < 0)
+      throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": alltoall '", in.name,
+                  "': splits must be non-negative");
+    total += s;
+  }
+  if (static_cast<int>(splits.size()) != ctx.size() || total != in.shape[0])
+    throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": alltoall '", in.name,
+                "': splits must have one entry per rank (", ctx.size(), ") summing to dim 0 (",
+                in.shape[0], "); got ", splits.size(), " entries summing to ", total);
+}
+
+std::vector<int64_t> alltoall(Context& ctx, const Tensor& in, const std::vector<int64_t>& splits,
+                              const Allocator& alloc) {
+  return guarded(ctx, [&] {
+    check_shape(ctx, in, "alltoall");
+    check_has_rows(ctx, in, "alltoall");
+    check_splits(ctx, in, splits);
+    const int n = ctx.size(), r = ctx.rank();
+    const size_t rowb = row_bytes(in);
+    OpDesc d{CollKind::kAlltoall, in.dtype, ReduceOp::kSum, -1, in.shape, 1.0, 1.0, in.name};
+    uint64_t seq = ctx.next_seq();
+    HeaderExchange x = exchange_headers(ctx, d, seq, splits.data(), splits.size() * 8);
+    std::vector<int64_t> received(n);
+    std::vector<size_t> send_off(n + 1, 0), recv_off(n + 1, 0);
+    for (int p = 0; p < n; ++p) {
+      std::memcpy(&received[p], x.extras[p].data() + 8 * r, 8);
+      send_off[p + 1] = send_off[p] + static_cast<size_t>(splits[p]) * rowb;
+      recv_off[p + 1] = recv_off[p] + static_cast<size_t>(received[p]) * rowb;
+    }
+    std::vector<int64_t> shape = in.shape;
+    shape[0] = 0;
+    for (int64_t k : received) shape[0] += k;
+    auto* out = static_cast<uint8_t*>(alloc(shape));
+    alltoall_pairwise(ctx, static_cast<const uint8_t*>(in.data), send_off, out, recv_off,
+                      describe_op(d, seq));
+    return received;
+  });
+}
+
+void barrier(Context& ctx, const std::string& name) {
+  guarded(ctx, [&] {
+    OpDesc d{CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, -1, {}, 1.0, 1.0, name};
+    exchange_headers(ctx, d, ctx.next_seq(), nullptr, 0);
+  });
+}
+
+}  // namespace rr

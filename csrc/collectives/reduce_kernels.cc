@@ -1,0 +1,368 @@
+// Element-wise reduction kernels.
+//
+// Determinism contract: every output element is a pure function of the input
+// elements at the same index (plus the op, the factor or the divisor). No
+// value is ever combined across indices, so vector width, alignment peeling
+// and loop tails cannot change a result. Each element is computed with
+// exactly the operations written below: one IEEE operation per element for
+// float32/float64 (the project builds with -ffp-contract=off and without
+// -ffast-math; none of these kernels has a multiply feeding an add anyway),
+// float32 for float16/bfloat16 with integer-only, bit-exact conversions and a
+// single round-to-nearest-even back, select-based Min/Max (a NaN operand wins;
+// the first NaN wins if both are NaN) and unsigned wrap-around integer Sum and
+// Product. The same source is compiled once per instruction set with GCC
+// target_clones and picked at run time, so every clone yields identical bits.
+
+#include "collectives/reduce_kernels.h"
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "common/error.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RR_KERNEL_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define RR_KERNEL_CLONES
+#endif
+
+namespace rr {
+namespace {
+
+template <class To, class From>
+inline To bit_as(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_as needs equal sizes");
+  return __builtin_bit_cast(To, x);
+}
+
+// Branch-free select. With -ftrapping-math GCC will neither if-convert a ?:
+// whose arms hold float operations nor undo jump threading around one, and a
+// branch in the loop body stops vectorisation; masks keep the body straight.
+template <class T>
+inline T select(bool c, T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    using U = std::conditional_t<sizeof(T) == 8, uint64_t, uint32_t>;
+    return bit_as<T>(select(c, bit_as<U>(a), bit_as<U>(b)));
+  } else {
+    const T mask = static_cast<T>(T{0} - static_cast<T>(c));
+    return static_cast<T>((a & mask) | (b & ~mask));
+  }
+}
+
+// ---- Codecs: how an element is stored and in which type it is computed. ----
+
+template <class T>
+struct Plain {
+  using Storage = T;
+  using Compute = T;
+  static T load(T x) { return x; }
+  static T store(T x) { return x; }
+};
+
+// Bytes holding 0/1; any nonzero byte reads as true, results are 0 or 1.
+struct Bool {
+  using Storage = uint8_t;
+  using Compute = bool;
+  static bool load(uint8_t x) { return x != 0; }
+  static uint8_t store(bool b) { return static_cast<uint8_t>(b); }
+};
+
+// IEEE binary16. Integer-only conversions (plus exact float steps) so that
+// every clone, with or without F16C, produces the same bits. NaN payloads are
+// kept (truncated) and the quiet bit is set, as VCVTPS2PH does.
+struct Half {
+  using Storage = uint16_t;
+  using Compute = float;
+
+  static float load(uint16_t h) {
+    const uint32_t em = h & 0x7fffu;
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t normal = (em << 13) + 0x38000000u;   // rebias exponent 15 -> 127
+    const uint32_t special = (em << 13) | 0x7f800000u;  // inf and NaN
+    // Subnormals: em * 2^-24 is exact in float32 and a normal float.
+    const uint32_t sub = bit_as<uint32_t>(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
+    uint32_t bits = select(em >= 0x7c00u, special, normal);
+    bits = select(em < 0x400u, sub, bits);
+    return bit_as<float>(bits | sign);
+  }
+
+  static uint16_t store(float f) {
+    const uint32_t x = bit_as<uint32_t>(f);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7fffffffu;
+    // Normal range: rebias, then round to nearest even on the 13 dropped bits.
+    const uint32_t normal = (ax - 0x38000000u + 0xfffu + ((ax >> 13) & 1u)) >> 13;
+    // Below 2^-14: adding 0.5 puts the float32 ulp at 2^-24 (the float16
+    // subnormal step), so the hardware add rounds to nearest even for us.
+    const uint32_t sub = bit_as<uint32_t>(bit_as<float>(ax) + 0.5f) - 0x3f000000u;
+    const uint32_t nan = 0x7e00u | ((ax >> 13) & 0x3ffu);
+    uint32_t r = select(ax < 0x38800000u, sub, normal);
+    r = select(ax >= 0x47800000u, 0x7c00u, r);  // overflow and inf
+    r = select(ax > 0x7f800000u, nan, r);
+    return static_cast<uint16_t>(r | sign);
+  }
+};
+
+// bfloat16: the top half of a float32; rounding to nearest even, NaN stays NaN.
+struct BHalf {
+  using Storage = uint16_t;
+  using Compute = float;
+  static float load(uint16_t h) { return bit_as<float>(static_cast<uint32_t>(h) << 16); }
+  static uint16_t store(float f) {
+    const uint32_t x = bit_as<uint32_t>(f);
+    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    const uint32_t nan = (x >> 16) | 0x40u;
+    return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
+};
+
+// ---- Element operations on the compute type. ----
+
+template <class T>
+inline bool is_nan(T x) {
+  if constexpr (std::is_floating_point_v<T>) {
+    return x != x;
+  } else {
+    return false;
+  }
+}
+
+// When both operands of an IEEE add or multiply are NaN the payload of the
+// result is not pinned down: x86 returns the first source, and the compiler is
+// free to swap commutative operands differently in each clone. Returning the
+// NaN operand itself (a's, else b's) makes the result bits deterministic.
+template <class T>
+inline T nan_first(T a, T b, T r) {
+  return select(is_nan(a), a, select(is_nan(b), b, r));
+}
+
+template <class T>
+constexpr bool kWraps = std::is_integral_v<T> && !std::is_same_v<T, bool>;
+
+struct OpSum {
+  template <class T>
+  static T apply(T a, T b) {
+    if constexpr (std::is_same_v<T, bool>) {
+      return a || b;
+    } else if constexpr (kWraps<T>) {
+      using U = std::make_unsigned_t<T>;
+      return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return nan_first(a, b, a + b);
+    }
+  }
+};
+
+struct OpProduct {
+  template <class T>
+  static T apply(T a, T b) {
+    if constexpr (std::is_same_v<T, bool>) {
+      return a && b;
+    } else if constexpr (kWraps<T>) {
+      using U = std::make_unsigned_t<T>;
+      return static_cast<T>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+    } else {
+      return nan_first(a, b, a * b);
+    }
+  }
+};
+
+// numpy.minimum/maximum: a NaN operand propagates; on ties b is returned.
+struct OpMin {
+  template <class T>
+  static T apply(T a, T b) {
+    return (a < b || is_nan(a)) ? a : b;
+  }
+};
+
+struct OpMax {
+  template <class T>
+  static T apply(T a, T b) {
+    return (a > b || is_nan(a)) ? a : b;
+  }
+};
+
+// ---- Loops (one clone per instruction set). ----
+
+// No restrict: dst may equal a and/or b. GCC's run-time overlap check accepts
+// identical pointers, so the in-place case stays vectorised.
+template <class C, class Op>
+RR_KERNEL_CLONES void combine(typename C::Storage* dst, const typename C::Storage* a,
+                              const typename C::Storage* b, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = C::store(Op::apply(C::load(a[i]), C::load(b[i])));
+  }
+}
+
+template <class C>
+RR_KERNEL_CLONES void scale_float(typename C::Storage* buf, size_t n,
+                                  typename C::Compute factor) {
+  for (size_t i = 0; i < n; ++i) {
+    const auto x = C::load(buf[i]);
+    buf[i] = C::store(nan_first(x, factor, x * factor));
+  }
+}
+
+// Rounds half away from zero and saturates to T; NaN becomes 0.
+template <class T>
+inline T round_saturate(double y) {
+  using W = std::conditional_t<(sizeof(T) < 8), int32_t, int64_t>;
+  constexpr W kMin = std::numeric_limits<T>::min();
+  constexpr W kMax = std::numeric_limits<T>::max();
+  constexpr double kLo = static_cast<double>(kMin);
+  constexpr double kHi = static_cast<double>(kMax);  // 2^63 for int64, not convertible
+  constexpr double kTop = sizeof(T) < 8 ? kHi : 0x1.fffffffffffffp62;  // largest convertible
+  double c = select(y > kLo, y, kLo);  // NaN -> kLo, fixed below
+  c = select(c < kTop, c, kTop);
+  W t = static_cast<W>(c);                          // truncates
+  const double frac = c - static_cast<double>(t);  // exact
+  t += static_cast<W>(frac >= 0.5) - static_cast<W>(frac <= -0.5);
+  t = select(y >= kHi, kMax, t);
+  t = select(y != y, W{0}, t);
+  return static_cast<T>(t);
+}
+
+template <class T>
+RR_KERNEL_CLONES void scale_int(T* buf, size_t n, double factor) {
+  for (size_t i = 0; i < n; ++i) buf[i] = round_saturate<T>(static_cast<double>(buf[i]) * factor);
+}
+
+// x / d for |x| < 2^31 and |d| >= 2: the double quotient is within |q|*2^-53
+// of the exact one, closer than any non-integer quotient gets to an integer
+// (1/|d|), so truncating it is exact. |q| <= 2^30 fits int32.
+template <class T>
+RR_KERNEL_CLONES void divide_small(T* buf, size_t n, double d) {
+  for (size_t i = 0; i < n; ++i) {
+    buf[i] = static_cast<T>(static_cast<int32_t>(static_cast<double>(buf[i]) / d));
+  }
+}
+
+template <class T>
+RR_KERNEL_CLONES void negate_wrap(T* buf, size_t n) {
+  using U = std::make_unsigned_t<T>;
+  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(static_cast<U>(U{0} - static_cast<U>(buf[i])));
+}
+
+// ---- Type erasure: one switch on the dtype, one on the op. ----
+
+template <class C>
+void combine_op(void* dst, const void* a, const void* b, size_t n, ReduceOp op) {
+  using S = typename C::Storage;
+  auto* d = static_cast<S*>(dst);
+  const auto* x = static_cast<const S*>(a);
+  const auto* y = static_cast<const S*>(b);
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage:
+      return combine<C, OpSum>(d, x, y, n);
+    case ReduceOp::kMin:
+      return combine<C, OpMin>(d, x, y, n);
+    case ReduceOp::kMax:
+      return combine<C, OpMax>(d, x, y, n);
+    case ReduceOp::kProduct:
+      return combine<C, OpProduct>(d, x, y, n);
+  }
+}
+
+void check_supported(DType dtype, ReduceOp op) {
+  if (!reduce_supported(dtype, op)) {
+    throw_error(ErrorKind::kInvalidArgument, "reduction ", reduce_op_name(op),
+                " is not supported for dtype ", dtype_name(dtype), " (codes ",
+                static_cast<int32_t>(dtype), ", ", static_cast<int32_t>(op), ")");
+  }
+}
+
+void combine_any(void* dst, const void* a, const void* b, size_t n, DType dtype, ReduceOp op) {
+  check_supported(dtype, op);
+  if (n == 0) return;
+  switch (dtype) {
+    case DType::kUInt8: return combine_op<Plain<uint8_t>>(dst, a, b, n, op);
+    case DType::kInt8: return combine_op<Plain<int8_t>>(dst, a, b, n, op);
+    case DType::kInt32: return combine_op<Plain<int32_t>>(dst, a, b, n, op);
+    case DType::kInt64: return combine_op<Plain<int64_t>>(dst, a, b, n, op);
+    case DType::kFloat16: return combine_op<Half>(dst, a, b, n, op);
+    case DType::kBFloat16: return combine_op<BHalf>(dst, a, b, n, op);
+    case DType::kFloat32: return combine_op<Plain<float>>(dst, a, b, n, op);
+    case DType::kFloat64: return combine_op<Plain<double>>(dst, a, b, n, op);
+    case DType::kBool: return combine_op<Bool>(dst, a, b, n, op);
+  }
+}
+
+template <class T>
+void divide_typed(void* buf, size_t n, int64_t divisor) {
+  T* p = static_cast<T*>(buf);
+  if (divisor == 1) return;
+  if (divisor == -1) return negate_wrap(p, n);  // also covers MIN / -1
+  if constexpr (sizeof(T) < 8) {
+    divide_small(p, n, static_cast<double>(divisor));
+  } else {
+    for (size_t i = 0; i < n; ++i) p[i] /= divisor;  // no vector integer division on x86
+  }
+}
+
+[[noreturn]] void throw_bad_dtype(const char* what, DType dtype) {
+  throw_error(ErrorKind::kInvalidArgument, what, " is not defined for dtype ",
+              dtype_is_valid(static_cast<int32_t>(dtype)) ? dtype_name(dtype) : "<invalid>",
+              " (code ", static_cast<int32_t>(dtype), ")");
+}
+
+}  // namespace
+
+void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
+  combine_any(dst, dst, src, count, dtype, op);
+}
+
+void reduce_to(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op) {
+  combine_any(dst, a, b, count, dtype, op);
+}
+
+void scale_inplace(void* buf, size_t count, DType dtype, double factor) {
+  const auto f32 = static_cast<float>(factor);
+  switch (dtype) {
+    case DType::kUInt8: return scale_int(static_cast<uint8_t*>(buf), count, factor);
+    case DType::kInt8: return scale_int(static_cast<int8_t*>(buf), count, factor);
+    case DType::kInt32: return scale_int(static_cast<int32_t*>(buf), count, factor);
+    case DType::kInt64: return scale_int(static_cast<int64_t*>(buf), count, factor);
+    case DType::kFloat16: return scale_float<Half>(static_cast<uint16_t*>(buf), count, f32);
+    case DType::kBFloat16: return scale_float<BHalf>(static_cast<uint16_t*>(buf), count, f32);
+    case DType::kFloat32: return scale_float<Plain<float>>(static_cast<float*>(buf), count, f32);
+    case DType::kFloat64:
+      return scale_float<Plain<double>>(static_cast<double*>(buf), count, factor);
+    case DType::kBool: break;
+  }
+  throw_bad_dtype("scale_inplace", dtype);
+}
+
+void divide_integers(void* buf, size_t count, DType dtype, int64_t divisor) {
+  const bool integer = dtype_is_valid(static_cast<int32_t>(dtype)) && dtype_is_integer(dtype);
+  if (!integer || dtype == DType::kBool) throw_bad_dtype("divide_integers", dtype);
+  if (divisor == 0) throw_error(ErrorKind::kInvalidArgument, "divide_integers: divisor is 0");
+  switch (dtype) {
+    case DType::kUInt8: return divide_typed<uint8_t>(buf, count, divisor);
+    case DType::kInt8: return divide_typed<int8_t>(buf, count, divisor);
+    case DType::kInt32: return divide_typed<int32_t>(buf, count, divisor);
+    case DType::kInt64: return divide_typed<int64_t>(buf, count, divisor);
+    default: break;
+  }
+  throw_bad_dtype("divide_integers", dtype);
+}
+
+bool reduce_supported(DType dtype, ReduceOp op) {
+  if (!dtype_is_valid(static_cast<int32_t>(dtype))) return false;
+  if (!reduce_op_is_valid(static_cast<int32_t>(op))) return false;
+  return !(dtype == DType::kBool && op == ReduceOp::kAverage);
+}
+
+const char* reduce_isa() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  // The same feature tests the target_clones resolver uses, in the same order.
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return "avx512";
+  if (__builtin_cpu_supports("x86-64-v3")) return "avx2";
+#endif
+  return "baseline";
+}
+
+}  // namespace rr

@@ -1,0 +1,249 @@
+#include "transport/context.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <thread>
+
+#include "common/env.h"
+#include "common/error.h"
+#include "common/logging.h"
+#include "common/sha256.h"
+#include "transport/shm/shm_link.h"
+#include "transport/tcp/handshake.h"
+#include "transport/tcp/tcp_link.h"
+
+namespace rr {
+
+ContextOptions options_from_env(int rank, int size, const std::string& secret) {
+  ContextOptions o;
+  o.rank = rank;
+  o.size = size;
+  o.secret = secret;
+  std::string mode = env_str("RINGREDUCE_TRANSPORT", "auto");
+  if (mode == "tcp") o.mode = TransportMode::kTcp;
+  else if (mode == "shm") o.mode = TransportMode::kShm;
+  else if (mode != "auto")
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_TRANSPORT='", mode,
+                "' is not one of auto, shm, tcp");
+  o.bind_addr = env_str("RINGREDUCE_BIND_ADDR", o.bind_addr);
+  o.connect_timeout_s = env_double("RINGREDUCE_CONNECT_TIMEOUT_SECONDS", o.connect_timeout_s);
+  o.timeout_s = env_double("RINGREDUCE_TIMEOUT_SECONDS", o.timeout_s);
+  o.spin_us = env_double("RINGREDUCE_SPIN_US", o.spin_us);
+  o.shm_slots = static_cast<uint32_t>(env_int("RINGREDUCE_SHM_SLOTS", o.shm_slots));
+  o.shm_slot_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_SHM_SLOT_BYTES",
+                                                   static_cast<int64_t>(o.shm_slot_bytes)));
+  o.small_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_SMALL_BYTES",
+                                                static_cast<int64_t>(o.small_bytes)));
+  if (o.shm_slots < 2 || o.shm_slot_bytes < 4096 || o.shm_slot_bytes % 4096 != 0)
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_SLOTS must be >= 2 and ",
+                "RINGREDUCE_SHM_SLOT_BYTES a multiple of 4096");
+  return o;
+}
+
+Context::Context(ContextOptions options) : opt_(std::move(options)) {
+  if (opt_.size < 1 || opt_.rank < 0 || opt_.rank >= opt_.size)
+    throw_error(ErrorKind::kInvalidArgument, "invalid rank ", opt_.rank, " for world size ",
+                opt_.size);
+  if (opt_.size > 1 && opt_.secret.size() < 16)
+    throw_error(ErrorKind::kInvalidArgument, "the job secret must have at least 16 bytes");
+  progress_.rank = opt_.rank;
+  progress_.spin_seconds = opt_.spin_us * 1e-6;
+  progress_.timeout_seconds = opt_.timeout_s;
+  progress_.abort = &abort_;
+  if (opt_.size > 1) {
+    listener_ = listen_tcp(opt_.bind_addr, 0, &port_);
+    addr_ = advertised_address();
+  }
+}
+
+Context::~Context() { close(); }
+
+void Context::close() {
+  links_.clear();
+  segments_.clear();
+  listener_.reset();
+  connected_ = false;
+}
+
+std::string Context::local_info() const {
+  std::ostringstream os;
+  os << "rank=" << opt_.rank << "\npid=" << getpid() << "\nhost=" << opt_.host_id
+     << "\naddr=" << addr_ << "\nport=" << port_ << "\n";
+  return os.str();
+}
+
+static PeerInfo parse_info(const std::string& text) {
+  PeerInfo p;
+  std::istringstream is(text);
+  std::string line;
+  while (std::getline(is, line)) {
+    size_t eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    std::string k = line.substr(0, eq), v = line.substr(eq + 1);
+    if (k == "rank") p.rank = std::stoi(v);
+    else if (k == "pid") p.pid = std::stoi(v);
+    else if (k == "host") p.host_id = v;
+    else if (k == "addr") p.addr = v;
+    else if (k == "port") p.port = std::stoi(v);
+  }
+  return p;
+}
+
+uint64_t Context::job_id() const {
+  auto h = sha256(opt_.secret.data(), opt_.secret.size());
+  uint64_t id = 0;
+  for (int i = 0; i < 8; ++i) id = (id << 8) | h[i];
+  return id;
+}
+
+void Context::compute_topology() {
+  std::vector<std::string> hosts;  // in order of their lowest rank
+  local_index_.assign(opt_.size, -1);
+  local_rank_ = 0;
+  local_size_ = 0;
+  for (const auto& p : peers_) {
+    if (std::find(hosts.begin(), hosts.end(), p.host_id) == hosts.end()) hosts.push_back(p.host_id);
+    if (p.host_id == opt_.host_id) {
+      if (p.rank == opt_.rank) local_rank_ = local_size_;
+      local_index_[p.rank] = local_size_++;
+    }
+  }
+  cross_size_ = static_cast<int>(hosts.size());
+  cross_rank_ = static_cast<int>(std::find(hosts.begin(), hosts.end(), opt_.host_id) - hosts.begin());
+}
+
+bool Context::use_shm_with(int peer) const {
+  bool same_host = local_index_[peer] >= 0;
+  if (opt_.mode == TransportMode::kShm && !same_host)
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_TRANSPORT=shm but rank ", peer,
+                " is on another host (", peers_[peer].host_id, ")");
+  return same_host && opt_.mode != TransportMode::kTcp;
+}
+
+void Context::connect(const std::vector<std::string>& infos) {
+  if (connected_) throw_error(ErrorKind::kInvalidArgument, "context is already connected");
+  if (static_cast<int>(infos.size()) != opt_.size)
+    throw_error(ErrorKind::kInvalidArgument, "expected ", opt_.size, " endpoint records, got ",
+                infos.size());
+  peers_.clear();
+  for (int r = 0; r < opt_.size; ++r) {
+    peers_.push_back(parse_info(infos[r]));
+    if (peers_.back().rank != r)
+      throw_error(ErrorKind::kInvalidArgument, "endpoint record ", r, " belongs to rank ",
+                  peers_.back().rank);
+  }
+  compute_topology();
+  links_.clear();
+  links_.resize(opt_.size);
+  connect_shm();
+  connect_tcp();
+  listener_.reset();  // no more strangers can knock once the mesh is complete
+  connected_ = true;
+}
+
+static std::string hex64(uint64_t x) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(x));
+  return buf;
+}
+
+void Context::connect_shm() {
+  std::vector<int> local;
+  for (int r = 0; r < opt_.size; ++r)
+    if (r != opt_.rank && use_shm_with(r)) local.push_back(r);
+  if (local.empty()) return;
+  const std::string prefix = "/ringreduce-" + hex64(job_id()) + "-";
+  segments_.clear();
+  segments_.resize(local_size_);
+  segments_[local_rank_] = std::make_unique<ShmSegment>(ShmSegment::create(
+      prefix + std::to_string(opt_.rank), opt_.rank, static_cast<uint32_t>(local_size_),
+      opt_.shm_slots, opt_.shm_slot_bytes));
+  for (int r : local)
+    segments_[local_index_[r]] = std::make_unique<ShmSegment>(
+        ShmSegment::open(prefix + std::to_string(r), r, opt_.connect_timeout_s));
+  ShmSegment* mine = segments_[local_rank_].get();
+  progress_.doorbell = &mine->header()->doorbell;
+  // Unlink as soon as every local peer has mapped us: from here on a crash
+  // cannot leave anything behind in /dev/shm.
+  auto deadline = deadline_in(opt_.connect_timeout_s);
+  while (mine->header()->mapped.load() < local.size()) {
+    for (int r : local)
+      if (!process_alive(peers_[r].pid))
+        throw_error(ErrorKind::kPeerLost, "rank ", r, " exited during initialisation");
+    if (Clock::now() > deadline)
+      throw_error(ErrorKind::kTimeout, "rank ", opt_.rank, ": local peers did not map ",
+                  "shared memory within ", opt_.connect_timeout_s, " s");
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  mine->unlink();
+  for (int r : local) {
+    links_[r] = std::make_unique<ShmLink>(r, peers_[r].host_id, peers_[r].pid, mine,
+                                          segments_[local_index_[r]].get(),
+                                          static_cast<uint32_t>(local_rank_),
+                                          static_cast<uint32_t>(local_index_[r]));
+  }
+}
+
+void Context::connect_tcp() {
+  HandshakeParams hp{opt_.secret, job_id(), opt_.rank, opt_.size};
+  auto deadline = deadline_in(opt_.connect_timeout_s);
+  const size_t chunk = opt_.shm_slot_bytes;
+  int expect_accepts = 0;
+  for (int r = 0; r < opt_.size; ++r) {
+    if (r == opt_.rank || use_shm_with(r)) continue;
+    if (r > opt_.rank) {
+      ++expect_accepts;
+      continue;
+    }
+    std::string who = cat("rank ", r, " at ", peers_[r].addr, ":", peers_[r].port);
+    Fd fd = connect_until(peers_[r].addr, peers_[r].port, deadline);
+    handshake_connect(fd.get(), hp, r, deadline, who);
+    links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk);
+  }
+  while (expect_accepts > 0) {
+    std::string from;
+    Fd fd = accept_until(listener_.get(), deadline, &from);
+    if (fd.get() < 0)
+      throw_error(ErrorKind::kTimeout, "rank ", opt_.rank, ": ", expect_accepts,
+                  " higher ranks did not connect within ", opt_.connect_timeout_s, " s");
+    std::string why;
+    int r = handshake_accept(fd.get(), hp, deadline_in(5), &why);
+    if (r <= opt_.rank || links_[r]) {
+      log(LogLevel::kWarning, opt_.rank, "refused connection from ", from, ": ",
+          why.empty() ? cat("unexpected rank ", r) : why);
+      continue;
+    }
+    links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk);
+    --expect_accepts;
+  }
+}
+
+Link& Context::link(int peer) {
+  if (peer < 0 || peer >= opt_.size || !links_[peer])
+    throw_error(ErrorKind::kInternal, "rank ", opt_.rank, " has no link to rank ", peer);
+  return *links_[peer];
+}
+
+uint8_t* Context::scratch(size_t slot, size_t bytes) {
+  if (scratch_.size() <= slot) scratch_.resize(slot + 1);
+  if (scratch_[slot].size() < bytes) scratch_[slot].resize(bytes);
+  return scratch_[slot].data();
+}
+
+void Context::mark_broken(const std::string& why) {
+  if (broken_.empty()) broken_ = why;
+}
+
+void Context::check_usable() const {
+  if (!broken_.empty())
+    throw_error(ErrorKind::kPeerLost, "rank ", opt_.rank,
+                ": ringreduce cannot continue after an earlier failure: ", broken_);
+  if (!connected_ && opt_.size > 1)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", opt_.rank, ": not connected; call init()");
+}
+
+}  // namespace rr

@@ -1,0 +1,109 @@
+// A Context is one rank's membership in a job: its links to every peer, its
+// shared-memory segment and the settings collectives run with. It is built in
+// two phases so that any rendezvous can carry the endpoint exchange:
+//   Context ctx(options);                 // listen on TCP, pick a shm name
+//   bytes mine = ctx.local_info();        // publish this through the store
+//   ctx.connect(all_infos);               // build shm rings and TCP mesh
+// No process-wide state: N contexts in one process are N independent ranks.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/link.h"
+#include "transport/progress.h"
+#include "transport/shm/shm_segment.h"
+#include "transport/tcp/socket_util.h"
+
+namespace rr {
+
+enum class TransportMode { kAuto, kTcp, kShm };
+
+struct ContextOptions {
+  int rank = 0;
+  int size = 1;
+  std::string secret;               // shared by all ranks of the job (random per job)
+  std::string host_id;              // ranks with equal host_id share memory
+  TransportMode mode = TransportMode::kAuto;
+  std::string bind_addr = "0.0.0.0";
+  double connect_timeout_s = 60;    // RINGREDUCE_CONNECT_TIMEOUT_SECONDS
+  double timeout_s = 1800;          // RINGREDUCE_TIMEOUT_SECONDS
+  double spin_us = 50;              // RINGREDUCE_SPIN_US
+  uint32_t shm_slots = 8;           // RINGREDUCE_SHM_SLOTS
+  uint64_t shm_slot_bytes = 256 << 10;  // RINGREDUCE_SHM_SLOT_BYTES
+  uint64_t small_bytes = 64 << 10;  // RINGREDUCE_SMALL_BYTES: direct path at or below
+};
+
+// Reads RINGREDUCE_* settings over the defaults.
+ContextOptions options_from_env(int rank, int size, const std::string& secret);
+
+struct PeerInfo {
+  int rank = -1;
+  int pid = 0;
+  std::string host_id;
+  std::string addr;
+  int port = 0;
+  std::string shm_name;
+};
+
+class Context {
+ public:
+  explicit Context(ContextOptions options);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  std::string local_info() const;
+  void connect(const std::vector<std::string>& infos);
+  void close();
+
+  int rank() const { return opt_.rank; }
+  int size() const { return opt_.size; }
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+  int cross_rank() const { return cross_rank_; }
+  int cross_size() const { return cross_size_; }
+  const ContextOptions& options() const { return opt_; }
+  const std::vector<PeerInfo>& peers() const { return peers_; }
+  Link& link(int peer);
+  const ProgressSettings& progress() const { return progress_; }
+
+  // Collectives number their calls so ranks can tell they are in step.
+  uint64_t next_seq() { return seq_++; }
+  // Scratch that persists between calls (MPI loses big messages to page
+  // faults on fresh temporaries). Grows, never shrinks.
+  uint8_t* scratch(size_t slot, size_t bytes);
+
+  // After a transport failure the streams are out of step: refuse further use.
+  void mark_broken(const std::string& why);
+  void check_usable() const;
+  std::atomic<bool>& abort_flag() { return abort_; }
+
+ private:
+  void compute_topology();
+  void connect_shm();
+  void connect_tcp();
+  bool use_shm_with(int peer) const;
+  uint64_t job_id() const;
+
+  ContextOptions opt_;
+  ProgressSettings progress_;
+  std::vector<PeerInfo> peers_;
+  std::vector<std::unique_ptr<Link>> links_;
+  std::vector<std::unique_ptr<ShmSegment>> segments_;  // by local rank; ours included
+  Fd listener_;
+  int port_ = 0;
+  std::string addr_;
+  int local_rank_ = 0, local_size_ = 1, cross_rank_ = 0, cross_size_ = 1;
+  std::vector<int> local_index_;  // local rank of each global rank on our host, or -1
+  uint64_t seq_ = 0;
+  std::vector<std::vector<uint8_t>> scratch_;
+  std::string broken_;
+  bool connected_ = false;
+  std::atomic<bool> abort_{false};
+};
+
+}  // namespace rr

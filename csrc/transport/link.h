@@ -1,0 +1,65 @@
+// The one interface collectives see: a Link is a connection to one peer rank,
+// carrying one message per direction at a time. Operations never block: the
+// progress engine (transport/progress.h) drives many links at once and decides
+// when to spin and when to sleep. Message sizes are agreed by both sides in
+// advance (the collectives validate them), so links add no framing.
+//
+// Receive-side chunking: a message of n bytes is handed to its RecvSink in
+// chunks whose offsets are multiples of the link's chunk size (a multiple of
+// 64), in order. Elements of any dtype therefore never straddle two chunks,
+// which lets a sink reduce directly out of transport memory.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace rr {
+
+class RecvSink {
+ public:
+  virtual ~RecvSink() = default;
+  // Bytes [offset, offset + n) of the message have arrived at `data`.
+  virtual void consume(const uint8_t* data, size_t offset, size_t n) = 0;
+  // Where the transport may place bytes [offset, ...) itself, skipping
+  // consume(); nullptr when the sink must see the bytes (e.g. it reduces).
+  virtual uint8_t* direct(size_t /*offset*/) { return nullptr; }
+};
+
+// How a link can be waited on when it makes no progress.
+struct WaitHandle {
+  int fd = -1;          // pollable socket, or -1
+  bool doorbell = false;  // woken by this rank's shared-memory doorbell
+};
+
+class Link {
+ public:
+  virtual ~Link() = default;
+  virtual int peer() const = 0;
+  virtual const char* kind() const = 0;  // "shm" or "tcp"
+  virtual const std::string& peer_host() const = 0;
+
+  // Pushes more of a message of `n` bytes of which `done` are already sent.
+  // Returns how many new bytes were accepted (0 if the link is full).
+  virtual size_t send_some(const uint8_t* data, size_t n, size_t done) = 0;
+  // Delivers more of an incoming message of `n` bytes of which `done` were
+  // already delivered. Returns how many new bytes were delivered.
+  virtual size_t recv_some(RecvSink& sink, size_t n, size_t done) = 0;
+
+  virtual WaitHandle wait_handle() const = 0;
+  // Throws kPeerLost if the peer is known to be gone. Called between waits.
+  virtual void check_alive() = 0;
+};
+
+// A sink that copies into a contiguous destination.
+class CopySink : public RecvSink {
+ public:
+  explicit CopySink(void* dst) : dst_(static_cast<uint8_t*>(dst)) {}
+  void consume(const uint8_t* data, size_t offset, size_t n) override;
+  uint8_t* direct(size_t offset) override { return dst_ + offset; }
+
+ private:
+  uint8_t* dst_;
+};
+
+}  // namespace rr

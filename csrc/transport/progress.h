@@ -1,0 +1,52 @@
+// The progress engine: drives a batch of sends and receives over any mix of
+// links until all complete. It spins for a short while (a peer on the other
+// core usually answers within microseconds), then blocks: on this rank's
+// shared-memory doorbell when only shm links are pending, on poll() when only
+// sockets are, and in short poll slices when both are. Between blocking slices
+// it checks deadlines, peer liveness and the abort flag, so a dead peer turns
+// into an error naming that peer and the operation instead of a hang.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transport/link.h"
+
+namespace rr {
+
+class Doorbell;
+
+struct SendOp {
+  Link* link;
+  const uint8_t* data;
+  size_t n;
+  size_t done = 0;
+};
+
+struct RecvOp {
+  Link* link;
+  RecvSink* sink;
+  size_t n;
+  size_t done = 0;
+};
+
+struct ProgressSettings {
+  int rank = 0;
+  double spin_seconds = 50e-6;     // RINGREDUCE_SPIN_US
+  double timeout_seconds = 1800;   // RINGREDUCE_TIMEOUT_SECONDS
+  Doorbell* doorbell = nullptr;    // this rank's, when it has shm links
+  const std::atomic<bool>* abort = nullptr;
+};
+
+// Runs until every op is complete (with wait_sends = false: until every
+// receive is; sends are pushed as far as they go and can be continued by a
+// later call). Ops on the same link and direction run strictly in list order.
+// `what` names the operation for errors, e.g. "allreduce 'grad' (#12)".
+// Throws rr::Error on peer loss or timeout.
+void run_transfers(const ProgressSettings& settings, std::vector<SendOp>& sends,
+                   std::vector<RecvOp>& recvs, const std::string& what, bool wait_sends = true);
+
+}  // namespace rr

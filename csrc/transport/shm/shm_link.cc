@@ -1,0 +1,72 @@
+#include "transport/shm/shm_link.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace rr {
+
+ShmLink::ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, ShmSegment* theirs,
+                 uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine)
+    : peer_(peer),
+      host_(std::move(host)),
+      peer_pid_(peer_pid),
+      mine_(mine),
+      theirs_(theirs),
+      out_(theirs->ring(my_ring_in_theirs)),
+      in_(mine->ring(their_ring_in_mine)),
+      out_index_(my_ring_in_theirs),
+      in_index_(their_ring_in_mine),
+      slots_(mine->header()->slots),
+      slot_bytes_(mine->header()->slot_bytes) {
+  RR_CHECK(theirs->header()->slots == slots_ && theirs->header()->slot_bytes == slot_bytes_,
+           "rank ", peer, " uses different shared-memory ring settings (RINGREDUCE_SHM_SLOTS / ",
+           "RINGREDUCE_SHM_SLOT_BYTES must be equal on all ranks)");
+}
+
+size_t ShmLink::send_some(const uint8_t* data, size_t n, size_t done) {
+  size_t start = done;
+  uint32_t tail = out_->tail.load(std::memory_order_relaxed);
+  while (done < n) {
+    uint32_t head = out_->head.load(std::memory_order_acquire);
+    if (tail - head >= slots_) break;
+    size_t len = std::min(slot_bytes_, n - done);
+    std::memcpy(theirs_->slot(out_index_, tail % slots_), data + done, len);
+    ++tail;
+    out_->tail.store(tail);  // seq_cst: pairs with the doorbell protocol
+    done += len;
+  }
+  if (done != start) theirs_->header()->doorbell.ring();
+  return done - start;
+}
+
+size_t ShmLink::recv_some(RecvSink& sink, size_t n, size_t done) {
+  size_t start = done;
+  uint32_t head = in_->head.load(std::memory_order_relaxed);
+  while (done < n) {
+    uint32_t tail = in_->tail.load();
+    if (head == tail) break;
+    size_t len = std::min(slot_bytes_, n - done);
+    const uint8_t* src = mine_->slot(in_index_, head % slots_);
+    if (uint8_t* dst = sink.direct(done))
+      std::memcpy(dst, src, len);
+    else
+      sink.consume(src, done, len);
+    ++head;
+    in_->head.store(head);
+    done += len;
+    // Wake a producer blocked on a full ring as soon as a slot frees up.
+    theirs_->header()->doorbell.ring();
+  }
+  return done - start;
+}
+
+void ShmLink::check_alive() {
+  if (!process_alive(peer_pid_))
+    throw_error(ErrorKind::kPeerLost, "rank ", peer_, " (pid ", peer_pid_, " on host ", host_,
+                ") has exited");
+}
+
+
+}  // namespace rr

@@ -1,0 +1,46 @@
+// A link to a peer on the same host through two SPSC rings: the outgoing one
+// lives in the peer's segment, the incoming one in ours. A message occupies
+// ceil(n / slot_bytes) consecutive slots; every message starts on a fresh slot.
+// Producer: copy into slot[tail % slots], publish tail + 1, ring the peer's bell.
+// Consumer: hand slot[head % slots] to the sink *in place* (reductions read
+// straight out of shared memory), release head + 1, ring the peer's bell so a
+// producer waiting for space wakes. Peer death is detected from its pid.
+#pragma once
+
+#include <string>
+
+#include "transport/link.h"
+#include "transport/shm/shm_segment.h"
+
+namespace rr {
+
+class ShmLink : public Link {
+ public:
+  // `mine`/`theirs`: the two segments; `my_ring`/`their_ring` the ring index
+  // of each side within the other's segment (its local rank).
+  ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, ShmSegment* theirs,
+          uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine);
+
+  int peer() const override { return peer_; }
+  const char* kind() const override { return "shm"; }
+  const std::string& peer_host() const override { return host_; }
+  size_t send_some(const uint8_t* data, size_t n, size_t done) override;
+  size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
+  WaitHandle wait_handle() const override { return WaitHandle{-1, true}; }
+  void check_alive() override;
+
+ private:
+  int peer_;
+  std::string host_;
+  int peer_pid_;
+  ShmSegment* mine_;
+  ShmSegment* theirs_;
+  RingHeader* out_;
+  RingHeader* in_;
+  uint32_t out_index_;
+  uint32_t in_index_;
+  uint32_t slots_;
+  size_t slot_bytes_;
+};
+
+}  // namespace rr

@@ -1,0 +1,76 @@
+// One POSIX shared-memory segment per rank holds the rings that carry data
+// *to* that rank from each peer on its host, plus the rank's doorbell.
+//
+// Lifecycle (nothing is left in /dev/shm after init, even if a rank dies):
+//   1. the owner creates /ringreduce-<job>-<rank> (O_EXCL, mode 0600), sizes
+//      and maps it, initialises it, then publishes `ready`;
+//   2. each local peer opens it (retrying until it exists), maps it, waits for
+//      `ready` and increments `mapped`;
+//   3. the owner waits until `mapped` == local peers, then unlinks the name.
+// The mapping lives on in every process until the Context is destroyed.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "transport/shm/doorbell.h"
+
+namespace rr {
+
+// A single-producer single-consumer ring of `slots` slots of `slot_bytes`.
+// tail counts slots published by the producer, head slots released by the
+// consumer; both only grow (mod 2^32) and tail - head <= slots always.
+struct alignas(64) RingHeader {
+  alignas(64) std::atomic<uint32_t> tail;
+  alignas(64) std::atomic<uint32_t> head;
+};
+
+struct alignas(64) SegmentHeader {
+  uint64_t magic;
+  int32_t owner_rank;
+  int32_t owner_pid;
+  uint32_t nrings;
+  uint32_t slots;
+  uint64_t slot_bytes;
+  std::atomic<uint32_t> ready;
+  std::atomic<uint32_t> mapped;
+  Doorbell doorbell;
+};
+
+class ShmSegment {
+ public:
+  // Creates and initialises this rank's segment with `nrings` rings.
+  static ShmSegment create(const std::string& name, int rank, uint32_t nrings, uint32_t slots,
+                           uint64_t slot_bytes);
+  // Maps a peer's segment, waiting up to `timeout_s` for it to appear.
+  static ShmSegment open(const std::string& name, int owner_rank, double timeout_s);
+
+  ShmSegment() = default;
+  ShmSegment(ShmSegment&& o) noexcept { *this = std::move(o); }
+  ShmSegment& operator=(ShmSegment&& o) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();
+
+  SegmentHeader* header() const { return static_cast<SegmentHeader*>(base_); }
+  RingHeader* ring(uint32_t i) const;
+  uint8_t* slot(uint32_t ring, uint32_t index) const;
+  // Removes the name from /dev/shm (idempotent); the mapping stays valid.
+  void unlink();
+  const std::string& name() const { return name_; }
+
+ private:
+  static size_t layout_bytes(uint32_t nrings, uint32_t slots, uint64_t slot_bytes);
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  std::string name_;
+  bool owner_ = false;
+  bool unlinked_ = false;
+};
+
+// True if process `pid` exists and is not a zombie.
+bool process_alive(int pid);
+
+}  // namespace rr

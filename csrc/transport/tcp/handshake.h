@@ -1,0 +1,33 @@
+// Mutual authentication of a new TCP connection with the job's secret, so a
+// stranger that reaches our port can neither join the job nor impersonate a
+// rank. Protocol (all fields fixed size):
+//   connector -> acceptor : "RRH1", job id (8), from rank, to rank, nonce_c (32)
+//   acceptor  -> connector: nonce_a (32), HMAC(secret, "A" nonce_c from to)
+//   connector -> acceptor : HMAC(secret, "C" nonce_a from to)
+//   acceptor  -> connector: one byte 1 (accepted)
+// Each side proves knowledge of the secret over the other side's fresh nonce,
+// so recorded handshakes cannot be replayed. Every step has a deadline.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "transport/tcp/socket_util.h"
+
+namespace rr {
+
+struct HandshakeParams {
+  std::string secret;
+  uint64_t job_id = 0;
+  int my_rank = 0;
+  int size = 0;
+};
+
+// Client side. Throws on failure (a peer that fails to prove itself is an error).
+void handshake_connect(int fd, const HandshakeParams& p, int to_rank, Deadline deadline,
+                       const std::string& who);
+// Server side. Returns the authenticated peer rank, or -1 when the connection
+// is refused (wrong job, bad proof, garbage); the caller logs and drops it.
+int handshake_accept(int fd, const HandshakeParams& p, Deadline deadline, std::string* why);
+
+}  // namespace rr

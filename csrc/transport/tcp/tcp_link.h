@@ -1,0 +1,37 @@
+// A link to a peer over one authenticated, non-blocking TCP socket. Bytes are
+// streamed as they fit in the socket buffers. A sink that accepts bytes in
+// place (copies) receives straight into its destination; a sink that needs to
+// see them (reductions) gets them through a staging chunk, so the chunk
+// boundaries the Link contract promises hold for TCP too.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "transport/link.h"
+#include "transport/tcp/socket_util.h"
+
+namespace rr {
+
+class TcpLink : public Link {
+ public:
+  TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes);
+
+  int peer() const override { return peer_; }
+  const char* kind() const override { return "tcp"; }
+  const std::string& peer_host() const override { return host_; }
+  size_t send_some(const uint8_t* data, size_t n, size_t done) override;
+  size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
+  WaitHandle wait_handle() const override { return WaitHandle{fd_.get(), false}; }
+  void check_alive() override {}  // failures surface as socket errors
+
+ private:
+  [[noreturn]] void fail(const char* what, int err);
+  int peer_;
+  std::string host_;
+  Fd fd_;
+  std::vector<uint8_t> staging_;
+  size_t staged_ = 0;  // bytes of the current chunk already in staging_
+};
+
+}  // namespace rr

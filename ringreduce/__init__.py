@@ -1,0 +1,165 @@
+"""ringreduce: data-parallel training with a C++ ring allreduce.
+
+Horovod-compatible API on numpy arrays (and anything with DLPack or the
+buffer protocol)::
+
+    import numpy as np
+    import ringreduce as rr
+
+    rr.init()
+    g = rr.allreduce(np.ones(1000, np.float32), op=rr.Average, name="grad")
+    rr.shutdown()
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ._communicator import Average, Communicator, Max, Min, Product, Sum, reduce_isa
+from .exceptions import (
+    InvalidInputError,
+    MismatchError,
+    NotInitializedError,
+    PeerLostError,
+    RingReduceError,
+    RingReduceTimeoutError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Average", "Communicator", "InvalidInputError", "Max", "Min", "MismatchError",
+    "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
+    "RingReduceTimeoutError", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_",
+    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_object", "cross_rank",
+    "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "reduce_isa",
+    "reducescatter", "shutdown", "size",
+]
+
+
+class _Process:
+    """Holds the process's default Communicator between init() and shutdown()."""
+
+    comm: Optional[Communicator] = None
+
+
+def init() -> None:
+    """Join the job: discover rank and size, connect to the peers.
+
+    Under mpirun (Open MPI, MPICH, Intel MPI, srun) the launcher's ranks are
+    used; otherwise ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
+    (torchrun-style); otherwise a single process. Calling it twice is harmless.
+    """
+    if _Process.comm is None:
+        from ._bootstrap import connect
+
+        _Process.comm = Communicator(connect())
+
+
+def shutdown() -> None:
+    """Leave the job and release links and shared memory. Harmless if not initialized."""
+    comm, _Process.comm = _Process.comm, None
+    if comm is not None:
+        comm.close()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _Process.comm is not None
+
+
+def _comm() -> Communicator:
+    if _Process.comm is None:
+        raise NotInitializedError(
+            "ringreduce has not been initialized: call ringreduce.init() first "
+            "(after shutdown(), call init() again)")
+    return _Process.comm
+
+
+def rank() -> int:
+    """This process's rank in [0, size())."""
+    return _comm().rank()
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _comm().size()
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host."""
+    return _comm().local_rank()
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _comm().local_size()
+
+
+def cross_rank() -> int:
+    """Index of this host among the job's hosts."""
+    return _comm().cross_rank()
+
+
+def cross_size() -> int:
+    """Number of hosts in the job."""
+    return _comm().cross_size()
+
+
+def allreduce(x: Any, op: int = Average, name: Optional[str] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce ``x`` across ranks; new array. See ``Communicator.allreduce``."""
+    return _comm().allreduce(x, op, name, prescale_factor, postscale_factor)
+
+
+def allreduce_(x: Any, op: int = Average, name: Optional[str] = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reduce ``x`` across ranks in place and return it."""
+    return _comm().allreduce_(x, op, name, prescale_factor, postscale_factor)
+
+
+def allgather(x: Any, name: Optional[str] = None) -> np.ndarray:
+    """Concatenate every rank's ``x`` along axis 0 (lengths may differ)."""
+    return _comm().allgather(x, name)
+
+
+def broadcast(x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
+    """Return root_rank's ``x`` on every rank, as a new array."""
+    return _comm().broadcast(x, root_rank, name)
+
+
+def broadcast_(x: Any, root_rank: int, name: Optional[str] = None) -> Any:
+    """Overwrite ``x`` with root_rank's ``x`` in place and return it."""
+    return _comm().broadcast_(x, root_rank, name)
+
+
+def reducescatter(x: Any, op: int = Average, name: Optional[str] = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce ``x`` across ranks and return this rank's share of axis 0."""
+    return _comm().reducescatter(x, op, name, prescale_factor, postscale_factor)
+
+
+def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
+    """Exchange rows of ``x`` between all ranks. See ``Communicator.alltoall``."""
+    return _comm().alltoall(x, splits, name)
+
+
+def barrier(name: Optional[str] = None) -> None:
+    """Wait until every rank has called ``barrier()``."""
+    _comm().barrier(name)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Return root_rank's picklable ``obj`` on every rank."""
+    return _comm().broadcast_object(obj, root_rank, name)
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> list:
+    """Return every rank's picklable ``obj`` as a list in rank order."""
+    return _comm().allgather_object(obj, name)

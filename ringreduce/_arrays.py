@@ -1,0 +1,57 @@
+"""Array adapter: numpy arrays, DLPack producers and buffer-protocol objects.
+
+Everything becomes a numpy view of the same memory (no copy), so the core sees
+only (address, shape, dtype). DLPack is tried before the buffer protocol
+because it keeps dtype and shape (e.g. torch CPU tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .exceptions import InvalidInputError
+
+
+def as_array(x: Any, what: str) -> np.ndarray:
+    """Return a numpy view of ``x`` sharing its memory, or raise InvalidInputError."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError) as err:
+            raise InvalidInputError(
+                f"{what}: cannot view {type(x).__name__} through DLPack ({err}); "
+                "GPU arrays need the GPU backend, CPU arrays must be strided in memory"
+            ) from err
+    if isinstance(x, (np.generic, int, float, bool)):
+        return np.asarray(x)
+    try:
+        return np.asarray(memoryview(x))
+    except TypeError as err:
+        raise InvalidInputError(
+            f"{what}: expected a numpy array, a DLPack tensor or a buffer, "
+            f"got {type(x).__name__}"
+        ) from err
+
+
+def for_reading(x: Any, what: str) -> np.ndarray:
+    """A C-contiguous array with the data of ``x`` (copied only if it is strided)."""
+    arr = as_array(x, what)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def for_writing(x: Any, what: str) -> np.ndarray:
+    """A writable C-contiguous view of ``x`` for in-place operations."""
+    arr = as_array(x, what)
+    if not arr.flags.c_contiguous:
+        raise InvalidInputError(
+            f"{what}: in-place operations need a C-contiguous array, got strides "
+            f"{arr.strides} for shape {arr.shape}; use the out-of-place form, or "
+            "np.ascontiguousarray(x) and copy the result back"
+        )
+    if not arr.flags.writeable:
+        raise InvalidInputError(f"{what}: the array is read-only; in-place operations write to it")
+    return arr

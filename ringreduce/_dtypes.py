@@ -1,0 +1,34 @@
+"""Mapping between numpy dtypes and the core's dtype codes (csrc/common/dtype.h)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .exceptions import InvalidInputError
+
+UINT8, INT8, INT32, INT64, FLOAT16, BFLOAT16, FLOAT32, FLOAT64, BOOL = range(9)
+
+_BY_NAME = {
+    "uint8": UINT8,
+    "int8": INT8,
+    "int32": INT32,
+    "int64": INT64,
+    "float16": FLOAT16,
+    "bfloat16": BFLOAT16,  # ml_dtypes.bfloat16 (numpy has no native bfloat16)
+    "float32": FLOAT32,
+    "float64": FLOAT64,
+    "bool": BOOL,
+}
+
+SUPPORTED = ", ".join(_BY_NAME)
+
+
+def dtype_code(dtype: np.dtype, what: str) -> int:
+    """Return the core's code for ``dtype`` or raise a helpful InvalidInputError."""
+    code = _BY_NAME.get(np.dtype(dtype).name)
+    if code is None:
+        raise InvalidInputError(
+            f"{what}: dtype {np.dtype(dtype).name} is not supported; supported dtypes are "
+            f"{SUPPORTED} (convert first, e.g. x.astype(np.int32))"
+        )
+    return code

@@ -1,0 +1,33 @@
+"""Exception classes of ringreduce.
+
+The C++ core raises these too: ``ringreduce._core`` maps each error kind to the
+class of the same name here, so user code needs a single ``except`` clause.
+"""
+
+
+class RingReduceError(RuntimeError):
+    """Base class of every error raised by ringreduce."""
+
+
+class NotInitializedError(RingReduceError):
+    """A collective or query was used before ``ringreduce.init()``."""
+
+
+class InvalidInputError(RingReduceError, ValueError):
+    """The arguments of a call on this rank are unusable (dtype, layout, root...)."""
+
+
+class MismatchError(RingReduceError):
+    """Ranks called a collective with arguments that do not agree.
+
+    Raised on every rank alike; the message says which rank sent what.
+    The library stays usable afterwards.
+    """
+
+
+class PeerLostError(RingReduceError):
+    """A peer rank died or its connection failed; the job cannot continue."""
+
+
+class RingReduceTimeoutError(RingReduceError, TimeoutError):
+    """A peer stayed alive but made no progress within the configured timeout."""

@@ -1,0 +1,87 @@
+"""Run N ranks as N threads in one process, over the real transports.
+
+Used by the threaded test tier; also handy for trying collectives without a
+launcher::
+
+    from ringreduce.testing import run_threaded
+    results = run_threaded(4, lambda comm: comm.allreduce(np.ones(3)))
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+from . import _core
+from ._communicator import Communicator
+
+
+def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> List[Communicator]:
+    """Create ``size`` connected communicators in this process.
+
+    Parameters
+    ----------
+    size : int
+        Number of ranks.
+    host_ids : sequence of str, optional
+        Host identity per rank; ranks with different ids talk over TCP,
+        equal ids over shared memory (unless RINGREDUCE_TRANSPORT says otherwise).
+    """
+    secret = os.urandom(32)
+    ids = list(host_ids) if host_ids is not None else ["threads"] * size
+    contexts = [_core.Context(r, size, secret, ids[r]) for r in range(size)]
+    infos = [c.local_info() for c in contexts]
+    errors: List[BaseException] = []
+
+    def connect(c: Any) -> None:
+        try:
+            c.connect(infos)
+        except BaseException as err:  # reported below, in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=connect, args=(c,)) for c in contexts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [Communicator(c) for c in contexts]
+
+
+def run_threaded(size: int, fn: Callable[[Communicator], Any],
+                 world: Optional[List[Communicator]] = None, timeout: float = 120.0,
+                 return_exceptions: bool = False) -> List[Any]:
+    """Run ``fn(comm)`` on every rank concurrently; return results in rank order.
+
+    The first exception raised by any rank is re-raised (after all threads end or
+    ``timeout`` passes, whichever is first), unless ``return_exceptions`` is true:
+    then each failing rank's exception takes the place of its result.
+    """
+    comms = world if world is not None else make_world(size)
+    results: List[Any] = [None] * size
+    errors: List[Optional[BaseException]] = [None] * size
+
+    def body(r: int) -> None:
+        try:
+            results[r] = fn(comms[r])
+        except BaseException as err:
+            errors[r] = err
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"threaded ranks did not finish within {timeout} s")
+    if world is None:
+        for c in comms:
+            c.close()
+    for r, err in enumerate(errors):
+        if err is not None and not return_exceptions:
+            raise err
+        if err is not None:
+            results[r] = err
+    return results

@@ -354,7 +354,8 @@ def resume(ckpt_dir: str, params: Params) -> int:
                 meta["error"] = f"cannot load checkpoint {path!r}: {type(e).__name__}: {e}"
     meta = rr.broadcast_object(meta, root_rank=0)
     if meta["error"] is not None:
-        raise FileNotFoundError(f"[rank {rr.rank()}] {meta['error']}")
+        kind = FileNotFoundError if meta["error"].startswith("--resume") else RuntimeError
+        raise kind(f"[rank {rr.rank()}] {meta['error']}")
     broadcast_params(params)
     return int(meta["epoch"])
 

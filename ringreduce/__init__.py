@@ -14,7 +14,8 @@ buffer protocol)::
 from __future__ import annotations
 
 import atexit
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 

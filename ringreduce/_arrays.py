@@ -7,15 +7,25 @@ because it keeps dtype and shape (e.g. torch CPU tensors).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from .exceptions import InvalidInputError
 
 
-def as_array(x: Any, what: str) -> np.ndarray:
-    """Return a numpy view of ``x`` sharing its memory, or raise InvalidInputError."""
+def _what(op: str, name: Optional[str]) -> str:
+    return f"{op} '{name}'" if name else op
+
+
+def as_array(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
+    """Return a numpy view of ``x`` sharing its memory, or raise InvalidInputError.
+
+    ``op`` and ``name`` only label error messages (built only when one is raised).
+    """
+    if type(x) is np.ndarray:
+        return x
+    what = _what(op, name)
     if isinstance(x, np.ndarray):
         return x
     if hasattr(x, "__dlpack__"):
@@ -37,21 +47,25 @@ def as_array(x: Any, what: str) -> np.ndarray:
         ) from err
 
 
-def for_reading(x: Any, what: str) -> np.ndarray:
+def for_reading(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
     """A C-contiguous array with the data of ``x`` (copied only if it is strided)."""
-    arr = as_array(x, what)
+    arr = as_array(x, op, name)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
-def for_writing(x: Any, what: str) -> np.ndarray:
+def for_writing(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
     """A writable C-contiguous view of ``x`` for in-place operations."""
-    arr = as_array(x, what)
-    if not arr.flags.c_contiguous:
+    arr = as_array(x, op, name)
+    flags = arr.flags
+    if flags.c_contiguous and flags.writeable:
+        return arr
+    what = _what(op, name)
+    if not flags.c_contiguous:
         raise InvalidInputError(
             f"{what}: in-place operations need a C-contiguous array, got strides "
             f"{arr.strides} for shape {arr.shape}; use the out-of-place form, or "
             "np.ascontiguousarray(x) and copy the result back"
         )
-    if not arr.flags.writeable:
+    if not flags.writeable:
         raise InvalidInputError(f"{what}: the array is read-only; in-place operations write to it")
     return arr

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Callable, List, Tuple
+from typing import Callable
 
 from . import _core
 from .exceptions import InvalidInputError
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
             "HYDI_CONTROL_FD", "I_MPI_HYDRA_TOPOLIB", "MV2_COMM_WORLD_SIZE")
-Exchange = Callable[[bytes], List[bytes]]
+Exchange = Callable[[bytes], list[bytes]]
 
 
 def host_id() -> str:
@@ -54,7 +54,7 @@ def _env_int(name: str) -> int:
                                 "is not an integer") from err
 
 
-def _mpi() -> Tuple[int, int, bytes, Exchange]:
+def _mpi() -> tuple[int, int, bytes, Exchange]:
     try:
         from mpi4py import MPI
     except ImportError as err:
@@ -67,7 +67,7 @@ def _mpi() -> Tuple[int, int, bytes, Exchange]:
     return comm.Get_rank(), comm.Get_size(), secret, comm.allgather
 
 
-def _env_store() -> Tuple[int, int, bytes, Exchange]:
+def _env_store() -> tuple[int, int, bytes, Exchange]:
     rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _env_int("MASTER_PORT") if "MASTER_PORT" in os.environ else 29500
@@ -83,7 +83,7 @@ def _env_store() -> Tuple[int, int, bytes, Exchange]:
     else:
         secret = store.get("rr/secret", timeout)
 
-    def exchange(mine: bytes) -> List[bytes]:
+    def exchange(mine: bytes) -> list[bytes]:
         infos = store.allgather("rr/endpoints", rank, size, mine, timeout)
         # Rank 0 keeps the store up until everybody has read everything.
         store.allgather("rr/done", rank, size, b"", timeout)
@@ -94,7 +94,7 @@ def _env_store() -> Tuple[int, int, bytes, Exchange]:
     return rank, size, secret, exchange
 
 
-def discover() -> Tuple[int, int, bytes, Exchange]:
+def discover() -> tuple[int, int, bytes, Exchange]:
     """Return (rank, size, job secret, exchange function) for this launch."""
     if launched_by_mpi():
         return _mpi()
@@ -103,7 +103,7 @@ def discover() -> Tuple[int, int, bytes, Exchange]:
     return 0, 1, os.urandom(32), lambda mine: [mine]
 
 
-def connect() -> "_core.Context":
+def connect() -> _core.Context:
     """Create and connect this process's core Context."""
     rank, size, secret, exchange = discover()
     ctx = _core.Context(rank, size, secret, host_id())

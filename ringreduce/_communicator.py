@@ -9,7 +9,8 @@ from __future__ import annotations
 import itertools
 import pickle
 import threading
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -20,6 +21,10 @@ from .exceptions import InvalidInputError
 
 Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
 _OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
+
+
+def _what(op: str, name: Optional[str]) -> str:
+    return f"{op} '{name}'" if name else op
 
 
 def _check_op(op: int, what: str) -> int:
@@ -101,12 +106,8 @@ class Communicator:
     def allreduce_(self, x: Any, op: int = Average, name: Optional[str] = None,
                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
         """Reduce ``x`` across ranks in place and return it (see ``allreduce``)."""
-        what = f"allreduce_ '{name}'" if name else "allreduce_"
-        arr = for_writing(x, what)
-        code = dtype_code(arr.dtype, what)
-        self._call(self._ctx.allreduce, arr.ctypes.data, arr.ctypes.data, list(arr.shape), code,
-                   _check_op(op, what), float(prescale_factor), float(postscale_factor),
-                   self._name("allreduce", name))
+        arr = for_writing(x, "allreduce_", name)
+        self._allreduce(arr, arr, op, name, prescale_factor, postscale_factor)
         return x
 
     def allreduce(self, x: Any, op: int = Average, name: Optional[str] = None,
@@ -129,38 +130,44 @@ class Communicator:
         numpy.ndarray
             Bitwise identical on every rank.
         """
-        what = f"allreduce '{name}'" if name else "allreduce"
-        src = for_reading(x, what)
-        code = dtype_code(src.dtype, what)
+        src = for_reading(x, "allreduce", name)
         out = np.empty_like(src)
-        self._call(self._ctx.allreduce, src.ctypes.data, out.ctypes.data, list(src.shape), code,
-                   _check_op(op, what), float(prescale_factor), float(postscale_factor),
-                   self._name("allreduce", name))
+        self._allreduce(src, out, op, name, prescale_factor, postscale_factor)
         return out
+
+    def _allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
+                   prescale: float, postscale: float) -> None:
+        # The hot path of small messages: no string formatting unless it fails.
+        if op not in _OP_NAMES:
+            _check_op(op, _what("allreduce", name))
+        code = dtype_code(src.dtype, "allreduce", name)
+        with self._lock:
+            self._ctx.allreduce(src, out, src.shape, code, op, prescale, postscale,
+                                self._name("allreduce", name))
 
     def allgather(self, x: Any, name: Optional[str] = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (its length may differ per rank)."""
-        what = f"allgather '{name}'" if name else "allgather"
-        src = for_reading(x, what)
+        what = _what("allgather", name)
+        src = for_reading(x, what, None)
         keep: list = []
-        self._call(self._ctx.allgather, src.ctypes.data, list(src.shape),
-                   dtype_code(src.dtype, what), self._name("allgather", name),
+        self._call(self._ctx.allgather, src, list(src.shape),
+                   dtype_code(src.dtype, what, None), self._name("allgather", name),
                    self._allocator(src.dtype, keep))
         return keep[0]
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""
-        what = f"broadcast_ '{name}'" if name else "broadcast_"
-        arr = for_writing(x, what)
-        self._call(self._ctx.broadcast, arr.ctypes.data, list(arr.shape),
-                   dtype_code(arr.dtype, what), self._check_root(root_rank, what),
+        what = _what("broadcast_", name)
+        arr = for_writing(x, what, None)
+        self._call(self._ctx.broadcast, arr, list(arr.shape),
+                   dtype_code(arr.dtype, what, None), self._check_root(root_rank, what),
                    self._name("broadcast", name))
         return x
 
     def broadcast(self, x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
         """Return a new array holding root_rank's ``x`` on every rank."""
-        what = f"broadcast '{name}'" if name else "broadcast"
-        arr = np.array(for_reading(x, what), copy=True)
+        what = _what("broadcast", name)
+        arr = np.array(for_reading(x, what, None), copy=True)
         return self.broadcast_(arr, root_rank, name)
 
     def reducescatter(self, x: Any, op: int = Average, name: Optional[str] = None,
@@ -169,11 +176,11 @@ class Communicator:
 
         Axis 0 is split as evenly as possible; lower ranks get the extra rows.
         """
-        what = f"reducescatter '{name}'" if name else "reducescatter"
-        src = for_reading(x, what)
+        what = _what("reducescatter", name)
+        src = for_reading(x, what, None)
         keep: list = []
-        self._call(self._ctx.reducescatter, src.ctypes.data, list(src.shape),
-                   dtype_code(src.dtype, what), _check_op(op, what), float(prescale_factor),
+        self._call(self._ctx.reducescatter, src, list(src.shape),
+                   dtype_code(src.dtype, what, None), _check_op(op, what), float(prescale_factor),
                    float(postscale_factor), self._name("reducescatter", name),
                    self._allocator(src.dtype, keep))
         return keep[0]
@@ -185,8 +192,8 @@ class Communicator:
         Without ``splits`` axis 0 is divided evenly (it must divide by size) and the
         received array is returned; with ``splits`` a tuple ``(output, received_splits)``.
         """
-        what = f"alltoall '{name}'" if name else "alltoall"
-        src = for_reading(x, what)
+        what = _what("alltoall", name)
+        src = for_reading(x, what, None)
         if src.ndim == 0:
             raise InvalidInputError(f"{what}: needs at least one dimension")
         given = splits is not None
@@ -196,8 +203,8 @@ class Communicator:
                                         f"size {self.size()}; pass splits=")
             splits = [src.shape[0] // self.size()] * self.size()
         keep: list = []
-        received = self._call(self._ctx.alltoall, src.ctypes.data, list(src.shape),
-                              dtype_code(src.dtype, what), [int(s) for s in splits],
+        received = self._call(self._ctx.alltoall, src, list(src.shape),
+                              dtype_code(src.dtype, what, None), [int(s) for s in splits],
                               self._name("alltoall", name), self._allocator(src.dtype, keep))
         return (keep[0], np.asarray(received, dtype=np.int64)) if given else keep[0]
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 from . import _core
 from ._communicator import Communicator
 
 
-def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> List[Communicator]:
+def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> list[Communicator]:
     """Create ``size`` connected communicators in this process.
 
     Parameters
@@ -32,7 +33,7 @@ def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> List[Comm
     ids = list(host_ids) if host_ids is not None else ["threads"] * size
     contexts = [_core.Context(r, size, secret, ids[r]) for r in range(size)]
     infos = [c.local_info() for c in contexts]
-    errors: List[BaseException] = []
+    errors: list[BaseException] = []
 
     def connect(c: Any) -> None:
         try:
@@ -51,8 +52,8 @@ def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> List[Comm
 
 
 def run_threaded(size: int, fn: Callable[[Communicator], Any],
-                 world: Optional[List[Communicator]] = None, timeout: float = 120.0,
-                 return_exceptions: bool = False) -> List[Any]:
+                 world: Optional[list[Communicator]] = None, timeout: float = 120.0,
+                 return_exceptions: bool = False) -> list[Any]:
     """Run ``fn(comm)`` on every rank concurrently; return results in rank order.
 
     The first exception raised by any rank is re-raised (after all threads end or
@@ -60,8 +61,8 @@ def run_threaded(size: int, fn: Callable[[Communicator], Any],
     then each failing rank's exception takes the place of its result.
     """
     comms = world if world is not None else make_world(size)
-    results: List[Any] = [None] * size
-    errors: List[Optional[BaseException]] = [None] * size
+    results: list[Any] = [None] * size
+    errors: list[Optional[BaseException]] = [None] * size
 
     def body(r: int) -> None:
         try:

@@ -2,6 +2,7 @@
 // arguments, releases the GIL around every call that can block, and maps
 // rr::Error kinds to the exception classes of ringreduce.exceptions.
 #include <pybind11/functional.h>
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -37,10 +38,19 @@ void translate(std::exception_ptr p) {
   }
 }
 
-Tensor tensor_arg(uintptr_t ptr, std::vector<int64_t> shape, int32_t dtype, std::string name) {
+// Buffers arrive as numpy arrays (read straight from the array struct: far
+// cheaper than arr.ctypes.data) or as plain integer addresses (torch's
+// data_ptr(), DLPack producers).
+uintptr_t address_of(py::handle obj) {
+  if (py::isinstance<py::array>(obj))
+    return reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(obj).data());
+  return obj.cast<uintptr_t>();
+}
+
+Tensor tensor_arg(py::handle buf, std::vector<int64_t> shape, int32_t dtype, std::string name) {
   if (!dtype_is_valid(dtype))
     throw_error(ErrorKind::kInvalidArgument, "unknown dtype code ", dtype);
-  return Tensor{reinterpret_cast<const void*>(ptr), std::move(shape), static_cast<DType>(dtype),
+  return Tensor{reinterpret_cast<const void*>(address_of(buf)), std::move(shape), static_cast<DType>(dtype),
                 std::move(name)};
 }
 
@@ -81,14 +91,15 @@ void bind_context(py::module_& m) {
       .def_property_readonly("cross_size", &Context::cross_size)
       .def("transport_to", [](Context& c, int peer) { return std::string(c.link(peer).kind()); })
       .def("allreduce",
-           [](Context& c, uintptr_t in, uintptr_t out, std::vector<int64_t> shape, int32_t dtype,
+           [](Context& c, py::handle in, py::handle out, std::vector<int64_t> shape, int32_t dtype,
               int32_t op, double pre, double post, std::string name) {
              Tensor t = tensor_arg(in, std::move(shape), dtype, std::move(name));
+             void* dst = reinterpret_cast<void*>(address_of(out));
              py::gil_scoped_release nogil;
-             allreduce(c, t, reinterpret_cast<void*>(out), op_arg(op), pre, post);
+             allreduce(c, t, dst, op_arg(op), pre, post);
            })
       .def("allgather",
-           [](Context& c, uintptr_t in, std::vector<int64_t> shape, int32_t dtype, std::string name,
+           [](Context& c, py::handle in, std::vector<int64_t> shape, int32_t dtype, std::string name,
               py::function alloc) {
              Tensor t = tensor_arg(in, std::move(shape), dtype, std::move(name));
              Allocator a = py_allocator(std::move(alloc));
@@ -96,14 +107,14 @@ void bind_context(py::module_& m) {
              allgather(c, t, a);
            })
       .def("broadcast",
-           [](Context& c, uintptr_t buf, std::vector<int64_t> shape, int32_t dtype, int root,
+           [](Context& c, py::handle buf, std::vector<int64_t> shape, int32_t dtype, int root,
               std::string name) {
              Tensor t = tensor_arg(buf, std::move(shape), dtype, std::move(name));
              py::gil_scoped_release nogil;
-             broadcast(c, reinterpret_cast<void*>(buf), t, root);
+             broadcast(c, const_cast<void*>(t.data), t, root);
            })
       .def("reducescatter",
-           [](Context& c, uintptr_t in, std::vector<int64_t> shape, int32_t dtype, int32_t op,
+           [](Context& c, py::handle in, std::vector<int64_t> shape, int32_t dtype, int32_t op,
               double pre, double post, std::string name, py::function alloc) {
              Tensor t = tensor_arg(in, std::move(shape), dtype, std::move(name));
              Allocator a = py_allocator(std::move(alloc));
@@ -111,7 +122,7 @@ void bind_context(py::module_& m) {
              reducescatter(c, t, op_arg(op), pre, post, a);
            })
       .def("alltoall",
-           [](Context& c, uintptr_t in, std::vector<int64_t> shape, int32_t dtype,
+           [](Context& c, py::handle in, std::vector<int64_t> shape, int32_t dtype,
               std::vector<int64_t> splits, std::string name, py::function alloc) {
              Tensor t = tensor_arg(in, std::move(shape), dtype, std::move(name));
              Allocator a = py_allocator(std::move(alloc));

@@ -24,7 +24,7 @@ namespace rr {
 //
 //   client -> server, once per connection:  magic "RRS1"
 //   client -> server, SET:  u8 1, u32 key_len, key, u32 value_len, value
-//   server -> client:       u8 0                      (the SET is applied)
+//   server -> client:       u8 0   (the SET has been applied)
 //   client -> server, GET:  u8 2, u32 key_len, key
 //   server -> client:       u8 0, u32 value_len, value
 //
@@ -166,8 +166,8 @@ Parse parse_request(const std::string& in, size_t pos, Request* req, std::string
 
 // Server invariants: a Conn is erased only in sweep(), so ids and references
 // taken during one poll iteration stay valid for that iteration; a dead Conn
-// is never read from or written to again; every parked Conn is listed in
-// waiters_ under its parked_key (entries for erased Conns are skipped).
+// is never read from or written to again; a Conn is listed in waiters_ under
+// K exactly while it is alive and parked on K (kill() removes it eagerly).
 class TcpStoreServer::Loop {
  public:
   Loop(Fd listen, Fd wake) : listen_(std::move(listen)), wake_(std::move(wake)) {}
@@ -363,12 +363,16 @@ void TcpStoreServer::Loop::handle(Conn& c, Request& req) {
   std::string out(1, static_cast<char>(kReplyOk));
   put_u32(&out, static_cast<uint32_t>(stored.size()));
   out += stored;
+  // Unpark before reply(): if the send fails, kill() must not edit the
+  // waiter list this loop is iterating over.
   for (uint64_t wid : w->second) {
     auto it = conns_.find(wid);
-    if (it == conns_.end() || it->second.dead || !it->second.parked) continue;
-    it->second.parked = false;
-    it->second.parked_key.clear();
-    reply(it->second, out);
+    if (it == conns_.end()) continue;
+    Conn& waiter = it->second;
+    if (waiter.dead || !waiter.parked || waiter.parked_key != req.key) continue;
+    waiter.parked = false;
+    waiter.parked_key.clear();
+    reply(waiter, out);
     runnable_.push_back(wid);
   }
   waiters_.erase(w);
@@ -497,7 +501,8 @@ bool wait_ready(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-// `what` completes "... while <what>" in error messages.
+// `what` names the operation in progress ("setting key 'k' in the store at
+// host:port") and completes the error messages.
 void send_all(int fd, const std::string& buf, Clock::time_point deadline, const std::string& what) {
   size_t sent = 0;
   while (sent < buf.size()) {

@@ -31,7 +31,7 @@ struct ContextOptions {
   std::string bind_addr = "0.0.0.0";
   double connect_timeout_s = 60;    // RINGREDUCE_CONNECT_TIMEOUT_SECONDS
   double timeout_s = 1800;          // RINGREDUCE_TIMEOUT_SECONDS
-  double spin_us = 50;              // RINGREDUCE_SPIN_US
+  double spin_us = 1000;            // RINGREDUCE_SPIN_US
   uint32_t shm_slots = 8;           // RINGREDUCE_SHM_SLOTS
   uint64_t shm_slot_bytes = 256 << 10;  // RINGREDUCE_SHM_SLOT_BYTES
   uint64_t small_bytes = 64 << 10;  // RINGREDUCE_SMALL_BYTES: direct path at or below

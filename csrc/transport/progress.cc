@@ -143,7 +143,10 @@ void run_transfers(const ProgressSettings& st, std::vector<SendOp>& sends,
       if (pending == 0) break;
       auto now = Clock::now();
       if (now - last_progress < spin) {
-        RR_CPU_RELAX();
+        if (st.yield_while_spinning)
+          sched_yield();
+        else
+          RR_CPU_RELAX();
         continue;
       }
       if (st.abort && st.abort->load())

@@ -6,7 +6,6 @@ The module-level functions of ``ringreduce`` delegate to the Communicator that
 
 from __future__ import annotations
 
-import itertools
 import pickle
 import threading
 from collections.abc import Sequence
@@ -46,7 +45,6 @@ class Communicator:
     def __init__(self, context: Any) -> None:
         self._ctx = context
         self._lock = threading.Lock()  # one collective at a time per rank
-        self._counters: dict = {}
 
     # ------------------------------------------------------------------ queries
     def rank(self) -> int:
@@ -83,11 +81,11 @@ class Communicator:
             self._ctx.close()
 
     # ------------------------------------------------------------------ helpers
-    def _name(self, kind: str, name: Optional[str]) -> str:
-        if name is not None:
-            return str(name)
-        counter = self._counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}"
+    @staticmethod
+    def _name(name: Optional[str]) -> str:
+        # Unnamed calls are identified by their sequence number in the core,
+        # which only advances once local checks pass, so ranks stay in step.
+        return "" if name is None else str(name)
 
     def _call(self, fn: Callable, *args: Any) -> Any:
         with self._lock:
@@ -143,7 +141,7 @@ class Communicator:
         code = dtype_code(src.dtype, "allreduce", name)
         with self._lock:
             self._ctx.allreduce(src, out, src.shape, code, op, prescale, postscale,
-                                self._name("allreduce", name))
+                                self._name(name))
 
     def allgather(self, x: Any, name: Optional[str] = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (its length may differ per rank)."""
@@ -151,7 +149,7 @@ class Communicator:
         src = for_reading(x, what, None)
         keep: list = []
         self._call(self._ctx.allgather, src, list(src.shape),
-                   dtype_code(src.dtype, what, None), self._name("allgather", name),
+                   dtype_code(src.dtype, what, None), self._name(name),
                    self._allocator(src.dtype, keep))
         return keep[0]
 
@@ -161,7 +159,7 @@ class Communicator:
         arr = for_writing(x, what, None)
         self._call(self._ctx.broadcast, arr, list(arr.shape),
                    dtype_code(arr.dtype, what, None), self._check_root(root_rank, what),
-                   self._name("broadcast", name))
+                   self._name(name))
         return x
 
     def broadcast(self, x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
@@ -181,7 +179,7 @@ class Communicator:
         keep: list = []
         self._call(self._ctx.reducescatter, src, list(src.shape),
                    dtype_code(src.dtype, what, None), _check_op(op, what), float(prescale_factor),
-                   float(postscale_factor), self._name("reducescatter", name),
+                   float(postscale_factor), self._name(name),
                    self._allocator(src.dtype, keep))
         return keep[0]
 
@@ -205,16 +203,16 @@ class Communicator:
         keep: list = []
         received = self._call(self._ctx.alltoall, src, list(src.shape),
                               dtype_code(src.dtype, what, None), [int(s) for s in splits],
-                              self._name("alltoall", name), self._allocator(src.dtype, keep))
+                              self._name(name), self._allocator(src.dtype, keep))
         return (keep[0], np.asarray(received, dtype=np.int64)) if given else keep[0]
 
     def barrier(self, name: Optional[str] = None) -> None:
         """Return only after every rank has entered the barrier."""
-        self._call(self._ctx.barrier, self._name("barrier", name))
+        self._call(self._ctx.barrier, self._name(name))
 
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
         """Return root_rank's ``obj`` (any picklable object) on every rank."""
-        name = self._name("broadcast_object", name)
+        name = self._name(name)
         payload = pickle.dumps(obj) if self.rank() == root_rank else b""
         length = self.broadcast_(np.array([len(payload)], np.int64), root_rank, name + ".len")
         data = np.frombuffer(payload, np.uint8).copy() if payload else np.empty(
@@ -224,7 +222,7 @@ class Communicator:
 
     def allgather_object(self, obj: Any, name: Optional[str] = None) -> list:
         """Return the list of every rank's ``obj``, in rank order."""
-        name = self._name("allgather_object", name)
+        name = self._name(name)
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         lengths = self.allgather(np.array([len(data)], np.int64), name + ".len")
         gathered = self.allgather(data, name + ".data")

@@ -53,7 +53,7 @@ std::string shape_text(const OpHeader& h, bool skip_first) {
 // rendered as text so a mismatch message can show what each rank sent.
 std::string agreement_key(const OpHeader& h) {
   auto kind = static_cast<CollKind>(h.kind);
-  std::string s = cat(coll_name(kind), " '", h.name, "'");
+  std::string s = h.name[0] ? cat(coll_name(kind), " '", h.name, "'") : coll_name(kind);
   switch (kind) {
     case CollKind::kAllreduce:
     case CollKind::kReducescatter:
@@ -117,6 +117,7 @@ const char* coll_name(CollKind k) {
 }
 
 std::string describe_op(const OpDesc& d, uint64_t seq) {
+  if (d.name.empty()) return cat(coll_name(d.kind), " (#", seq, ")");
   return cat(coll_name(d.kind), " '", d.name, "' (#", seq, ")");
 }
 

@@ -1,0 +1,133 @@
+"""Bad input and disagreement between ranks: clear errors, and the library stays usable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ringreduce as rr
+from ringreduce.testing import make_world, run_threaded
+
+
+class DLPackOnly:
+    """An object that offers nothing but the DLPack protocol."""
+
+    def __init__(self, arr):
+        self._arr = arr
+
+    def __dlpack__(self, **kwargs):
+        return self._arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    comms = make_world(2)
+    yield comms
+    for c in comms:
+        c.close()
+
+
+def both(pair, fn):
+    return run_threaded(2, fn, world=pair, return_exceptions=True)
+
+
+def test_dlpack_input_in_place(pair):
+    bufs = [np.full(5, r + 1.0, np.float32) for r in range(2)]
+    both(pair, lambda c: c.allreduce_(DLPackOnly(bufs[c.rank()]), op=rr.Sum))
+    assert all((b == 3).all() for b in bufs)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.zeros(3, np.int16), "int16 is not supported"),
+    (np.zeros(3, np.complex64), "complex64 is not supported"),
+    (object(), "expected a numpy array"),
+])
+def test_unsupported_inputs(pair, bad, match):
+    with pytest.raises(rr.InvalidInputError, match=match):
+        pair[0].allreduce(bad)
+
+
+def test_in_place_needs_contiguous_writable(pair):
+    with pytest.raises(rr.InvalidInputError, match="C-contiguous"):
+        pair[0].allreduce_(np.zeros((4, 4))[:, 1])
+    ro = np.zeros(4)
+    ro.flags.writeable = False
+    with pytest.raises(rr.InvalidInputError, match="read-only"):
+        pair[0].broadcast_(ro, root_rank=0)
+
+
+def test_local_argument_errors(pair):
+    c = pair[0]
+    with pytest.raises(rr.InvalidInputError, match="root_rank must be an int in"):
+        c.broadcast(np.zeros(3), root_rank=2)
+    with pytest.raises(rr.InvalidInputError, match="op must be one of"):
+        c.allreduce(np.zeros(3), op=17)
+    with pytest.raises(rr.InvalidInputError, match="not supported for dtype bool"):
+        c.allreduce(np.zeros(3, bool), op=rr.Average)
+    with pytest.raises(rr.InvalidInputError, match="0-d scalar"):
+        c.allgather(np.float32(1.0))
+    with pytest.raises(rr.InvalidInputError, match="summing to dim 0"):
+        c.alltoall(np.zeros(4), splits=[1, 1])
+    with pytest.raises(rr.InvalidInputError, match="does not divide"):
+        c.alltoall(np.zeros(3))
+
+
+def test_zero_size_arrays(pair):
+    def body(c):
+        return (c.allreduce(np.zeros((0, 3), np.float32)), c.allgather(np.zeros((0, 2))),
+                c.broadcast(np.zeros(0, np.int8), root_rank=1))
+
+    for a, g, b in both(pair, body):
+        assert a.shape == (0, 3) and g.shape == (0, 2) and b.shape == (0,)
+
+
+@pytest.mark.parametrize("call", ["shape", "dtype", "op", "root", "kind", "name"])
+def test_mismatch_raises_on_every_rank_then_recovers(pair, call):
+    def body(c):
+        r = c.rank()
+        x = np.ones(10 + (r if call == "shape" else 0),
+                    np.float64 if call == "dtype" and r else np.float32)
+        if call == "root":
+            c.broadcast(x, root_rank=r)
+        elif call == "kind" and r:
+            c.barrier()
+        elif call == "name":
+            c.allreduce(x, name=f"grad{r}")
+        else:
+            c.allreduce(x, op=rr.Max if call == "op" and r else rr.Sum)
+
+    errs = both(pair, body)
+    for e in errs:
+        assert isinstance(e, rr.MismatchError), e
+        assert "rank 0 called" in str(e) and "rank 1 called" in str(e)
+    if call == "shape":
+        assert "float32[10]" in str(errs[0]) and "float32[11]" in str(errs[0])
+    ok = both(pair, lambda c: c.allreduce(np.full(3, c.rank(), np.float32), op=rr.Sum))
+    assert all((o == 1).all() for o in ok)
+
+
+def test_use_before_init_is_clear():
+    code = ("import numpy as np, ringreduce as rr\n"
+            "try:\n    rr.allreduce(np.ones(2))\nexcept rr.NotInitializedError as e:\n"
+            "    print('OK', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "OK ringreduce has not been initialized: call ringreduce.init()" in out.stdout, out
+
+
+def test_single_process_without_launcher():
+    code = ("import numpy as np, ringreduce as rr\nrr.init(); rr.init()\n"
+            "assert (rr.size(), rr.rank(), rr.local_size(), rr.cross_size()) == (1, 0, 1, 1)\n"
+            "assert (rr.allreduce(np.arange(3.0)) == np.arange(3.0)).all()\n"
+            "assert rr.allgather(np.ones((2, 2))).shape == (2, 2)\n"
+            "rr.shutdown(); rr.init(); rr.barrier(); rr.shutdown(); print('OK')\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE") and not k.startswith(("PMI", "OMPI", "HYDI"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.stdout.strip() == "OK", out

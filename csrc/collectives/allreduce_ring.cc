@@ -1,24 +1,30 @@
 // Ring allreduce = ring reduce-scatter + ring allgather (bandwidth-optimal:
-// each rank sends and receives 2(N-1)/N of the buffer). Between the phases the
-// owner of each segment applies Average / postscale to it, so the scaling work
-// is split N ways and every rank receives identical, already-final bits.
-// Each step streams in chunks (shm slots / socket writes) so send, receive and
-// reduce overlap within a step.
+// each rank sends and receives 2(N-1)/N of the buffer), run as one chain of
+// 2(N-1) chunk-pipelined steps (ring_pipeline.h): the allgather's first step
+// sends the segment the reduce-scatter's last step completed, chunk by chunk,
+// so the two phases overlap too. The owner of each segment applies Average /
+// postscale to each chunk as it completes, so the scaling work is split N ways
+// and every rank receives identical, already-final bits.
 #include "collectives/collective_util.h"
 #include "collectives/collectives.h"
+#include "collectives/ring_pipeline.h"
 #include "common/dtype.h"
 
 namespace rr {
 
 void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                     double postscale, const std::string& what) {
-  const int n = ctx.size(), r = ctx.rank();
-  const size_t es = dtype_size(dtype);
+  const int n = ctx.size();
   std::vector<size_t> off = split_offsets(count, n);
-  for (auto& o : off) o *= es;
-  reduce_scatter_ring(ctx, buf, off, dtype, op, what);
-  finalize_reduction(buf + off[r], (off[r + 1] - off[r]) / es, dtype, op, postscale, n);
-  allgather_ring(ctx, buf, off, what);
+  for (auto& o : off) o *= dtype_size(dtype);
+  std::vector<ReduceSink> reduce_sinks;
+  std::vector<CopySink> copy_sinks;
+  reduce_sinks.reserve(n);
+  copy_sinks.reserve(n);
+  std::vector<RingStep> steps;
+  reduce_scatter_steps(ctx, buf, off, dtype, op, postscale, &reduce_sinks, &steps);
+  allgather_steps(ctx, buf, off, &copy_sinks, &steps);
+  run_ring(ctx, steps, /*chained=*/true, what);
 }
 
 }  // namespace rr

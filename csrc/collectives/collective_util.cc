@@ -14,7 +14,10 @@ std::vector<size_t> split_offsets(size_t count, int parts) {
 }
 
 void ReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
-  reduce_into(dst_ + offset, data, n / dtype_size(dtype_), dtype_, op_);
+  const size_t count = n / dtype_size(dtype_);
+  reduce_into(dst_ + offset, data, count, dtype_, op_);
+  if (finalize_ranks_ > 0)
+    finalize_reduction(dst_ + offset, count, dtype_, op_, postscale_, finalize_ranks_);
 }
 
 void send_recv(Context& ctx, int to, const void* sbuf, size_t sn, int from, RecvSink* sink,

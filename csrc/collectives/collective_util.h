@@ -21,17 +21,25 @@ namespace rr {
 // most one, larger pieces first. offsets has parts + 1 entries.
 std::vector<size_t> split_offsets(size_t count, int parts);
 
-// dst[offset ...] = dst[offset ...] (op) incoming, element-wise.
+// dst[offset ...] = dst[offset ...] (op) incoming, element-wise. With
+// `finalize_ranks` > 0 each chunk is also finalized (Average / postscale, see
+// finalize_reduction) right after its last reduction, while still in cache.
 class ReduceSink : public RecvSink {
  public:
-  ReduceSink(void* dst, DType dtype, ReduceOp op)
-      : dst_(static_cast<uint8_t*>(dst)), dtype_(dtype), op_(op) {}
+  ReduceSink(void* dst, DType dtype, ReduceOp op, int finalize_ranks = 0, double postscale = 1.0)
+      : dst_(static_cast<uint8_t*>(dst)),
+        dtype_(dtype),
+        op_(op),
+        finalize_ranks_(finalize_ranks),
+        postscale_(postscale) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
 
  private:
   uint8_t* dst_;
   DType dtype_;
   ReduceOp op_;
+  int finalize_ranks_;
+  double postscale_;
 };
 
 // Sends `sn` bytes to rank `to` while receiving `rn` bytes from rank `from`

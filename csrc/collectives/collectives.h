@@ -48,8 +48,9 @@ void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, Reduc
                     double postscale, const std::string& what);
 void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                       double postscale, const std::vector<std::vector<uint8_t>>& contributions);
+// Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r.
 void reduce_scatter_ring(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
-                         DType dtype, ReduceOp op, const std::string& what);
+                         DType dtype, ReduceOp op, double postscale, const std::string& what);
 void allgather_ring(Context& ctx, uint8_t* out, const std::vector<size_t>& byte_off,
                     const std::string& what);
 void broadcast_chain(Context& ctx, uint8_t* buf, size_t bytes, int root, const std::string& what);

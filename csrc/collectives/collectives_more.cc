@@ -26,9 +26,11 @@ void reducescatter(Context& ctx, const Tensor& in, ReduceOp op, double prescale,
     OpDesc d{CollKind::kReducescatter, in.dtype, op, -1, in.shape, prescale, postscale, in.name};
     uint64_t seq = ctx.next_seq();
     exchange_headers(ctx, d, seq, nullptr, 0);
-    reduce_scatter_ring(ctx, work, off, in.dtype, op, describe_op(d, seq));
     const size_t mine = off[r + 1] - off[r];
-    finalize_reduction(work + off[r], mine / es, in.dtype, op, postscale, n);
+    if (n == 1)
+      finalize_reduction(work, mine / es, in.dtype, op, postscale, 1);
+    else
+      reduce_scatter_ring(ctx, work, off, in.dtype, op, postscale, describe_op(d, seq));
     std::vector<int64_t> shape = in.shape;
     shape[0] = static_cast<int64_t>(rows[r + 1] - rows[r]);
     void* out = alloc(shape);

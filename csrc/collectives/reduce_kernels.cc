@@ -307,7 +307,7 @@ RR_KERNEL_CLONES void divide_small(T* buf, size_t n, double d) {
 template <class T>
 RR_KERNEL_CLONES void negate_wrap(T* buf, size_t n) {
   using U = std::make_unsigned_t<T>;
-  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(static_cast<U>(U{0} - static_cast<U>(buf[i])));
+  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(static_cast<U>(-static_cast<U>(buf[i])));
 }
 
 // ---- Type erasure: one switch on the dtype, one on the op. ----

@@ -8,25 +8,37 @@
 // Invariant: after step s, rank r's segment (r - s - 2) mod N holds the
 // reduction of s + 2 ranks' contributions, so after N - 1 steps rank r holds
 // segment r fully reduced. Each rank sends and receives (N-1)/N of the buffer.
-// The order in which contributions meet is fixed by N and the segment, so the
-// bits are repeatable run to run.
+// The segment sent at step s is the one received at step s - 1, so steps are
+// chunk-pipelined (ring_pipeline.h). The order in which contributions meet is
+// fixed by N and the segment, so the bits are repeatable run to run.
 #include "collectives/collective_util.h"
 #include "collectives/collectives.h"
+#include "collectives/ring_pipeline.h"
 
 namespace rr {
 
-void reduce_scatter_ring(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
-                         DType dtype, ReduceOp op, const std::string& what) {
+void reduce_scatter_steps(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
+                          DType dtype, ReduceOp op, double postscale,
+                          std::vector<ReduceSink>* sinks, std::vector<RingStep>* steps) {
   const int n = ctx.size(), r = ctx.rank();
-  if (n == 1) return;
-  const int right = (r + 1) % n, left = (r - 1 + n) % n;
   auto seg = [&](int s) { return ((s % n) + n) % n; };
   for (int s = 0; s < n - 1; ++s) {
     int out = seg(r - s - 1), in = seg(r - s - 2);
-    ReduceSink sink(buf + seg_off[in], dtype, op);
-    send_recv(ctx, right, buf + seg_off[out], seg_off[out + 1] - seg_off[out], left, &sink,
-              seg_off[in + 1] - seg_off[in], what);
+    // The last step completes segment r: finalize it chunk by chunk.
+    sinks->emplace_back(buf + seg_off[in], dtype, op, s == n - 2 ? n : 0, postscale);
+    steps->push_back(RingStep{buf + seg_off[out], seg_off[out + 1] - seg_off[out], &sinks->back(),
+                              seg_off[in + 1] - seg_off[in]});
   }
+}
+
+void reduce_scatter_ring(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
+                         DType dtype, ReduceOp op, double postscale, const std::string& what) {
+  if (ctx.size() == 1) return;
+  std::vector<ReduceSink> sinks;
+  sinks.reserve(ctx.size());
+  std::vector<RingStep> steps;
+  reduce_scatter_steps(ctx, buf, seg_off, dtype, op, postscale, &sinks, &steps);
+  run_ring(ctx, steps, /*chained=*/true, what);
 }
 
 }  // namespace rr

@@ -42,6 +42,28 @@ struct ProgressSettings {
   const std::atomic<bool>* abort = nullptr;
 };
 
+// A link direction that is still waiting for bytes to move.
+struct PendingIo {
+  Link* link;
+  bool sending;
+};
+
+// Anything the driver can advance: a batch of transfers, a ring pipeline...
+class ProgressTask {
+ public:
+  virtual ~ProgressTask() = default;
+  // Moves whatever can move without blocking. Returns true if any bytes moved
+  // and sets *pending to the number of unfinished operations (0 = done).
+  virtual bool advance(size_t* pending) = 0;
+  // The link directions the task is waiting on (for poll, liveness, errors).
+  virtual void pending_io(std::vector<PendingIo>* out) const = 0;
+};
+
+// Advances `task` until done: spin, then block, checking liveness, deadline
+// and the abort flag between blocking slices. Errors are prefixed with the
+// rank and `what`.
+void drive(const ProgressSettings& settings, ProgressTask& task, const std::string& what);
+
 // Runs until every op is complete (with wait_sends = false: until every
 // receive is; sends are pushed as far as they go and can be continued by a
 // later call). Ops on the same link and direction run strictly in list order.

@@ -1,0 +1,95 @@
+#include "collectives/ring_pipeline.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "transport/progress.h"
+
+namespace rr {
+
+namespace {
+
+class RingTask : public ProgressTask {
+ public:
+  RingTask(Link* left, Link* right, const std::vector<RingStep>& steps, bool chained, size_t chunk)
+      : left_(left), right_(right), steps_(steps), chained_(chained), chunk_(chunk) {}
+
+  bool advance(size_t* pending) override {
+    bool moved = advance_recv();
+    moved |= advance_send();
+    *pending = (steps_.size() - rt_) + (steps_.size() - st_);
+    return moved;
+  }
+
+  void pending_io(std::vector<PendingIo>* out) const override {
+    out->clear();
+    if (rt_ < steps_.size()) out->push_back(PendingIo{left_, false});
+    if (st_ < steps_.size() && sdone_ < sendable()) out->push_back(PendingIo{right_, true});
+  }
+
+ private:
+  bool advance_recv() {
+    bool moved = false;
+    while (rt_ < steps_.size()) {
+      const RingStep& s = steps_[rt_];
+      if (rdone_ < s.recv_bytes) {
+        size_t k = left_->recv_some(*s.sink, s.recv_bytes, rdone_);
+        rdone_ += k;
+        moved |= k > 0;
+      }
+      if (rdone_ < s.recv_bytes) break;
+      ++rt_;
+      rdone_ = 0;
+    }
+    return moved;
+  }
+
+  // Bytes of the current send step that may go out now.
+  size_t sendable() const {
+    const size_t n = steps_[st_].send_bytes;
+    if (!chained_ || st_ == 0 || rt_ >= st_) return n;
+    size_t got = rt_ + 1 == st_ ? rdone_ : 0;
+    return got >= n ? n : got / chunk_ * chunk_;
+  }
+
+  bool advance_send() {
+    bool moved = false;
+    while (st_ < steps_.size()) {
+      const RingStep& s = steps_[st_];
+      size_t avail = sendable();
+      if (sdone_ < avail) {
+        size_t k = right_->send_some(s.send, avail, sdone_);
+        sdone_ += k;
+        moved |= k > 0;
+      }
+      if (sdone_ < s.send_bytes) break;
+      ++st_;
+      sdone_ = 0;
+    }
+    return moved;
+  }
+
+  Link* left_;
+  Link* right_;
+  const std::vector<RingStep>& steps_;
+  bool chained_;
+  size_t chunk_;
+  size_t rt_ = 0, rdone_ = 0;  // receive step and bytes received in it
+  size_t st_ = 0, sdone_ = 0;  // send step and bytes sent in it
+};
+
+}  // namespace
+
+void run_ring(Context& ctx, const std::vector<RingStep>& steps, bool chained,
+              const std::string& what) {
+  const int n = ctx.size(), r = ctx.rank();
+  if (n == 1 || steps.empty()) return;
+  for (size_t t = 1; chained && t < steps.size(); ++t)
+    RR_CHECK(steps[t].send_bytes == steps[t - 1].recv_bytes, what,
+             ": ring step sizes are not chained");
+  RingTask task(&ctx.link((r - 1 + n) % n), &ctx.link((r + 1) % n), steps, chained,
+                ctx.options().shm_slot_bytes);
+  drive(ctx.progress(), task, what);
+}
+
+}  // namespace rr

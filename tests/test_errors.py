@@ -70,6 +70,8 @@ def test_local_argument_errors(pair):
         c.allreduce(np.zeros(3), op=17)
     with pytest.raises(rr.InvalidInputError, match="not supported for dtype bool"):
         c.allreduce(np.zeros(3, bool), op=rr.Average)
+    with pytest.raises(rr.InvalidInputError, match="not defined for dtype bool"):
+        c.allreduce(np.zeros(3, bool), op=rr.Max, postscale_factor=2.0)
     with pytest.raises(rr.InvalidInputError, match="0-d scalar"):
         c.allgather(np.float32(1.0))
     with pytest.raises(rr.InvalidInputError, match="summing to dim 0"):

@@ -72,6 +72,13 @@ std::vector<size_t> row_offsets_bytes(const std::vector<OpHeader>& hs, size_t ro
   return off;
 }
 
+void check_scales(const Context& ctx, const Tensor& t, double prescale, double postscale,
+                  const char* what) {
+  if (t.dtype == DType::kBool && (prescale != 1.0 || postscale != 1.0))
+    throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": ", what, " '", t.name,
+                "': prescale/postscale factors are not defined for dtype bool");
+}
+
 void check_has_rows(const Context& ctx, const Tensor& t, const char* what) {
   if (t.shape.empty())
     throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": ", what, " '", t.name,

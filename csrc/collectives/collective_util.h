@@ -72,6 +72,9 @@ auto guarded(Context& ctx, Fn&& fn) -> decltype(fn()) {
 
 void check_shape(const Context& ctx, const Tensor& t, const char* op);
 void check_reduce(const Context& ctx, const Tensor& t, ReduceOp op, const char* what);
+// Scaling is undefined for bool: reject it before any byte moves.
+void check_scales(const Context& ctx, const Tensor& t, double prescale, double postscale,
+                  const char* what);
 void check_has_rows(const Context& ctx, const Tensor& t, const char* what);
 // Bytes of one row (all dims but the first).
 size_t row_bytes(const Tensor& t);

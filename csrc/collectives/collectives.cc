@@ -18,6 +18,7 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
                double postscale) {
   guarded(ctx, [&] {
     check_reduce(ctx, in, op, "allreduce");
+    check_scales(ctx, in, prescale, postscale, "allreduce");
     const size_t count = static_cast<size_t>(num_elements(in.shape));
     const size_t bytes = count * dtype_size(in.dtype);
     auto* buf = static_cast<uint8_t*>(out);

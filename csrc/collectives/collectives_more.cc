@@ -13,6 +13,7 @@ void reducescatter(Context& ctx, const Tensor& in, ReduceOp op, double prescale,
                    const Allocator& alloc) {
   guarded(ctx, [&] {
     check_reduce(ctx, in, op, "reducescatter");
+    check_scales(ctx, in, prescale, postscale, "reducescatter");
     check_has_rows(ctx, in, "reducescatter");
     const int n = ctx.size(), r = ctx.rank();
     const size_t rowb = row_bytes(in), es = dtype_size(in.dtype);

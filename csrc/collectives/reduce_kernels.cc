@@ -1,17 +1,19 @@
 // Element-wise reduction kernels.
 //
 // Determinism contract: every output element is a pure function of the input
-// elements at the same index (plus the op, the factor or the divisor). No
-// value is ever combined across indices, so vector width, alignment peeling
-// and loop tails cannot change a result. Each element is computed with
-// exactly the operations written below: one IEEE operation per element for
-// float32/float64 (the project builds with -ffp-contract=off and without
-// -ffast-math; none of these kernels has a multiply feeding an add anyway),
-// float32 for float16/bfloat16 with integer-only, bit-exact conversions and a
-// single round-to-nearest-even back, select-based Min/Max (a NaN operand wins;
-// the first NaN wins if both are NaN) and unsigned wrap-around integer Sum and
-// Product. The same source is compiled once per instruction set with GCC
-// target_clones and picked at run time, so every clone yields identical bits.
+// elements at the same index (plus the op, factor or divisor) and never of the
+// CPU's vector width, alignment or the clone that runs. Per element:
+//  - float32/float64 Sum/Product: one IEEE operation (-ffp-contract=off, no
+//    -ffast-math; no kernel has a multiply feeding an add anyway). If a is
+//    NaN the result is a unchanged, so two NaNs cannot give operand-order-
+//    dependent payloads. Min/Max: a NaN operand wins (a first); ties give b.
+//  - float16/bfloat16: widened exactly to float32, computed as above, rounded
+//    to nearest even once. float16 conversions are F16C or portable integer
+//    code with identical bits (exhaustively checked, also under DAZ/FTZ).
+//  - integers: Sum/Product wrap (unsigned arithmetic); scaling multiplies in
+//    double, rounds half away from zero and saturates; division is exact.
+// Assumes the default MXCSR rounding mode, as all float32 arithmetic does.
+// Loops are compiled once per ISA with GCC target_clones and picked at load.
 
 #include "collectives/reduce_kernels.h"
 
@@ -27,12 +29,11 @@
 #define RR_KERNEL_X86 1
 #define RR_KERNEL_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define RR_KERNEL_DEFAULT __attribute__((target("default")))
-#define RR_KERNEL_V3 __attribute__((target("arch=x86-64-v3")))
+// Additive ISA flags (not arch=) so that builds with a higher -march still compile.
+#define RR_KERNEL_F16C __attribute__((target("avx,f16c")))
 #else
 #define RR_KERNEL_X86 0
 #define RR_KERNEL_CLONES
-#define RR_KERNEL_DEFAULT
 #endif
 
 namespace rr {
@@ -44,9 +45,9 @@ inline To bit_as(From x) {
   return __builtin_bit_cast(To, x);
 }
 
-// Branch-free select. With -ftrapping-math GCC will neither if-convert a ?:
-// whose arms hold float operations nor undo jump threading around one, and a
-// branch in the loop body stops vectorisation; masks keep the body straight.
+// Branch-free select. Under the default -ftrapping-math GCC may turn a ?: into
+// a branch that guards a float operation or conversion, and then it cannot
+// if-convert the loop body back, so the loop stays scalar. Masks avoid that.
 template <class T>
 inline T select(bool c, T a, T b) {
   if constexpr (std::is_floating_point_v<T>) {
@@ -78,7 +79,8 @@ struct Bool {
 
 // IEEE binary16, bit-identical to F16C's VCVTPH2PS and VCVTPS2PH (round to
 // nearest even) in both directions (checked exhaustively): NaNs are quieted
-// and keep their payload. Integer steps plus exact float steps only.
+// and keep their payload. Integer steps, exact float steps and one float add
+// whose rounding is the wanted one.
 struct Half {
   using Storage = uint16_t;
   using Compute = float;
@@ -137,13 +139,13 @@ inline bool is_nan(T x) {
   }
 }
 
-// When both operands of an IEEE add or multiply are NaN the payload of the
-// result is not pinned down: x86 returns the first source, and the compiler is
-// free to swap commutative operands differently in each clone. Returning the
-// NaN operand itself (a's, else b's) makes the result bits deterministic.
+// When both operands of an IEEE add or multiply are NaN, x86 returns the first
+// source operand, and the compiler may order commutative operands differently
+// in each clone. Returning a NaN a unchanged pins the result bits down (with a
+// single NaN operand the hardware result is already unique).
 template <class T>
-inline T nan_first(T a, T b, T r) {
-  return select(is_nan(a), a, select(is_nan(b), b, r));
+inline T nan_from_a(T a, T r) {
+  return select(is_nan(a), a, r);
 }
 
 template <class T>
@@ -158,7 +160,7 @@ struct OpSum {
       using U = std::make_unsigned_t<T>;
       return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
     } else {
-      return nan_first(a, b, a + b);
+      return nan_from_a(a, a + b);
     }
   }
 };
@@ -172,7 +174,7 @@ struct OpProduct {
       using U = std::make_unsigned_t<T>;
       return static_cast<T>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
     } else {
-      return nan_first(a, b, a * b);
+      return nan_from_a(a, a * b);
     }
   }
 };
@@ -209,22 +211,22 @@ RR_KERNEL_CLONES void scale_float(typename C::Storage* buf, size_t n,
                                   typename C::Compute factor) {
   for (size_t i = 0; i < n; ++i) {
     const auto x = C::load(buf[i]);
-    buf[i] = C::store(nan_first(x, factor, x * factor));
+    buf[i] = C::store(nan_from_a(x, x * factor));
   }
 }
 
-// Bulk float16 <-> float32. Every CPU has the portable codec; on x86-64-v3
-// and up F16C does the bulk (same bits, several times faster).
-RR_KERNEL_DEFAULT void half_to_float(const uint16_t* src, float* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = Half::load(src[i]);
-}
-
-RR_KERNEL_DEFAULT void float_to_half(const float* src, uint16_t* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = Half::store(src[i]);
-}
-
+// Bulk float16 <-> float32: F16C where the CPU has it, else the portable
+// codec. Both give the same bits.
 #if RR_KERNEL_X86
-RR_KERNEL_V3 void half_to_float(const uint16_t* src, float* dst, size_t n) {
+bool cpu_has_f16c() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+
+RR_KERNEL_F16C void half_to_float_f16c(const uint16_t* src, float* dst, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -233,7 +235,7 @@ RR_KERNEL_V3 void half_to_float(const uint16_t* src, float* dst, size_t n) {
   for (; i < n; ++i) dst[i] = Half::load(src[i]);
 }
 
-RR_KERNEL_V3 void float_to_half(const float* src, uint16_t* dst, size_t n) {
+RR_KERNEL_F16C void float_to_half_f16c(const float* src, uint16_t* dst, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
@@ -242,6 +244,20 @@ RR_KERNEL_V3 void float_to_half(const float* src, uint16_t* dst, size_t n) {
   for (; i < n; ++i) dst[i] = Half::store(src[i]);
 }
 #endif
+
+void half_to_float(const uint16_t* src, float* dst, size_t n) {
+#if RR_KERNEL_X86
+  if (cpu_has_f16c()) return half_to_float_f16c(src, dst, n);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = Half::load(src[i]);
+}
+
+void float_to_half(const float* src, uint16_t* dst, size_t n) {
+#if RR_KERNEL_X86
+  if (cpu_has_f16c()) return float_to_half_f16c(src, dst, n);
+#endif
+  for (size_t i = 0; i < n; ++i) dst[i] = Half::store(src[i]);
+}
 
 // float16 runs the float32 kernels on blocks converted in bulk. Each block of
 // a and b is read before dst is written, so any aliasing is fine.

@@ -58,6 +58,10 @@ def init() -> None:
         from ._bootstrap import connect
 
         _Process.comm = Communicator(connect())
+        # Registered after mpi4py's own exit hook (imported by connect), so it
+        # runs first: peers learn this rank left before MPI_Finalize can block.
+        atexit.unregister(shutdown)
+        atexit.register(shutdown)
 
 
 def shutdown() -> None:
@@ -65,9 +69,6 @@ def shutdown() -> None:
     comm, _Process.comm = _Process.comm, None
     if comm is not None:
         comm.close()
-
-
-atexit.register(shutdown)
 
 
 def is_initialized() -> bool:

@@ -85,9 +85,13 @@ def _env_store() -> tuple[int, int, bytes, Exchange]:
 
     def exchange(mine: bytes) -> list[bytes]:
         infos = store.allgather("rr/endpoints", rank, size, mine, timeout)
-        # Rank 0 keeps the store up until everybody has read everything.
-        store.allgather("rr/done", rank, size, b"", timeout)
-        if server is not None:
+        # Rank 0 keeps the store up until every other rank says it has read
+        # everything; only rank 0 reads these keys, so closing after is safe.
+        if rank != 0:
+            store.set(f"rr/done/{rank}", b"")
+        else:
+            for r in range(1, size):
+                store.get(f"rr/done/{r}", timeout)
             server.close()
         return infos
 

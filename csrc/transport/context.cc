@@ -62,7 +62,12 @@ Context::Context(ContextOptions options) : opt_(std::move(options)) {
 
 Context::~Context() { close(); }
 
-void Context::close() {
+void Context::close() { leave(cat("rank ", opt_.rank, " shut down")); }
+
+void Context::leave(const std::string& reason) {
+  if (!segments_.empty() && segments_[local_rank_]) segments_[local_rank_]->mark_closed(reason);
+  for (auto& l : links_)
+    if (l) l->abort();
   links_.clear();
   segments_.clear();
   listener_.reset();
@@ -165,7 +170,8 @@ void Context::connect_shm() {
       opt_.shm_slots, opt_.shm_slot_bytes));
   for (int r : local)
     segments_[local_index_[r]] = std::make_unique<ShmSegment>(
-        ShmSegment::open(prefix + std::to_string(r), r, opt_.connect_timeout_s));
+        ShmSegment::open(prefix + std::to_string(r), r, peers_[r].pid,
+                         opt_.connect_timeout_s));
   ShmSegment* mine = segments_[local_rank_].get();
   progress_.doorbell = &mine->header()->doorbell;
   // Unlink as soon as every local peer has mapped us: from here on a crash
@@ -236,7 +242,10 @@ uint8_t* Context::scratch(size_t slot, size_t bytes) {
 }
 
 void Context::mark_broken(const std::string& why) {
-  if (broken_.empty()) broken_ = why;
+  if (!broken_.empty()) return;
+  broken_ = why;
+  // Tell every peer, not only the ring neighbours that saw the failure.
+  leave(why);
 }
 
 void Context::check_usable() const {

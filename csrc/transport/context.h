@@ -77,12 +77,14 @@ class Context {
   // faults on fresh temporaries). Grows, never shrinks.
   uint8_t* scratch(size_t slot, size_t bytes);
 
-  // After a transport failure the streams are out of step: refuse further use.
+  // After a transport failure the streams are out of step: refuse further use,
+  // and tell every peer so that none of them waits for this rank.
   void mark_broken(const std::string& why);
   void check_usable() const;
   std::atomic<bool>& abort_flag() { return abort_; }
 
  private:
+  void leave(const std::string& reason);
   void compute_topology();
   void connect_shm();
   void connect_tcp();

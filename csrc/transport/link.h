@@ -49,6 +49,9 @@ class Link {
   virtual WaitHandle wait_handle() const = 0;
   // Throws kPeerLost if the peer is known to be gone. Called between waits.
   virtual void check_alive() = 0;
+  // This rank is leaving (shutdown or unrecoverable failure): make the peer
+  // notice promptly (close the socket / wake it up to read our closed flag).
+  virtual void abort() = 0;
 };
 
 // A sink that copies into a contiguous destination.

@@ -119,8 +119,7 @@ void block_once(const ProgressSettings& st, ProgressTask& task, const std::vecto
 }  // namespace
 
 void drive(const ProgressSettings& st, ProgressTask& task, const std::string& what) {
-  size_t pending = 0;
-  if (!task.advance(&pending) && pending == 0) return;
+  size_t pending = 1;
   const auto spin = std::chrono::duration<double>(st.spin_seconds);
   auto last_progress = Clock::now();
   auto last_check = last_progress;
@@ -128,6 +127,7 @@ void drive(const ProgressSettings& st, ProgressTask& task, const std::string& wh
   std::vector<PendingIo> io;
   constexpr int64_t kSliceNs = 100 * 1000 * 1000;  // liveness checks every 100 ms
   try {
+    if (!task.advance(&pending) && pending == 0) return;
     while (pending > 0) {
       if (task.advance(&pending)) {
         last_progress = Clock::now();

@@ -63,6 +63,9 @@ size_t ShmLink::recv_some(RecvSink& sink, size_t n, size_t done) {
 }
 
 void ShmLink::check_alive() {
+  std::string why = theirs_->closed_reason();
+  if (!why.empty())
+    throw_error(ErrorKind::kPeerLost, "rank ", peer_, " on host ", host_, " left the job: ", why);
   if (!process_alive(peer_pid_))
     throw_error(ErrorKind::kPeerLost, "rank ", peer_, " (pid ", peer_pid_, " on host ", host_,
                 ") has exited");

@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <new>
@@ -73,6 +75,8 @@ ShmSegment ShmSegment::create(const std::string& name, int rank, uint32_t nrings
   h->slots = slots;
   h->slot_bytes = slot_bytes;
   h->mapped.store(0);
+  h->closed.store(0);
+  h->closed_reason[0] = '\0';
   h->doorbell.init();
   for (uint32_t i = 0; i < nrings; ++i) {
     RingHeader* r = new (seg.ring(i)) RingHeader();
@@ -83,7 +87,8 @@ ShmSegment ShmSegment::create(const std::string& name, int rank, uint32_t nrings
   return seg;
 }
 
-ShmSegment ShmSegment::open(const std::string& name, int owner_rank, double timeout_s) {
+ShmSegment ShmSegment::open(const std::string& name, int owner_rank, int owner_pid,
+                            double timeout_s) {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   int fd = -1;
   struct stat st {};
@@ -95,6 +100,9 @@ ShmSegment ShmSegment::open(const std::string& name, int owner_rank, double time
     if (fd < 0 && errno != ENOENT)
       throw_error(ErrorKind::kInternal, "cannot open shared memory ", name, " of rank ",
                   owner_rank, ": ", errno_string(errno));
+    if (!process_alive(owner_pid))
+      throw_error(ErrorKind::kPeerLost, "rank ", owner_rank, " (pid ", owner_pid,
+                  ") exited during initialisation");
     if (std::chrono::steady_clock::now() > deadline)
       throw_error(ErrorKind::kTimeout, "rank ", owner_rank, " did not create its shared memory ",
                   name, " within ", timeout_s, " s");
@@ -154,6 +162,21 @@ void ShmSegment::unlink() {
     shm_unlink(name_.c_str());
     unlinked_ = true;
   }
+}
+
+void ShmSegment::mark_closed(const std::string& reason) {
+  SegmentHeader* h = header();
+  if (!owner_ || !h || h->closed.load()) return;
+  size_t n = std::min(reason.size(), sizeof(h->closed_reason) - 1);
+  std::memcpy(h->closed_reason, reason.data(), n);
+  h->closed_reason[n] = '\0';
+  h->closed.store(1);
+}
+
+std::string ShmSegment::closed_reason() const {
+  const SegmentHeader* h = header();
+  if (!h || !h->closed.load()) return "";
+  return std::string(h->closed_reason, strnlen(h->closed_reason, sizeof(h->closed_reason)));
 }
 
 bool process_alive(int pid) {

@@ -36,6 +36,10 @@ struct alignas(64) SegmentHeader {
   uint64_t slot_bytes;
   std::atomic<uint32_t> ready;
   std::atomic<uint32_t> mapped;
+  // Set by the owner when it stops taking part (shutdown, or a failure it
+  // cannot recover from); peers then fail fast instead of waiting for it.
+  std::atomic<uint32_t> closed;
+  char closed_reason[512];
   Doorbell doorbell;
 };
 
@@ -44,8 +48,10 @@ class ShmSegment {
   // Creates and initialises this rank's segment with `nrings` rings.
   static ShmSegment create(const std::string& name, int rank, uint32_t nrings, uint32_t slots,
                            uint64_t slot_bytes);
-  // Maps a peer's segment, waiting up to `timeout_s` for it to appear.
-  static ShmSegment open(const std::string& name, int owner_rank, double timeout_s);
+  // Maps a peer's segment, waiting up to `timeout_s` for it to appear and
+  // failing early if the owner process (`owner_pid`) dies meanwhile.
+  static ShmSegment open(const std::string& name, int owner_rank, int owner_pid,
+                         double timeout_s);
 
   ShmSegment() = default;
   ShmSegment(ShmSegment&& o) noexcept { *this = std::move(o); }
@@ -59,6 +65,10 @@ class ShmSegment {
   uint8_t* slot(uint32_t ring, uint32_t index) const;
   // Removes the name from /dev/shm (idempotent); the mapping stays valid.
   void unlink();
+  // Owner only: tells every peer that this rank is gone, and why.
+  void mark_closed(const std::string& reason);
+  // Peers: the owner's reason if it has closed, else empty.
+  std::string closed_reason() const;
   const std::string& name() const { return name_; }
 
  private:

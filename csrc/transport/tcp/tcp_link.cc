@@ -18,9 +18,13 @@ TcpLink::TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes)
 void TcpLink::fail(const char* what, int err) {
   if (err == 0)
     throw_error(ErrorKind::kPeerLost, "rank ", peer_, " on host ", host_,
-                " closed its connection (process exited or crashed)");
+                " closed its connection (it exited, crashed, shut down or failed)");
   throw_error(ErrorKind::kPeerLost, what, " rank ", peer_, " on host ", host_, " failed: ",
               errno_string(err));
+}
+
+void TcpLink::abort() {
+  if (fd_.get() >= 0) ::shutdown(fd_.get(), SHUT_RDWR);  // the peer reads EOF at once
 }
 
 size_t TcpLink::send_some(const uint8_t* data, size_t n, size_t done) {

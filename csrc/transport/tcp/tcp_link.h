@@ -24,6 +24,7 @@ class TcpLink : public Link {
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{fd_.get(), false}; }
   void check_alive() override {}  // failures surface as socket errors
+  void abort() override;
 
  private:
   [[noreturn]] void fail(const char* what, int err);

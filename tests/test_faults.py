@@ -1,0 +1,211 @@
+"""Fault injection across real processes: dead peers, mismatched calls, strangers.
+
+Under the env-var launch the survivors stay alive, so they must notice the
+failure by themselves: each one has to raise a RingReduceError naming the dead
+rank and the operation within DETECT_S seconds of the kill, and its next
+collective must fail at once. Under mpirun, MPICH's mpiexec kills the whole job
+when a rank dies; there the job must end promptly with no process left.
+Nothing may be left in /dev/shm either way.
+
+The worker is tests/workers/fault_worker.py; it logs timestamped events.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from procs import (
+    Job,
+    env_launch_specs,
+    run_env_launch,
+    run_mpi,
+    run_procs,
+    shm_entries,
+)
+
+FAULT = "fault_worker.py"
+VICTIM = 1
+DETECT_S = 5.0  # a survivor must raise this soon after the kill
+NEXT_S = 1.0  # ... and its next collective this soon after that
+TRANSPORTS = {"shm": {}, "tcp": {"RINGREDUCE_TRANSPORT": "tcp"}}
+
+
+def launch(launcher: str, n: int, scenario: str, transport: str, sync_dir: Path,
+           timeout: float = 40, linger: float = 8.0) -> Job:
+    args = ["--scenario", scenario, "--victim", VICTIM, "--sync-dir", sync_dir,
+            "--linger", linger]
+    run = run_mpi if launcher == "mpirun" else run_env_launch
+    return run(n, FAULT, args, env=TRANSPORTS[transport], timeout=timeout)
+
+
+def kill_time(job: Job) -> float:
+    killing = job.event(VICTIM, "killing")
+    assert killing is not None, f"the victim never got to its failure point\n{job.describe()}"
+    return killing["t"]
+
+
+def check_no_traces(job: Job, shm_before: set[str]) -> None:
+    assert not job.timed_out, f"job hit its {job.timeout} s timeout\n{job.describe()}"
+    assert not job.survivors, f"processes {job.survivors} outlived the job\n{job.describe()}"
+    leftovers = job.shm_leftovers(shm_before)
+    assert not leftovers, f"left in /dev/shm: {leftovers}\n{job.describe()}"
+
+
+def check_survivors_noticed(job: Job, n: int, op: str = "allreduce") -> None:
+    """Every survivor raised promptly, naming the victim and the operation."""
+    t_kill = kill_time(job)
+    for r in range(n):
+        if r == VICTIM:
+            continue
+        raised, after = job.event(r, "raised"), job.event(r, "next-raised")
+
+        def fail(what: str, r: int = r) -> str:
+            return f"rank {r} (the victim is rank {VICTIM}): {what}\n{job.describe()}"
+
+        assert raised is not None, fail("never raised")
+        assert raised["rr"], fail(f"raised {raised['cls']}, not a RingReduceError")
+        assert f"rank {VICTIM}" in raised["msg"] and op in raised["msg"], fail(
+            f"the error does not name the dead rank and the operation: {raised['msg']}")
+        delay = raised["t"] - t_kill
+        assert delay < DETECT_S, fail(f"raised {delay:.2f} s after the kill")
+        assert after is not None and after["rr"], fail("its next collective did not raise")
+        assert after["t"] - raised["t"] < NEXT_S, fail("its next collective raised slowly")
+        assert job.procs[r].returncode == 0, fail("exited badly")
+
+
+# Over TCP a rank that fails closes its sockets to tell everyone; a survivor that
+# hears of the failure from such a relaying rank before it hears from the dead one
+# names the relaying rank (it still raises PeerLostError promptly). Known gap.
+TCP_RELAY = pytest.mark.xfail(strict=False, reason=(
+    "over TCP a survivor may name the peer that relayed the failure instead of the dead rank"))
+
+
+# ---------------------------------------------------------------- SIGKILL
+@pytest.mark.parametrize("scenario, transport", [
+    ("during", "shm"), ("during", "tcp"), ("idle", "shm"), ("idle", "tcp"), ("init", "shm"),
+    pytest.param("init", "tcp", marks=TCP_RELAY),
+])
+def test_kill_one_rank_env_launch(scenario, transport, tmp_path):
+    """(a) during a 64 MB allreduce, (b) while the others wait, (c) right after init.
+
+    In (c) the survivors call their first allreduce 0.5 s after the victim died.
+    """
+    before = shm_entries()
+    job = launch("env", 3, scenario, transport, tmp_path)
+    check_no_traces(job, before)
+    assert job.procs[VICTIM].returncode == -9, job.describe()
+    check_survivors_noticed(job, 3)
+    assert not job.events("linger-timeout"), job.describe()
+
+
+@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=TCP_RELAY)])
+def test_kill_during_ring_allreduce_reaches_every_rank(transport, tmp_path):
+    """In a 4-rank ring, rank 3 talks only to ranks 2 and 0; it must still learn of rank 1.
+
+    Every survivor makes one 512 MB allreduce (slowed down by 4 KiB shm slots)
+    and rank 1 dies 0.2 s into it, so all ranks are surely past the header
+    exchange, where everybody hears from everybody. Regression: rank 3 once
+    waited until a survivor exited; now a rank that fails tells all its peers
+    (shm closed flag / socket shutdown) before raising.
+    """
+    args = ["--scenario", "during", "--victim", VICTIM, "--sync-dir", tmp_path, "--linger", 6,
+            "--once", "--mb", 512, "--delay", 0.2]
+    env = {**TRANSPORTS[transport], "RINGREDUCE_SHM_SLOT_BYTES": 4096}
+    job = run_env_launch(4, FAULT, args, env=env, timeout=40)
+    assert not job.timed_out, job.describe()
+    check_survivors_noticed(job, 4)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("scenario", ["during", "idle", "init"])
+def test_kill_one_rank_mpirun(scenario, transport, tmp_path):
+    """mpiexec tears the job down when a rank dies: it must fail fast, leaving nothing."""
+    before = shm_entries()
+    job = launch("mpirun", 3, scenario, transport, tmp_path, timeout=30)
+    check_no_traces(job, before)
+    mpirun = job.procs[0]
+    assert mpirun.returncode != 0, f"mpirun succeeded although a rank died\n{job.describe()}"
+    assert mpirun.ended - kill_time(job) < DETECT_S, f"mpirun lingered\n{job.describe()}"
+    for r, (raised, *_) in job.events("raised").items():  # those that raised before the end
+        assert raised["rr"] and f"rank {VICTIM}" in raised["msg"], f"rank {r}: {raised}"
+
+
+# ------------------------------------------------------- orderly departures
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_peer_shutdown_is_noticed(transport, tmp_path):
+    """A rank calls rr.shutdown() while the others wait for it, and stays alive.
+
+    tcp: the survivors see the socket closed; shm: they see the rank's closed
+    flag. Either way PeerLostError naming the rank, within seconds.
+    """
+    job = launch("env", 3, "leave", transport, tmp_path)
+    assert not job.timed_out, job.describe()
+    check_survivors_noticed(job, 3)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_python_exception_on_one_rank_ends_mpirun_job(transport, tmp_path):
+    """The commonest failure of all: an uncaught exception on one rank under mpirun."""
+    job = launch("mpirun", 3, "raise", transport, tmp_path, timeout=15)
+    assert not job.timed_out, f"the job hung after rank {VICTIM} raised\n{job.describe()}"
+    assert job.procs[0].returncode != 0, job.describe()
+    assert job.procs[0].ended - kill_time(job) < 10, job.describe()
+
+
+# --------------------------------------------------------------- mismatch
+MISMATCHES = [
+    ("env", "shm", (10, 11)),
+    ("env", "tcp", (10, 11)),
+    ("env", "shm", (16384, 16385)),  # 64 KiB: small path on rank 0, ring path on rank 1
+    ("env", "tcp", (16384, 16385)),
+    ("env", "shm", (200000, 200001)),
+    ("mpirun", "shm", (10, 11)),
+]
+
+
+@pytest.mark.parametrize("launcher, transport, sizes", MISMATCHES,
+                         ids=[f"{la}-{tr}-{a}vs{b}" for la, tr, (a, b) in MISMATCHES])
+def test_shape_mismatch_raises_on_both_ranks_then_recovers(launcher, transport, sizes):
+    run = run_mpi if launcher == "mpirun" else run_env_launch
+    args = ["--scenario", "mismatch", "--sizes", ",".join(map(str, sizes))]
+    job = run(2, FAULT, args, env=TRANSPORTS[transport], timeout=40)
+    job.check_ok(expect_ranks=2)
+    for r in range(2):
+        raised = job.event(r, "raised")
+        assert raised is not None, f"rank {r} did not raise\n{job.describe()}"
+        assert raised["cls"] == "MismatchError", f"rank {r}: {raised}"
+        for size in sizes:
+            assert f"float32[{size}]" in raised["msg"], f"rank {r}: {raised['msg']}"
+        assert job.event(r, "recovered") is not None, job.describe()
+
+
+# --------------------------------------------------------------- stranger
+@pytest.mark.parametrize("case", ["tcp", "stranger-on-other-host", "same-host-shm"])
+def test_stranger_cannot_join(case, tmp_path):
+    """Rank 0 of a 2-rank job, then a process with RANK=1 but another RINGREDUCE_SECRET.
+
+    Over TCP (forced, or because the stranger claims another host) rank 0's
+    handshake refuses it. On the same host with shm nobody handshakes: the two
+    look for each other's segments under different job names and time out.
+    """
+    connect_timeout = 5
+    env = {"RINGREDUCE_CONNECT_TIMEOUT_SECONDS": connect_timeout,
+           **(TRANSPORTS["tcp"] if case == "tcp" else {})}
+    stranger = {"RINGREDUCE_SECRET": "stranger-" * 4,
+                **({"RINGREDUCE_HOST_ID": "elsewhere"} if case == "stranger-on-other-host" else {})}
+    rank_env = [{"RINGREDUCE_SECRET": "member-" * 5}, stranger]
+    before = shm_entries()
+    specs = env_launch_specs(2, FAULT, ["--scenario", "join"], env, rank_env, tmp_path)
+    job = run_procs(specs, timeout=30, log_dir=tmp_path, delays=[0, 0.5])
+    check_no_traces(job, before)
+    member, intruder = job.procs
+    for r, proc in enumerate(job.procs):
+        raised = job.event(r, "raised")
+        assert raised is not None and raised["rr"], f"{proc.name} was not refused\n{job.describe()}"
+        assert job.event(r, "joined") is None, job.describe()
+    if case != "same-host-shm":
+        assert "refused" in member.stderr, f"rank 0 logged no refusal\n{job.describe()}"
+    slack = 3
+    assert member.elapsed < connect_timeout + slack, job.describe()
+    assert intruder.elapsed < connect_timeout + slack, job.describe()

@@ -74,17 +74,10 @@ def check_survivors_noticed(job: Job, n: int, op: str = "allreduce") -> None:
         assert job.procs[r].returncode == 0, fail("exited badly")
 
 
-# Over TCP a rank that fails closes its sockets to tell everyone; a survivor that
-# hears of the failure from such a relaying rank before it hears from the dead one
-# names the relaying rank (it still raises PeerLostError promptly). Known gap.
-TCP_RELAY = pytest.mark.xfail(strict=False, reason=(
-    "over TCP a survivor may name the peer that relayed the failure instead of the dead rank"))
-
-
 # ---------------------------------------------------------------- SIGKILL
 @pytest.mark.parametrize("scenario, transport", [
     ("during", "shm"), ("during", "tcp"), ("idle", "shm"), ("idle", "tcp"), ("init", "shm"),
-    pytest.param("init", "tcp", marks=TCP_RELAY),
+    ("init", "tcp"),
 ])
 def test_kill_one_rank_env_launch(scenario, transport, tmp_path):
     """(a) during a 64 MB allreduce, (b) while the others wait, (c) right after init.
@@ -99,7 +92,7 @@ def test_kill_one_rank_env_launch(scenario, transport, tmp_path):
     assert not job.events("linger-timeout"), job.describe()
 
 
-@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=TCP_RELAY)])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_kill_during_ring_allreduce_reaches_every_rank(transport, tmp_path):
     """In a 4-rank ring, rank 3 talks only to ranks 2 and 0; it must still learn of rank 1.
 

@@ -62,12 +62,8 @@ Context::Context(ContextOptions options) : opt_(std::move(options)) {
 
 Context::~Context() { close(); }
 
-void Context::close() { leave(cat("rank ", opt_.rank, " shut down")); }
-
-void Context::leave(const std::string& reason) {
-  if (!segments_.empty() && segments_[local_rank_]) segments_[local_rank_]->mark_closed(reason);
-  for (auto& l : links_)
-    if (l) l->abort();
+void Context::close() {
+  leave(cat("rank ", opt_.rank, " shut down"));
   links_.clear();
   segments_.clear();
   listener_.reset();
@@ -241,10 +237,18 @@ uint8_t* Context::scratch(size_t slot, size_t bytes) {
   return scratch_[slot].data();
 }
 
+void Context::leave(const std::string& reason) {
+  if (!segments_.empty() && segments_[local_rank_]) segments_[local_rank_]->mark_closed(reason);
+  for (auto& l : links_)
+    if (l) l->abort(reason);
+}
+
 void Context::mark_broken(const std::string& why) {
   if (!broken_.empty()) return;
   broken_ = why;
-  // Tell every peer, not only the ring neighbours that saw the failure.
+  // Tell every peer, not only the ring neighbours that saw the failure. The
+  // sockets stay open until close(): closing with unread data would reset the
+  // connection and could destroy the last words before the peer reads them.
   leave(why);
 }
 

@@ -50,8 +50,9 @@ class Link {
   // Throws kPeerLost if the peer is known to be gone. Called between waits.
   virtual void check_alive() = 0;
   // This rank is leaving (shutdown or unrecoverable failure): make the peer
-  // notice promptly (close the socket / wake it up to read our closed flag).
-  virtual void abort() = 0;
+  // notice promptly and learn `reason` (last words on the socket / wake it to
+  // read our closed flag).
+  virtual void abort(const std::string& reason) = 0;
 };
 
 // A sink that copies into a contiguous destination.

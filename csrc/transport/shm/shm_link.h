@@ -28,7 +28,7 @@ class ShmLink : public Link {
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{-1, true}; }
   void check_alive() override;
-  void abort() override { theirs_->header()->doorbell.ring(); }
+  void abort(const std::string&) override { theirs_->header()->doorbell.ring(); }
 
  private:
   int peer_;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "common/error.h"
 
@@ -15,17 +16,56 @@ TcpLink::TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes)
   tune_data_socket(fd_.get());
 }
 
+namespace {
+constexpr char kLastWordsMagic[8] = {'R', 'R', 'A', 'B', 'O', 'R', 'T', '!'};
+constexpr size_t kMaxReason = 400;
+constexpr size_t kTailBytes = kMaxReason + 4 + sizeof(kLastWordsMagic);
+}  // namespace
+
+void TcpLink::remember(const uint8_t* data, size_t n) {
+  if (n >= kTailBytes) {
+    tail_.assign(data + n - kTailBytes, data + n);
+    return;
+  }
+  tail_.insert(tail_.end(), data, data + n);
+  if (tail_.size() > kTailBytes) tail_.erase(tail_.begin(), tail_.end() - kTailBytes);
+}
+
+std::string TcpLink::last_words() const {
+  const size_t m = sizeof(kLastWordsMagic);
+  if (tail_.size() < m + 4 || std::memcmp(tail_.data() + tail_.size() - m, kLastWordsMagic, m))
+    return "";
+  uint32_t len = 0;
+  std::memcpy(&len, tail_.data() + tail_.size() - m - 4, 4);
+  if (len > kMaxReason || len + m + 4 > tail_.size()) return "";
+  const uint8_t* start = tail_.data() + tail_.size() - m - 4 - len;
+  return std::string(reinterpret_cast<const char*>(start), len);
+}
+
+void TcpLink::abort(const std::string& reason) {
+  if (aborted_ || fd_.get() < 0) return;
+  aborted_ = true;
+  std::string rec = reason.substr(0, kMaxReason);
+  uint32_t len = static_cast<uint32_t>(rec.size());
+  rec.append(reinterpret_cast<const char*>(&len), 4);
+  rec.append(kLastWordsMagic, sizeof(kLastWordsMagic));
+  // Best effort: a full socket buffer drops the record, not the EOF.
+  ::send(fd_.get(), rec.data(), rec.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  ::shutdown(fd_.get(), SHUT_WR);  // half-close: the peer reads the record, then EOF
+}
+
 void TcpLink::fail(const char* what, int err) {
-  if (err == 0)
+  if (err == 0) {
+    std::string why = last_words();
+    if (!why.empty())
+      throw_error(ErrorKind::kPeerLost, "rank ", peer_, " on host ", host_, " left the job: ", why);
     throw_error(ErrorKind::kPeerLost, "rank ", peer_, " on host ", host_,
                 " closed its connection (it exited, crashed, shut down or failed)");
+  }
   throw_error(ErrorKind::kPeerLost, what, " rank ", peer_, " on host ", host_, " failed: ",
               errno_string(err));
 }
 
-void TcpLink::abort() {
-  if (fd_.get() >= 0) ::shutdown(fd_.get(), SHUT_RDWR);  // the peer reads EOF at once
-}
 
 size_t TcpLink::send_some(const uint8_t* data, size_t n, size_t done) {
   size_t start = done;
@@ -56,6 +96,7 @@ size_t TcpLink::recv_some(RecvSink& sink, size_t n, size_t done) {
       if (errno == EINTR) continue;
       fail("receiving from", errno);
     }
+    remember(into, static_cast<size_t>(r));
     if (dst) {
       done += static_cast<size_t>(r);
       continue;

@@ -3,6 +3,12 @@
 // place (copies) receives straight into its destination; a sink that needs to
 // see them (reductions) gets them through a staging chunk, so the chunk
 // boundaries the Link contract promises hold for TCP too.
+//
+// Last words: a rank that leaves writes a record (reason, its length, magic)
+// and half-closes the socket. The peer keeps the last bytes it received; on
+// EOF it looks for the record there, so a survivor learns *why* the peer left
+// (e.g. "rank 1 has exited") instead of blaming the messenger. Best effort:
+// without the record the EOF itself is still reported.
 #pragma once
 
 #include <string>
@@ -24,15 +30,19 @@ class TcpLink : public Link {
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{fd_.get(), false}; }
   void check_alive() override {}  // failures surface as socket errors
-  void abort() override;
+  void abort(const std::string& reason) override;
 
  private:
   [[noreturn]] void fail(const char* what, int err);
+  void remember(const uint8_t* data, size_t n);
+  std::string last_words() const;
   int peer_;
   std::string host_;
   Fd fd_;
   std::vector<uint8_t> staging_;
   size_t staged_ = 0;  // bytes of the current chunk already in staging_
+  std::vector<uint8_t> tail_;  // the last bytes received, for last words
+  bool aborted_ = false;
 };
 
 }  // namespace rr

@@ -32,6 +32,9 @@ const char* coll_name(CollKind k);
 
 constexpr int kMaxHeaderDims = 8;
 constexpr int kMaxHeaderName = 96;
+// Extras this small ride inside the header itself: a tiny allreduce or
+// broadcast is then one message per peer instead of two.
+constexpr size_t kInlineExtraBytes = 256;
 
 struct OpHeader {
   uint32_t magic;
@@ -45,8 +48,9 @@ struct OpHeader {
   uint64_t dims_hash;  // covers all dims, also those beyond kMaxHeaderDims
   double prescale;
   double postscale;
-  uint64_t extra_bytes;
+  uint64_t extra_bytes;  // > kInlineExtraBytes: a second message follows
   char name[kMaxHeaderName];
+  uint8_t inline_extra[kInlineExtraBytes];
 };
 
 // What one rank asks for; shape is the full tensor shape.

@@ -89,7 +89,7 @@ void run_ring(Context& ctx, const std::vector<RingStep>& steps, bool chained,
              ": ring step sizes are not chained");
   RingTask task(&ctx.link((r - 1 + n) % n), &ctx.link((r + 1) % n), steps, chained,
                 ctx.options().shm_slot_bytes);
-  drive(ctx.progress(), task, what);
+  drive(ctx.progress(), task, [&what] { return what; });
 }
 
 }  // namespace rr

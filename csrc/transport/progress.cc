@@ -118,7 +118,7 @@ void block_once(const ProgressSettings& st, ProgressTask& task, const std::vecto
 
 }  // namespace
 
-void drive(const ProgressSettings& st, ProgressTask& task, const std::string& what) {
+void drive(const ProgressSettings& st, ProgressTask& task, const Describe& what) {
   size_t pending = 1;
   const auto spin = std::chrono::duration<double>(st.spin_seconds);
   auto last_progress = Clock::now();
@@ -154,12 +154,12 @@ void drive(const ProgressSettings& st, ProgressTask& task, const std::string& wh
       block_once(st, task, io, &fds, kSliceNs);
     }
   } catch (const Error& e) {
-    throw Error(e.kind(), cat("rank ", st.rank, ": ", what, ": ", e.what()));
+    throw Error(e.kind(), cat("rank ", st.rank, ": ", what(), ": ", e.what()));
   }
 }
 
 void run_transfers(const ProgressSettings& st, std::vector<SendOp>& sends,
-                   std::vector<RecvOp>& recvs, const std::string& what, bool wait_sends) {
+                   std::vector<RecvOp>& recvs, const Describe& what, bool wait_sends) {
   TransferTask task(sends, recvs, wait_sends);
   drive(st, task, what);
 }

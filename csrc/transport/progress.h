@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,10 @@ struct PendingIo {
   bool sending;
 };
 
+// Names the operation for error messages; only called when an error occurs,
+// so the hot path of small messages formats no strings.
+using Describe = std::function<std::string()>;
+
 // Anything the driver can advance: a batch of transfers, a ring pipeline...
 class ProgressTask {
  public:
@@ -62,7 +67,7 @@ class ProgressTask {
 // Advances `task` until done: spin, then block, checking liveness, deadline
 // and the abort flag between blocking slices. Errors are prefixed with the
 // rank and `what`.
-void drive(const ProgressSettings& settings, ProgressTask& task, const std::string& what);
+void drive(const ProgressSettings& settings, ProgressTask& task, const Describe& what);
 
 // Runs until every op is complete (with wait_sends = false: until every
 // receive is; sends are pushed as far as they go and can be continued by a
@@ -70,6 +75,6 @@ void drive(const ProgressSettings& settings, ProgressTask& task, const std::stri
 // `what` names the operation for errors, e.g. "allreduce 'grad' (#12)".
 // Throws rr::Error on peer loss or timeout.
 void run_transfers(const ProgressSettings& settings, std::vector<SendOp>& sends,
-                   std::vector<RecvOp>& recvs, const std::string& what, bool wait_sends = true);
+                   std::vector<RecvOp>& recvs, const Describe& what, bool wait_sends = true);
 
 }  // namespace rr

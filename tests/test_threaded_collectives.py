@@ -18,6 +18,9 @@ CONFIGS = {
     "shm": {},
     "shm-small-slots": {"RINGREDUCE_SHM_SLOT_BYTES": "4096", "RINGREDUCE_SHM_SLOTS": "2",
                         "RINGREDUCE_SMALL_BYTES": "0"},
+    "shm-streaming-stores": {"RINGREDUCE_SHM_SLOT_BYTES": "4096", "RINGREDUCE_SMALL_BYTES": "0",
+                             "RINGREDUCE_SHM_STREAM_SEND_BYTES": "4096",
+                             "RINGREDUCE_STREAMING_BYTES": "0"},
     "tcp-small-chunks": {"RINGREDUCE_TRANSPORT": "tcp", "RINGREDUCE_SHM_SLOT_BYTES": "4096",
                          "RINGREDUCE_SMALL_BYTES": "0"},
 }

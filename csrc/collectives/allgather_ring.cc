@@ -16,9 +16,11 @@ void allgather_steps(Context& ctx, uint8_t* out, const std::vector<size_t>& byte
                      std::vector<CopySink>* sinks, std::vector<RingStep>* steps) {
   const int n = ctx.size(), r = ctx.rank();
   auto blk = [&](int b) { return ((b % n) + n) % n; };
+  // Past the caches, the gathered blocks are not read again soon: stream them.
+  const bool streaming = byte_off.back() >= ctx.options().streaming_bytes;
   for (int s = 0; s < n - 1; ++s) {
     int send_b = blk(r - s), recv_b = blk(r - s - 1);
-    sinks->emplace_back(out + byte_off[recv_b]);
+    sinks->emplace_back(out + byte_off[recv_b], streaming);
     steps->push_back(RingStep{out + byte_off[send_b], byte_off[send_b + 1] - byte_off[send_b],
                               &sinks->back(), byte_off[recv_b + 1] - byte_off[recv_b]});
   }

@@ -35,6 +35,8 @@ struct ContextOptions {
   uint32_t shm_slots = 8;           // RINGREDUCE_SHM_SLOTS
   uint64_t shm_slot_bytes = 256 << 10;  // RINGREDUCE_SHM_SLOT_BYTES
   uint64_t small_bytes = 64 << 10;  // RINGREDUCE_SMALL_BYTES: direct path at or below
+  uint64_t streaming_bytes = 8 << 20;  // RINGREDUCE_STREAMING_BYTES: bypass caches from here
+  uint64_t shm_stream_send_bytes = 0;  // RINGREDUCE_SHM_STREAM_SEND_BYTES: 0 = off
 };
 
 // Reads RINGREDUCE_* settings over the defaults.

@@ -24,6 +24,8 @@ class RecvSink {
   // Where the transport may place bytes [offset, ...) itself, skipping
   // consume(); nullptr when the sink must see the bytes (e.g. it reduces).
   virtual uint8_t* direct(size_t /*offset*/) { return nullptr; }
+  // True if direct bytes should bypass the caches (see common/stream_copy.h).
+  virtual bool streaming() const { return false; }
 };
 
 // How a link can be waited on when it makes no progress.
@@ -58,12 +60,15 @@ class Link {
 // A sink that copies into a contiguous destination.
 class CopySink : public RecvSink {
  public:
-  explicit CopySink(void* dst) : dst_(static_cast<uint8_t*>(dst)) {}
+  explicit CopySink(void* dst, bool streaming = false)
+      : dst_(static_cast<uint8_t*>(dst)), streaming_(streaming) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
   uint8_t* direct(size_t offset) override { return dst_ + offset; }
+  bool streaming() const override { return streaming_; }
 
  private:
   uint8_t* dst_;
+  bool streaming_;
 };
 
 }  // namespace rr

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/stream_copy.h"
 #include "transport/shm/doorbell.h"
 
 #if defined(__x86_64__)
@@ -19,7 +20,10 @@
 namespace rr {
 
 void CopySink::consume(const uint8_t* data, size_t offset, size_t n) {
-  std::memcpy(dst_ + offset, data, n);
+  if (streaming_)
+    stream_copy(dst_ + offset, data, n);
+  else
+    std::memcpy(dst_ + offset, data, n);
 }
 
 namespace {

@@ -1,14 +1,17 @@
 #include "transport/shm/shm_link.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "common/error.h"
+#include "common/stream_copy.h"
 
 namespace rr {
 
 ShmLink::ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, ShmSegment* theirs,
-                 uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine)
+                 uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine,
+                 size_t stream_send_bytes)
     : peer_(peer),
       host_(std::move(host)),
       peer_pid_(peer_pid),
@@ -19,7 +22,8 @@ ShmLink::ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, Shm
       out_index_(my_ring_in_theirs),
       in_index_(their_ring_in_mine),
       slots_(mine->header()->slots),
-      slot_bytes_(mine->header()->slot_bytes) {
+      slot_bytes_(mine->header()->slot_bytes),
+      stream_from_(stream_send_bytes ? stream_send_bytes : SIZE_MAX) {
   RR_CHECK(theirs->header()->slots == slots_ && theirs->header()->slot_bytes == slot_bytes_,
            "rank ", peer, " uses different shared-memory ring settings (RINGREDUCE_SHM_SLOTS / ",
            "RINGREDUCE_SHM_SLOT_BYTES must be equal on all ranks)");
@@ -32,7 +36,10 @@ size_t ShmLink::send_some(const uint8_t* data, size_t n, size_t done) {
     uint32_t head = out_->head.load(std::memory_order_acquire);
     if (tail - head >= slots_) break;
     size_t len = std::min(slot_bytes_, n - done);
-    std::memcpy(theirs_->slot(out_index_, tail % slots_), data + done, len);
+    if (n >= stream_from_)
+      stream_copy(theirs_->slot(out_index_, tail % slots_), data + done, len);
+    else
+      std::memcpy(theirs_->slot(out_index_, tail % slots_), data + done, len);
     ++tail;
     out_->tail.store(tail);  // seq_cst: pairs with the doorbell protocol
     done += len;
@@ -50,7 +57,7 @@ size_t ShmLink::recv_some(RecvSink& sink, size_t n, size_t done) {
     size_t len = std::min(slot_bytes_, n - done);
     const uint8_t* src = mine_->slot(in_index_, head % slots_);
     if (uint8_t* dst = sink.direct(done))
-      std::memcpy(dst, src, len);
+      sink.streaming() ? stream_copy(dst, src, len) : static_cast<void>(std::memcpy(dst, src, len));
     else
       sink.consume(src, done, len);
     ++head;

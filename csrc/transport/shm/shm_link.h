@@ -5,6 +5,9 @@
 // Consumer: hand slot[head % slots] to the sink *in place* (reductions read
 // straight out of shared memory), release head + 1, ring the peer's bell so a
 // producer waiting for space wakes. Peer death is detected from its pid.
+// Messages of at least `stream_send_bytes` (0 = never) are written into the
+// slots with streaming stores, so the consumer reads them from memory rather
+// than from the producer's cache (see RINGREDUCE_SHM_STREAM_SEND_BYTES).
 #pragma once
 
 #include <string>
@@ -19,7 +22,7 @@ class ShmLink : public Link {
   // `mine`/`theirs`: the two segments; `my_ring`/`their_ring` the ring index
   // of each side within the other's segment (its local rank).
   ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, ShmSegment* theirs,
-          uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine);
+          uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine, size_t stream_send_bytes);
 
   int peer() const override { return peer_; }
   const char* kind() const override { return "shm"; }
@@ -42,6 +45,7 @@ class ShmLink : public Link {
   uint32_t in_index_;
   uint32_t slots_;
   size_t slot_bytes_;
+  size_t stream_from_;  // messages at least this large are written with streaming stores
 };
 
 }  // namespace rr

@@ -56,7 +56,6 @@ Context::Context(ContextOptions options) : opt_(std::move(options)) {
   progress_.rank = opt_.rank;
   progress_.spin_seconds = opt_.spin_us * 1e-6;
   progress_.timeout_seconds = opt_.timeout_s;
-  progress_.abort = &abort_;
   if (opt_.size > 1) {
     listener_ = listen_tcp(opt_.bind_addr, 0, &port_);
     addr_ = advertised_address();

@@ -83,7 +83,6 @@ class Context {
   // and tell every peer so that none of them waits for this rank.
   void mark_broken(const std::string& why);
   void check_usable() const;
-  std::atomic<bool>& abort_flag() { return abort_; }
 
  private:
   void leave(const std::string& reason);
@@ -107,7 +106,6 @@ class Context {
   std::vector<std::vector<uint8_t>> scratch_;
   std::string broken_;
   bool connected_ = false;
-  std::atomic<bool> abort_{false};
 };
 
 }  // namespace rr

@@ -146,7 +146,6 @@ void drive(const ProgressSettings& st, ProgressTask& task, const Describe& what)
           RR_CPU_RELAX();
         continue;
       }
-      if (st.abort && st.abort->load()) throw_error(ErrorKind::kPeerLost, "aborted while waiting");
       task.pending_io(&io);
       if (now - last_check > std::chrono::milliseconds(100)) {
         for (const auto& p : io) p.link->check_alive();

@@ -3,11 +3,10 @@
 // core usually answers within microseconds), then blocks: on this rank's
 // shared-memory doorbell when only shm links are pending, on poll() when only
 // sockets are, and in short poll slices when both are. Between blocking slices
-// it checks deadlines, peer liveness and the abort flag, so a dead peer turns
+// it checks deadlines and peer liveness, so a dead peer turns
 // into an error naming that peer and the operation instead of a hang.
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -40,7 +39,6 @@ struct ProgressSettings {
   bool yield_while_spinning = false;  // more local ranks than cores: let them run
   double timeout_seconds = 1800;   // RINGREDUCE_TIMEOUT_SECONDS
   Doorbell* doorbell = nullptr;    // this rank's, when it has shm links
-  const std::atomic<bool>* abort = nullptr;
 };
 
 // A link direction that is still waiting for bytes to move.
@@ -64,8 +62,8 @@ class ProgressTask {
   virtual void pending_io(std::vector<PendingIo>* out) const = 0;
 };
 
-// Advances `task` until done: spin, then block, checking liveness, deadline
-// and the abort flag between blocking slices. Errors are prefixed with the
+// Advances `task` until done: spin, then block, checking liveness and the
+// deadline between blocking slices. Errors are prefixed with the
 // rank and `what`.
 void drive(const ProgressSettings& settings, ProgressTask& task, const Describe& what);
 

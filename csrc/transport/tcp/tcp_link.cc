@@ -49,8 +49,12 @@ void TcpLink::abort(const std::string& reason) {
   uint32_t len = static_cast<uint32_t>(rec.size());
   rec.append(reinterpret_cast<const char*>(&len), 4);
   rec.append(kLastWordsMagic, sizeof(kLastWordsMagic));
-  // Best effort: a full socket buffer drops the record, not the EOF.
-  ::send(fd_.get(), rec.data(), rec.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  // The socket may be full of ring data the peer is still draining: give it a
+  // moment, then give up (the EOF alone still tells the peer we are gone).
+  try {
+    write_full(fd_.get(), rec.data(), rec.size(), deadline_in(0.25), "last words");
+  } catch (const Error&) {
+  }
   ::shutdown(fd_.get(), SHUT_WR);  // half-close: the peer reads the record, then EOF
 }
 

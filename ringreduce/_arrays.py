@@ -11,11 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .exceptions import InvalidInputError
-
-
-def _what(op: str, name: Optional[str]) -> str:
-    return f"{op} '{name}'" if name else op
+from .exceptions import InvalidInputError, call_label
 
 
 def as_array(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
@@ -25,7 +21,7 @@ def as_array(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
     """
     if type(x) is np.ndarray:
         return x
-    what = _what(op, name)
+    what = call_label(op, name)
     if isinstance(x, np.ndarray):
         return x
     if hasattr(x, "__dlpack__"):
@@ -59,7 +55,7 @@ def for_writing(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
     flags = arr.flags
     if flags.c_contiguous and flags.writeable:
         return arr
-    what = _what(op, name)
+    what = call_label(op, name)
     if not flags.c_contiguous:
         raise InvalidInputError(
             f"{what}: in-place operations need a C-contiguous array, got strides "

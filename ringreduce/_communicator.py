@@ -16,14 +16,11 @@ import numpy as np
 from . import _core
 from ._arrays import for_reading, for_writing
 from ._dtypes import dtype_code
-from .exceptions import InvalidInputError
+from .exceptions import InvalidInputError, call_label
 
 Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
 _OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
 
-
-def _what(op: str, name: Optional[str]) -> str:
-    return f"{op} '{name}'" if name else op
 
 
 def _check_op(op: int, what: str) -> int:
@@ -137,7 +134,7 @@ class Communicator:
                    prescale: float, postscale: float) -> None:
         # The hot path of small messages: no string formatting unless it fails.
         if op not in _OP_NAMES:
-            _check_op(op, _what("allreduce", name))
+            _check_op(op, call_label("allreduce", name))
         code = dtype_code(src.dtype, "allreduce", name)
         with self._lock:
             self._ctx.allreduce(src, out, src.shape, code, op, prescale, postscale,
@@ -145,7 +142,7 @@ class Communicator:
 
     def allgather(self, x: Any, name: Optional[str] = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (its length may differ per rank)."""
-        what = _what("allgather", name)
+        what = call_label("allgather", name)
         src = for_reading(x, what, None)
         keep: list = []
         self._call(self._ctx.allgather, src, list(src.shape),
@@ -155,7 +152,7 @@ class Communicator:
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""
-        what = _what("broadcast_", name)
+        what = call_label("broadcast_", name)
         arr = for_writing(x, what, None)
         self._call(self._ctx.broadcast, arr, list(arr.shape),
                    dtype_code(arr.dtype, what, None), self._check_root(root_rank, what),
@@ -164,7 +161,7 @@ class Communicator:
 
     def broadcast(self, x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
         """Return a new array holding root_rank's ``x`` on every rank."""
-        what = _what("broadcast", name)
+        what = call_label("broadcast", name)
         arr = np.array(for_reading(x, what, None), copy=True)
         return self.broadcast_(arr, root_rank, name)
 
@@ -174,7 +171,7 @@ class Communicator:
 
         Axis 0 is split as evenly as possible; lower ranks get the extra rows.
         """
-        what = _what("reducescatter", name)
+        what = call_label("reducescatter", name)
         src = for_reading(x, what, None)
         keep: list = []
         self._call(self._ctx.reducescatter, src, list(src.shape),
@@ -190,7 +187,7 @@ class Communicator:
         Without ``splits`` axis 0 is divided evenly (it must divide by size) and the
         received array is returned; with ``splits`` a tuple ``(output, received_splits)``.
         """
-        what = _what("alltoall", name)
+        what = call_label("alltoall", name)
         src = for_reading(x, what, None)
         if src.ndim == 0:
             raise InvalidInputError(f"{what}: needs at least one dimension")

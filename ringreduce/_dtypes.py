@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from .exceptions import InvalidInputError
+from .exceptions import InvalidInputError, call_label
 
 UINT8, INT8, INT32, INT64, FLOAT16, BFLOAT16, FLOAT32, FLOAT64, BOOL = range(9)
 
@@ -39,9 +39,8 @@ def dtype_code(dtype: np.dtype, op: str, name: Optional[str] = None) -> int:
     if code is not None:
         _BY_DTYPE[dtype] = code
     else:
-        label = f"{op} '{name}'" if name else op
         raise InvalidInputError(
-            f"{label}: dtype {np.dtype(dtype).name} is not supported; supported dtypes are "
-            f"{SUPPORTED} (convert first, e.g. x.astype(np.int32))"
+            f"{call_label(op, name)}: dtype {np.dtype(dtype).name} is not supported; "
+            f"supported dtypes are {SUPPORTED} (convert first, e.g. x.astype(np.int32))"
         )
     return code

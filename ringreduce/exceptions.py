@@ -4,6 +4,15 @@ The C++ core raises these too: ``ringreduce._core`` maps each error kind to the
 class of the same name here, so user code needs a single ``except`` clause.
 """
 
+from __future__ import annotations
+
+from typing import Optional
+
+
+def call_label(op: str, name: Optional[str]) -> str:
+    """How error messages name a call: ``allreduce 'grad'`` or just ``allreduce``."""
+    return f"{op} '{name}'" if name else op
+
 
 class RingReduceError(RuntimeError):
     """Base class of every error raised by ringreduce."""

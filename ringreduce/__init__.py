@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._communicator import Average, Communicator, Max, Min, Product, Sum, reduce_isa
+from ._communicator import Average, Communicator, Handle, Max, Min, Product, Sum, reduce_isa
 from .exceptions import (
     InvalidInputError,
     MismatchError,
@@ -32,12 +32,15 @@ from .exceptions import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "Communicator", "InvalidInputError", "Max", "Min", "MismatchError",
+    "Average", "Communicator", "Handle", "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
-    "RingReduceTimeoutError", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_",
-    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_object", "cross_rank",
-    "cross_size", "init", "is_initialized", "local_rank", "local_size", "rank", "reduce_isa",
-    "reducescatter", "shutdown", "size",
+    "RingReduceTimeoutError", "Sum", "allgather", "allgather_async", "allgather_object",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
+    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
 ]
 
 
@@ -165,3 +168,89 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
 def allgather_object(obj: Any, name: Optional[str] = None) -> list:
     """Return every rank's picklable ``obj`` as a list in rank order."""
     return _comm().allgather_object(obj, name)
+
+
+# ------------------------------------------------------------------ async forms
+def allreduce_async(x: Any, op: int = Average, name: Optional[str] = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an allreduce and return at once; ``synchronize(h)`` returns the new array."""
+    return _comm().allreduce_async(x, op, name, prescale_factor, postscale_factor)
+
+
+def allreduce_async_(x: Any, op: int = Average, name: Optional[str] = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an in-place allreduce of ``x``; ``synchronize(h)`` returns ``x``."""
+    return _comm().allreduce_async_(x, op, name, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_async(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
+                            prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Handle:
+    """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
+    return _comm().grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_async_(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
+                             prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> Handle:
+    """In-place ``grouped_allreduce_async``; the result is the list ``xs``."""
+    return _comm().grouped_allreduce_async_(xs, op, name, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Allreduce all of ``xs`` as one fused unit; returns a list of new arrays."""
+    return synchronize(grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """In-place ``grouped_allreduce``; returns ``xs`` as a list."""
+    return synchronize(grouped_allreduce_async_(xs, op, name, prescale_factor,
+                                                postscale_factor))
+
+
+def allgather_async(x: Any, name: Optional[str] = None) -> Handle:
+    """Start an allgather; ``synchronize(h)`` returns the concatenation."""
+    return _comm().allgather_async(x, name)
+
+
+def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+    """Start a broadcast into a new array."""
+    return _comm().broadcast_async(x, root_rank, name)
+
+
+def broadcast_async_(x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+    """Start an in-place broadcast into ``x``."""
+    return _comm().broadcast_async_(x, root_rank, name)
+
+
+def reducescatter_async(x: Any, op: int = Average, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter."""
+    return _comm().reducescatter_async(x, op, name, prescale_factor, postscale_factor)
+
+
+def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None,
+                   name: Optional[str] = None) -> Handle:
+    """Start an alltoall."""
+    return _comm().alltoall_async(x, splits, name)
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle`` (releasing the GIL) and return its result; raises its error."""
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True if ``handle`` has completed; ``synchronize`` will then not block."""
+    return handle.done()
+
+
+def join() -> int:
+    """Declare that this rank has no more data; returns the last rank to join.
+
+    Until every rank has joined, this rank takes part in the other ranks'
+    collectives with neutral contributions (zeros for Sum/Average).
+    """
+    return _comm().join()

@@ -30,6 +30,35 @@ def _check_op(op: int, what: str) -> int:
     return op
 
 
+class Handle:
+    """A collective in flight. Pass it to ``synchronize()`` or ``poll()``.
+
+    Holds the input and output arrays alive until the collective completes.
+    """
+
+    __slots__ = ("_wait", "_done", "_result")
+
+    def __init__(self, wait: Callable[[], Any], done: Callable[[], bool]) -> None:
+        self._wait = wait
+        self._done = done
+        self._result: Any = None
+
+    def done(self) -> bool:
+        """True once the collective has completed (successfully or not)."""
+        return self._done()
+
+    def wait(self) -> Any:
+        """Block until complete (the GIL is released) and return the result; raises on error."""
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            self._result = wait()
+        return self._result
+
+
+def _completed(result: Any) -> Handle:
+    return Handle(lambda: result, lambda: True)
+
+
 class Communicator:
     """One rank of a job: rank/size queries and collectives on arrays.
 
@@ -226,6 +255,61 @@ class Communicator:
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         return [pickle.loads(gathered[bounds[i]:bounds[i + 1]].tobytes())
                 for i in range(self.size())]
+
+    # -------------------------------------------------------------- async forms
+    def allreduce_async(self, x: Any, op: int = Average, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+        """Start ``allreduce``; ``synchronize(handle)`` returns the new array."""
+        return _completed(self.allreduce(x, op, name, prescale_factor, postscale_factor))
+
+    def allreduce_async_(self, x: Any, op: int = Average, name: Optional[str] = None,
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+        """Start an in-place ``allreduce_``; ``synchronize(handle)`` returns ``x``."""
+        return _completed(self.allreduce_(x, op, name, prescale_factor, postscale_factor))
+
+    def grouped_allreduce_async(self, xs: Sequence[Any], op: int = Average,
+                                name: Optional[str] = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+        """Start one fused allreduce of several arrays; the result is a list of new arrays."""
+        base = "grouped" if name is None else name
+        return _completed([self.allreduce(x, op, f"{base}.{i}", prescale_factor,
+                                          postscale_factor) for i, x in enumerate(xs)])
+
+    def grouped_allreduce_async_(self, xs: Sequence[Any], op: int = Average,
+                                 name: Optional[str] = None, prescale_factor: float = 1.0,
+                                 postscale_factor: float = 1.0) -> Handle:
+        """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
+        base = "grouped" if name is None else name
+        return _completed([self.allreduce_(x, op, f"{base}.{i}", prescale_factor,
+                                           postscale_factor) for i, x in enumerate(xs)])
+
+    def allgather_async(self, x: Any, name: Optional[str] = None) -> Handle:
+        """Start ``allgather``."""
+        return _completed(self.allgather(x, name))
+
+    def broadcast_async(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+        """Start ``broadcast`` (new array)."""
+        return _completed(self.broadcast(x, root_rank, name))
+
+    def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+        """Start an in-place ``broadcast_``."""
+        return _completed(self.broadcast_(x, root_rank, name))
+
+    def reducescatter_async(self, x: Any, op: int = Average, name: Optional[str] = None,
+                            prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Handle:
+        """Start ``reducescatter``."""
+        return _completed(self.reducescatter(x, op, name, prescale_factor, postscale_factor))
+
+    def alltoall_async(self, x: Any, splits: Optional[Sequence[int]] = None,
+                       name: Optional[str] = None) -> Handle:
+        """Start ``alltoall``."""
+        return _completed(self.alltoall(x, splits, name))
+
+    def join(self) -> int:
+        """Declare this rank out of data; returns the last rank to join."""
+        self.barrier("join")
+        return self.size() - 1
 
     def _check_root(self, root_rank: int, what: str) -> int:
         if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self.size():

@@ -36,31 +36,33 @@ class Handle:
     Holds the input and output arrays alive until the collective completes.
     """
 
-    __slots__ = ("_wait", "_done", "_result")
+    __slots__ = ("_core", "_finish", "_keep", "_result")
 
-    def __init__(self, wait: Callable[[], Any], done: Callable[[], bool]) -> None:
-        self._wait = wait
-        self._done = done
+    def __init__(self, core: Any, finish: Callable[[Any], Any], keep: tuple = ()) -> None:
+        self._core = core
+        self._finish: Optional[Callable[[Any], Any]] = finish
+        self._keep = keep
         self._result: Any = None
 
     def done(self) -> bool:
         """True once the collective has completed (successfully or not)."""
-        return self._done()
+        return self._core.done()
 
     def wait(self) -> Any:
         """Block until complete (the GIL is released) and return the result; raises on error."""
-        if self._wait is not None:
-            wait, self._wait = self._wait, None
-            self._result = wait()
+        if self._finish is not None:
+            self._core.wait()
+            finish, self._finish = self._finish, None
+            self._result = finish(self._core)
+            self._keep = ()
         return self._result
-
-
-def _completed(result: Any) -> Handle:
-    return Handle(lambda: result, lambda: True)
 
 
 class Communicator:
     """One rank of a job: rank/size queries and collectives on arrays.
+
+    Every collective goes through the rank's background engine (C++): the
+    ``*_async`` forms return a :class:`Handle` at once, the others wait for it.
 
     Parameters
     ----------
@@ -70,7 +72,10 @@ class Communicator:
 
     def __init__(self, context: Any) -> None:
         self._ctx = context
-        self._lock = threading.Lock()  # one collective at a time per rank
+        self._engine = _core.Engine(context)
+        self._lock = threading.Lock()
+        self._in_flight: list[Handle] = []  # keeps buffers alive until complete
+        self._groups = 0
 
     # ------------------------------------------------------------------ queries
     def rank(self) -> int:
@@ -102,37 +107,43 @@ class Communicator:
         return self._ctx.transport_to(peer)
 
     def close(self) -> None:
-        """Release links and shared memory; the communicator cannot be used afterwards."""
-        with self._lock:
-            self._ctx.close()
+        """Stop the engine, release links and shared memory; pending calls fail."""
+        self._engine.shutdown()
+        self._ctx.close()
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _name(name: Optional[str]) -> str:
-        # Unnamed calls are identified by their sequence number in the core,
-        # which only advances once local checks pass, so ranks stay in step.
-        return "" if name is None else str(name)
-
-    def _call(self, fn: Callable, *args: Any) -> Any:
+    def _track(self, core: Any, finish: Callable[[Any], Any], keep: tuple) -> Handle:
+        h = Handle(core, finish, keep)
         with self._lock:
-            return fn(*args)
+            if len(self._in_flight) >= 64:
+                self._in_flight = [x for x in self._in_flight if not x.done()]
+            self._in_flight.append(h)
+        return h
 
     @staticmethod
-    def _allocator(dtype: np.dtype, keep: list) -> Callable[[list], int]:
-        def alloc(shape: list) -> int:
-            out = np.empty(shape, dtype=dtype)
-            keep.append(out)
-            return out.ctypes.data
+    def _output(dtype: np.dtype) -> Callable[[Any], np.ndarray]:
+        return lambda core: core.output(0).view(dtype).reshape(core.output_shape(0))
 
-        return alloc
+    # -------------------------------------------------------------- allreduce
+    def allreduce_async_(self, x: Any, op: int = Average, name: Optional[str] = None,
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+        """Start an in-place allreduce of ``x``; ``synchronize(handle)`` returns ``x``."""
+        arr = for_writing(x, "allreduce_", name)
+        core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor)
+        return self._track(core, lambda _: x, (arr,))
 
-    # -------------------------------------------------------------- collectives
+    def allreduce_async(self, x: Any, op: int = Average, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+        """Start an allreduce; ``synchronize(handle)`` returns the result as a new array."""
+        src = for_reading(x, "allreduce", name)
+        out = np.empty_like(src)
+        core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor)
+        return self._track(core, lambda _: out, (src, out))
+
     def allreduce_(self, x: Any, op: int = Average, name: Optional[str] = None,
                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
         """Reduce ``x`` across ranks in place and return it (see ``allreduce``)."""
-        arr = for_writing(x, "allreduce_", name)
-        self._allreduce(arr, arr, op, name, prescale_factor, postscale_factor)
-        return x
+        return self.allreduce_async_(x, op, name, prescale_factor, postscale_factor).wait()
 
     def allreduce(self, x: Any, op: int = Average, name: Optional[str] = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
@@ -145,7 +156,8 @@ class Communicator:
         op : int
             ``Sum``, ``Average`` (default), ``Min``, ``Max`` or ``Product``.
         name : str, optional
-            Names the tensor in error messages; must match across ranks.
+            Identifies the tensor across ranks (ranks may submit in different
+            orders); unnamed calls are matched by their order.
         prescale_factor, postscale_factor : float
             Multiply each input before, and the result after, the reduction.
 
@@ -154,45 +166,94 @@ class Communicator:
         numpy.ndarray
             Bitwise identical on every rank.
         """
-        src = for_reading(x, "allreduce", name)
-        out = np.empty_like(src)
-        self._allreduce(src, out, op, name, prescale_factor, postscale_factor)
-        return out
+        return self.allreduce_async(x, op, name, prescale_factor, postscale_factor).wait()
 
-    def _allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
-                   prescale: float, postscale: float) -> None:
+    def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
+                          prescale: float, postscale: float) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
         if op not in _OP_NAMES:
             _check_op(op, call_label("allreduce", name))
         code = dtype_code(src.dtype, "allreduce", name)
+        return self._engine.allreduce(src, out, src.shape, code, op, float(prescale),
+                                      float(postscale), self._name(name))
+
+    def grouped_allreduce_async(self, xs: Sequence[Any], op: int = Average,
+                                name: Optional[str] = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+        """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
+        srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
+        outs = [np.empty_like(s) for s in srcs]
+        core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
+        return self._track(core, lambda _: outs, (srcs, outs))
+
+    def grouped_allreduce_async_(self, xs: Sequence[Any], op: int = Average,
+                                 name: Optional[str] = None, prescale_factor: float = 1.0,
+                                 postscale_factor: float = 1.0) -> Handle:
+        """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
+        arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
+        core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
+        return self._track(core, lambda _: list(xs), (arrs,))
+
+    def _submit_group(self, srcs: list, outs: list, op: int, name: Optional[str],
+                      prescale: float, postscale: float) -> Any:
+        what = call_label("grouped_allreduce", name)
+        _check_op(op, what)
+        if not srcs:
+            raise InvalidInputError(f"{what}: needs at least one array")
         with self._lock:
-            self._ctx.allreduce(src, out, src.shape, code, op, prescale, postscale,
-                                self._name(name))
+            group = name if name is not None else f"grouped_allreduce.noname.{self._groups}"
+            self._groups += 1
+        names = [f"{group}.{i}" for i in range(len(srcs))]
+        codes = [dtype_code(s.dtype, what, None) for s in srcs]
+        return self._engine.grouped_allreduce(srcs, outs, [list(s.shape) for s in srcs], codes,
+                                              names, op, float(prescale), float(postscale),
+                                              str(group))
+
+    # ------------------------------------------------------ other collectives
+    def allgather_async(self, x: Any, name: Optional[str] = None) -> Handle:
+        """Start an allgather; the result concatenates every rank's ``x`` along axis 0."""
+        what = call_label("allgather", name)
+        src = for_reading(x, what, None)
+        core = self._engine.allgather(src, list(src.shape), dtype_code(src.dtype, what, None),
+                                      self._name(name))
+        return self._track(core, self._output(src.dtype), (src,))
 
     def allgather(self, x: Any, name: Optional[str] = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (its length may differ per rank)."""
-        what = call_label("allgather", name)
-        src = for_reading(x, what, None)
-        keep: list = []
-        self._call(self._ctx.allgather, src, list(src.shape),
-                   dtype_code(src.dtype, what, None), self._name(name),
-                   self._allocator(src.dtype, keep))
-        return keep[0]
+        return self.allgather_async(x, name).wait()
+
+    def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+        """Start overwriting ``x`` with root_rank's ``x``; the result is ``x``."""
+        what = call_label("broadcast_", name)
+        arr = for_writing(x, what, None)
+        core = self._engine.broadcast(arr, list(arr.shape), dtype_code(arr.dtype, what, None),
+                                      self._check_root(root_rank, what), self._name(name))
+        return self._track(core, lambda _: x, (arr,))
+
+    def broadcast_async(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+        """Start a broadcast into a new array."""
+        what = call_label("broadcast", name)
+        arr = np.array(for_reading(x, what, None), copy=True)
+        return self.broadcast_async_(arr, root_rank, name)
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""
-        what = call_label("broadcast_", name)
-        arr = for_writing(x, what, None)
-        self._call(self._ctx.broadcast, arr, list(arr.shape),
-                   dtype_code(arr.dtype, what, None), self._check_root(root_rank, what),
-                   self._name(name))
-        return x
+        return self.broadcast_async_(x, root_rank, name).wait()
 
     def broadcast(self, x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
         """Return a new array holding root_rank's ``x`` on every rank."""
-        what = call_label("broadcast", name)
-        arr = np.array(for_reading(x, what, None), copy=True)
-        return self.broadcast_(arr, root_rank, name)
+        return self.broadcast_async(x, root_rank, name).wait()
+
+    def reducescatter_async(self, x: Any, op: int = Average, name: Optional[str] = None,
+                            prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Handle:
+        """Start a reducescatter (see ``reducescatter``)."""
+        what = call_label("reducescatter", name)
+        src = for_reading(x, what, None)
+        core = self._engine.reducescatter(src, list(src.shape), dtype_code(src.dtype, what, None),
+                                          _check_op(op, what), float(prescale_factor),
+                                          float(postscale_factor), self._name(name))
+        return self._track(core, self._output(src.dtype), (src,))
 
     def reducescatter(self, x: Any, op: int = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
@@ -200,22 +261,11 @@ class Communicator:
 
         Axis 0 is split as evenly as possible; lower ranks get the extra rows.
         """
-        what = call_label("reducescatter", name)
-        src = for_reading(x, what, None)
-        keep: list = []
-        self._call(self._ctx.reducescatter, src, list(src.shape),
-                   dtype_code(src.dtype, what, None), _check_op(op, what), float(prescale_factor),
-                   float(postscale_factor), self._name(name),
-                   self._allocator(src.dtype, keep))
-        return keep[0]
+        return self.reducescatter_async(x, op, name, prescale_factor, postscale_factor).wait()
 
-    def alltoall(self, x: Any, splits: Optional[Sequence[int]] = None,
-                 name: Optional[str] = None) -> Any:
-        """Send ``splits[r]`` rows of ``x`` to rank r; gather what every rank sent here.
-
-        Without ``splits`` axis 0 is divided evenly (it must divide by size) and the
-        received array is returned; with ``splits`` a tuple ``(output, received_splits)``.
-        """
+    def alltoall_async(self, x: Any, splits: Optional[Sequence[int]] = None,
+                       name: Optional[str] = None) -> Handle:
+        """Start an alltoall (see ``alltoall``)."""
         what = call_label("alltoall", name)
         src = for_reading(x, what, None)
         if src.ndim == 0:
@@ -226,15 +276,43 @@ class Communicator:
                 raise InvalidInputError(f"{what}: axis 0 ({src.shape[0]}) does not divide by "
                                         f"size {self.size()}; pass splits=")
             splits = [src.shape[0] // self.size()] * self.size()
-        keep: list = []
-        received = self._call(self._ctx.alltoall, src, list(src.shape),
-                              dtype_code(src.dtype, what, None), [int(s) for s in splits],
-                              self._name(name), self._allocator(src.dtype, keep))
-        return (keep[0], np.asarray(received, dtype=np.int64)) if given else keep[0]
+        core = self._engine.alltoall(src, list(src.shape), dtype_code(src.dtype, what, None),
+                                     [int(s) for s in splits], self._name(name))
+        out = self._output(src.dtype)
+
+        def finish(c: Any) -> Any:
+            return (out(c), np.asarray(c.received_splits, dtype=np.int64)) if given else out(c)
+
+        return self._track(core, finish, (src,))
+
+    def alltoall(self, x: Any, splits: Optional[Sequence[int]] = None,
+                 name: Optional[str] = None) -> Any:
+        """Send ``splits[r]`` rows of ``x`` to rank r; gather what every rank sent here.
+
+        Without ``splits`` axis 0 is divided evenly (it must divide by size) and the
+        received array is returned; with ``splits`` a tuple ``(output, received_splits)``.
+        """
+        return self.alltoall_async(x, splits, name).wait()
 
     def barrier(self, name: Optional[str] = None) -> None:
         """Return only after every rank has entered the barrier."""
-        self._call(self._ctx.barrier, self._name(name))
+        self._engine.barrier(self._name(name)).wait()
+
+    def join(self) -> int:
+        """Declare that this rank has no more data; returns the last rank to join.
+
+        Until every rank has joined, this rank's engine takes part in the other
+        ranks' allreduce / allgather / broadcast with neutral contributions.
+        """
+        core = self._engine.join()
+        core.wait()
+        return core.join_result
+
+    @staticmethod
+    def _name(name: Optional[str]) -> str:
+        # Unnamed calls get "noname.<n>" in the engine, which
+        # matches across ranks as long as they make unnamed calls in one order.
+        return "" if name is None else str(name)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
         """Return root_rank's ``obj`` (any picklable object) on every rank."""
@@ -255,61 +333,6 @@ class Communicator:
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         return [pickle.loads(gathered[bounds[i]:bounds[i + 1]].tobytes())
                 for i in range(self.size())]
-
-    # -------------------------------------------------------------- async forms
-    def allreduce_async(self, x: Any, op: int = Average, name: Optional[str] = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-        """Start ``allreduce``; ``synchronize(handle)`` returns the new array."""
-        return _completed(self.allreduce(x, op, name, prescale_factor, postscale_factor))
-
-    def allreduce_async_(self, x: Any, op: int = Average, name: Optional[str] = None,
-                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-        """Start an in-place ``allreduce_``; ``synchronize(handle)`` returns ``x``."""
-        return _completed(self.allreduce_(x, op, name, prescale_factor, postscale_factor))
-
-    def grouped_allreduce_async(self, xs: Sequence[Any], op: int = Average,
-                                name: Optional[str] = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
-        """Start one fused allreduce of several arrays; the result is a list of new arrays."""
-        base = "grouped" if name is None else name
-        return _completed([self.allreduce(x, op, f"{base}.{i}", prescale_factor,
-                                          postscale_factor) for i, x in enumerate(xs)])
-
-    def grouped_allreduce_async_(self, xs: Sequence[Any], op: int = Average,
-                                 name: Optional[str] = None, prescale_factor: float = 1.0,
-                                 postscale_factor: float = 1.0) -> Handle:
-        """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
-        base = "grouped" if name is None else name
-        return _completed([self.allreduce_(x, op, f"{base}.{i}", prescale_factor,
-                                           postscale_factor) for i, x in enumerate(xs)])
-
-    def allgather_async(self, x: Any, name: Optional[str] = None) -> Handle:
-        """Start ``allgather``."""
-        return _completed(self.allgather(x, name))
-
-    def broadcast_async(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
-        """Start ``broadcast`` (new array)."""
-        return _completed(self.broadcast(x, root_rank, name))
-
-    def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
-        """Start an in-place ``broadcast_``."""
-        return _completed(self.broadcast_(x, root_rank, name))
-
-    def reducescatter_async(self, x: Any, op: int = Average, name: Optional[str] = None,
-                            prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> Handle:
-        """Start ``reducescatter``."""
-        return _completed(self.reducescatter(x, op, name, prescale_factor, postscale_factor))
-
-    def alltoall_async(self, x: Any, splits: Optional[Sequence[int]] = None,
-                       name: Optional[str] = None) -> Handle:
-        """Start ``alltoall``."""
-        return _completed(self.alltoall(x, splits, name))
-
-    def join(self) -> int:
-        """Declare this rank out of data; returns the last rank to join."""
-        self.barrier("join")
-        return self.size() - 1
 
     def _check_root(self, root_rank: int, what: str) -> int:
         if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self.size():

@@ -89,7 +89,9 @@ def test_zero_size_arrays(pair):
         assert a.shape == (0, 3) and g.shape == (0, 2) and b.shape == (0,)
 
 
-@pytest.mark.parametrize("call", ["shape", "dtype", "op", "root", "kind", "name"])
+# Different names are different tensors, not a mismatch: that case stalls
+# (tests/test_engine.py covers the stall inspector).
+@pytest.mark.parametrize("call", ["shape", "dtype", "op", "root", "kind"])
 def test_mismatch_raises_on_every_rank_then_recovers(pair, call):
     def body(c):
         r = c.rank()
@@ -99,8 +101,6 @@ def test_mismatch_raises_on_every_rank_then_recovers(pair, call):
             c.broadcast(x, root_rank=r)
         elif call == "kind" and r:
             c.barrier()
-        elif call == "name":
-            c.allreduce(x, name=f"grad{r}")
         else:
             c.allreduce(x, op=rr.Max if call == "op" and r else rr.Sum)
 

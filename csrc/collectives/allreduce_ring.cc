@@ -24,7 +24,9 @@ void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, Reduc
   std::vector<RingStep> steps;
   reduce_scatter_steps(ctx, buf, off, dtype, op, postscale, &reduce_sinks, &steps);
   allgather_steps(ctx, buf, off, &copy_sinks, &steps);
-  run_ring(ctx, steps, /*chained=*/true, what);
+  ctx.phase("RING_REDUCE_SCATTER");
+  run_ring(ctx, steps, /*chained=*/true, what,
+           RingPhase{static_cast<size_t>(n - 1), "RING_ALLGATHER"});
 }
 
 }  // namespace rr

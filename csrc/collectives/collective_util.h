@@ -76,6 +76,8 @@ void check_reduce(const Context& ctx, const Tensor& t, ReduceOp op, const char* 
 void check_scales(const Context& ctx, const Tensor& t, double prescale, double postscale,
                   const char* what);
 void check_has_rows(const Context& ctx, const Tensor& t, const char* what);
+// alltoall: one non-negative split per rank, summing to dim 0.
+void check_splits(const Context& ctx, const Tensor& in, const std::vector<int64_t>& splits);
 // Bytes of one row (all dims but the first).
 size_t row_bytes(const Tensor& t);
 // Byte offsets of each rank's rows, from the dim 0 each rank announced.

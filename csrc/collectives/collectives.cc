@@ -27,7 +27,9 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     OpDesc d{CollKind::kAllreduce, in.dtype, op, -1, in.shape, prescale, postscale, in.name};
     uint64_t seq = ctx.next_seq();
     const bool small = bytes <= ctx.options().small_bytes;
+    ctx.phase("AGREE");
     HeaderExchange x = exchange_headers(ctx, d, seq, buf, small ? bytes : 0);
+    if (small && ctx.size() > 1) ctx.phase("DIRECT");
     if (ctx.size() == 1)
       finalize_reduction(buf, count, in.dtype, op, postscale, 1);
     else if (small)
@@ -63,7 +65,10 @@ void allgather(Context& ctx, const Tensor& in, const Allocator& alloc) {
                                            : (direct ? x.extras[p].data() : nullptr);
       if (src && off[p + 1] > off[p]) std::memcpy(out + off[p], src, off[p + 1] - off[p]);
     }
-    if (!direct) allgather_ring(ctx, out, off, describe_op(d, seq));
+    if (!direct) {
+      ctx.phase("RING_ALLGATHER");
+      allgather_ring(ctx, out, off, describe_op(d, seq));
+    }
   });
 }
 
@@ -80,6 +85,7 @@ void broadcast(Context& ctx, void* buf, const Tensor& desc, int root) {
     const bool send_extra = small && ctx.rank() == root;
     HeaderExchange x = exchange_headers(ctx, d, seq, buf, send_extra ? bytes : 0);
     if (small && ctx.rank() != root && bytes) std::memcpy(buf, x.extras[root].data(), bytes);
+    if (!small) ctx.phase("BROADCAST_CHAIN");
     if (!small) broadcast_chain(ctx, static_cast<uint8_t*>(buf), bytes, root, describe_op(d, seq));
   });
 }

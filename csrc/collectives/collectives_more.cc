@@ -39,7 +39,7 @@ void reducescatter(Context& ctx, const Tensor& in, ReduceOp op, double prescale,
   });
 }
 
-static void check_splits(const Context& ctx, const Tensor& in, const std::vector<int64_t>& splits) {
+void check_splits(const Context& ctx, const Tensor& in, const std::vector<int64_t>& splits) {
   int64_t total = 0;
   for (int64_t s : splits) {
     if (s < 0)

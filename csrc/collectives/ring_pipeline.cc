@@ -11,8 +11,15 @@ namespace {
 
 class RingTask : public ProgressTask {
  public:
-  RingTask(Link* left, Link* right, const std::vector<RingStep>& steps, bool chained, size_t chunk)
-      : left_(left), right_(right), steps_(steps), chained_(chained), chunk_(chunk) {}
+  RingTask(Link* left, Link* right, const std::vector<RingStep>& steps, bool chained, size_t chunk,
+           std::function<void()> at_mark, size_t mark)
+      : left_(left),
+        right_(right),
+        steps_(steps),
+        chained_(chained),
+        chunk_(chunk),
+        at_mark_(std::move(at_mark)),
+        mark_(mark) {}
 
   bool advance(size_t* pending) override {
     bool moved = advance_recv();
@@ -40,6 +47,7 @@ class RingTask : public ProgressTask {
       if (rdone_ < s.recv_bytes) break;
       ++rt_;
       rdone_ = 0;
+      if (rt_ == mark_ && at_mark_) at_mark_();
     }
     return moved;
   }
@@ -74,6 +82,8 @@ class RingTask : public ProgressTask {
   const std::vector<RingStep>& steps_;
   bool chained_;
   size_t chunk_;
+  std::function<void()> at_mark_;
+  size_t mark_;
   size_t rt_ = 0, rdone_ = 0;  // receive step and bytes received in it
   size_t st_ = 0, sdone_ = 0;  // send step and bytes sent in it
 };
@@ -81,14 +91,16 @@ class RingTask : public ProgressTask {
 }  // namespace
 
 void run_ring(Context& ctx, const std::vector<RingStep>& steps, bool chained,
-              const std::string& what) {
+              const std::string& what, RingPhase phase_at) {
   const int n = ctx.size(), r = ctx.rank();
   if (n == 1 || steps.empty()) return;
   for (size_t t = 1; chained && t < steps.size(); ++t)
     RR_CHECK(steps[t].send_bytes == steps[t - 1].recv_bytes, what,
              ": ring step sizes are not chained");
+  std::function<void()> mark;
+  if (phase_at.name) mark = [&ctx, &phase_at] { ctx.phase(phase_at.name); };
   RingTask task(&ctx.link((r - 1 + n) % n), &ctx.link((r + 1) % n), steps, chained,
-                ctx.options().shm_slot_bytes);
+                ctx.options().shm_slot_bytes, std::move(mark), phase_at.step);
   drive(ctx.progress(), task, [&what] { return what; });
 }
 

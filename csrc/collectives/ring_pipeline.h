@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,8 +34,14 @@ struct RingStep {
 
 // Runs the steps with rank + 1 as right and rank - 1 as left neighbour.
 // If `chained`, step t > 0 sends the region step t - 1 received.
+// `phase_at` (if set) is reported to the Context's phase observer once step
+// `phase_at` starts receiving (e.g. the allgather half of an allreduce).
+struct RingPhase {
+  size_t step = SIZE_MAX;
+  const char* name = nullptr;
+};
 void run_ring(Context& ctx, const std::vector<RingStep>& steps, bool chained,
-              const std::string& what);
+              const std::string& what, RingPhase phase_at = {});
 
 class ReduceSink;
 class CopySink;

@@ -22,6 +22,14 @@ namespace rr {
 
 enum class TransportMode { kAuto, kTcp, kShm };
 
+// Told by the algorithms when they enter a phase ("RING_REDUCE_SCATTER"...);
+// the engine's timeline implements it. Not owned by the Context.
+class PhaseObserver {
+ public:
+  virtual ~PhaseObserver() = default;
+  virtual void phase(const char* name) = 0;
+};
+
 struct ContextOptions {
   int rank = 0;
   int size = 1;
@@ -84,6 +92,11 @@ class Context {
   void mark_broken(const std::string& why);
   void check_usable() const;
 
+  void set_phase_observer(PhaseObserver* o) { observer_ = o; }
+  void phase(const char* name) {
+    if (observer_) observer_->phase(name);
+  }
+
  private:
   void leave(const std::string& reason);
   void compute_topology();
@@ -106,6 +119,7 @@ class Context {
   std::vector<std::vector<uint8_t>> scratch_;
   std::string broken_;
   bool connected_ = false;
+  PhaseObserver* observer_ = nullptr;
 };
 
 }  // namespace rr

@@ -58,6 +58,24 @@ void TcpLink::abort(const std::string& reason) {
   ::shutdown(fd_.get(), SHUT_WR);  // half-close: the peer reads the record, then EOF
 }
 
+// Peeks at what is waiting on the socket without consuming it: EOF with
+// nothing before it, or a short backlog that ends with a last-words record
+// (the peer wrote it, then half-closed), means the peer has left.
+void TcpLink::check_alive() {
+  if (fd_.get() < 0) return;
+  std::vector<uint8_t> peek(8192);
+  ssize_t r = ::recv(fd_.get(), peek.data(), peek.size(), MSG_PEEK | MSG_DONTWAIT);
+  if (r == 0) fail("receiving from", 0);
+  if (r <= 0 || static_cast<size_t>(r) == peek.size()) return;
+  std::vector<uint8_t> saved = tail_;
+  tail_.clear();
+  remember(peek.data(), static_cast<size_t>(r));
+  std::string why = last_words();
+  tail_ = std::move(saved);
+  if (!why.empty())
+    throw_error(ErrorKind::kPeerLost, "rank ", peer_, " on host ", host_, " left the job: ", why);
+}
+
 void TcpLink::fail(const char* what, int err) {
   if (err == 0) {
     std::string why = last_words();

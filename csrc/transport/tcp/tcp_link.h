@@ -29,7 +29,9 @@ class TcpLink : public Link {
   size_t send_some(const uint8_t* data, size_t n, size_t done) override;
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{fd_.get(), false}; }
-  void check_alive() override {}  // failures surface as socket errors
+  // Between waits: notices a peer that left while this rank only sends to it
+  // (a blocked send would otherwise wait until the peer's process exits).
+  void check_alive() override;
   void abort(const std::string& reason) override;
 
  private:

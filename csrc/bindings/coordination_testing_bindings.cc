@@ -1,0 +1,89 @@
+// Unit-test access to the coordination layer's pure logic (submodule
+// ringreduce._core.coordination): tensors and responses cross as dicts.
+#include <pybind11/stl.h>
+
+#include "bindings/engine_bindings.h"
+#include "coordination/fusion.h"
+#include "coordination/negotiator.h"
+#include "coordination/response_cache.h"
+
+namespace py = pybind11;
+
+namespace rr {
+namespace {
+
+CollKind kind_from(const std::string& s) {
+  for (CollKind k : {CollKind::kAllreduce, CollKind::kAllgather, CollKind::kBroadcast,
+                     CollKind::kReducescatter, CollKind::kAlltoall, CollKind::kBarrier})
+    if (s == coll_name(k)) return k;
+  throw_error(ErrorKind::kInvalidArgument, "unknown collective '", s, "'");
+}
+
+RequestMeta meta_from(const py::dict& d) {
+  RequestMeta m;
+  m.name = d["name"].cast<std::string>();
+  m.kind = kind_from(d.contains("kind") ? d["kind"].cast<std::string>() : "allreduce");
+  m.dtype = static_cast<DType>(d.contains("dtype") ? d["dtype"].cast<int>() : 6);
+  m.op = static_cast<ReduceOp>(d.contains("op") ? d["op"].cast<int>() : 0);
+  m.root = d.contains("root") ? d["root"].cast<int>() : -1;
+  m.shape = d.contains("shape") ? d["shape"].cast<std::vector<int64_t>>() : std::vector<int64_t>{1};
+  m.prescale = d.contains("prescale") ? d["prescale"].cast<double>() : 1.0;
+  m.postscale = d.contains("postscale") ? d["postscale"].cast<double>() : 1.0;
+  m.group = d.contains("group") ? d["group"].cast<std::string>() : "";
+  return m;
+}
+
+py::dict response_dict(const Response& r) {
+  py::dict d;
+  d["type"] = resp_type_name(r.type);
+  std::vector<std::string> names;
+  for (const auto& t : r.tensors) names.push_back(t.name);
+  d["tensors"] = names;
+  d["contributors"] = r.contributors;
+  d["last_joined"] = r.last_joined;
+  d["message"] = r.message;
+  return d;
+}
+
+std::vector<py::dict> response_dicts(const std::vector<Response>& rs) {
+  std::vector<py::dict> out;
+  for (const auto& r : rs) out.push_back(response_dict(r));
+  return out;
+}
+
+}  // namespace
+
+void bind_coordination_testing(py::module_& parent) {
+  py::module_ m = parent.def_submodule("coordination", "unit-test access to negotiation logic");
+  py::class_<Negotiator>(m, "Negotiator")
+      .def(py::init([](int size, uint64_t fusion, double stall_check, double stall_shutdown) {
+             return std::make_unique<Negotiator>(
+                 NegotiatorOptions{size, fusion, stall_check, stall_shutdown});
+           }),
+           py::arg("size"), py::arg("fusion_threshold") = 64 << 20,
+           py::arg("stall_check") = 60.0, py::arg("stall_shutdown") = 0.0)
+      .def("submit", [](Negotiator& n, int rank, const py::dict& meta,
+                        double now) { n.submit(rank, meta_from(meta), now); })
+      .def("join", &Negotiator::join)
+      .def("decide", [](Negotiator& n, double now) { return response_dicts(n.decide(now)); })
+      .def("next_deadline", &Negotiator::next_deadline)
+      .def_property_readonly("pending", &Negotiator::pending);
+  m.def("plan_fusion", [](const std::vector<py::dict>& tensors, uint64_t threshold) {
+    std::vector<Response> ready;
+    for (const auto& d : tensors) {
+      Response r;
+      r.tensors.push_back(meta_from(d));
+      r.contributors = d.contains("contributors") ? d["contributors"].cast<int>() : 2;
+      ready.push_back(r);
+    }
+    return response_dicts(plan_fusion(ready, threshold));
+  });
+  py::class_<ResponseCache>(m, "ResponseCache")
+      .def(py::init<size_t>())
+      .def("put", [](ResponseCache& c, const py::dict& d) { c.put(meta_from(d)); })
+      .def("lookup", [](const ResponseCache& c, const py::dict& d) { return c.lookup(meta_from(d)); })
+      .def("lru_order", &ResponseCache::lru_order)
+      .def_property_readonly("slots", &ResponseCache::slots);
+}
+
+}  // namespace rr

@@ -1,0 +1,157 @@
+// Bindings of the Engine (the path every collective takes) and, for the unit
+// test tier, of its pure-logic parts: Negotiator, fusion planning, response
+// cache. No logic: argument conversion, and the GIL released around waits.
+#include "bindings/engine_bindings.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include "coordination/engine.h"
+#include "coordination/fusion.h"
+#include "coordination/negotiator.h"
+#include "coordination/response_cache.h"
+
+namespace py = pybind11;
+
+namespace rr {
+namespace {
+
+uintptr_t address(py::handle obj) {
+  if (py::isinstance<py::array>(obj))
+    return reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(obj).data());
+  return obj.cast<uintptr_t>();
+}
+
+DType dtype_arg(int32_t code) {
+  if (!dtype_is_valid(code)) throw_error(ErrorKind::kInvalidArgument, "unknown dtype code ", code);
+  return static_cast<DType>(code);
+}
+
+ReduceOp op_arg(int32_t code) {
+  if (!reduce_op_is_valid(code)) throw_error(ErrorKind::kInvalidArgument, "unknown op code ", code);
+  return static_cast<ReduceOp>(code);
+}
+
+Entry entry(CollKind kind, py::handle in, py::handle out, std::vector<int64_t> shape,
+            int32_t dtype, std::string name) {
+  Entry e;
+  e.meta.kind = kind;
+  e.meta.dtype = dtype_arg(dtype);
+  e.meta.shape = std::move(shape);
+  e.meta.name = std::move(name);
+  e.in = reinterpret_cast<const void*>(address(in));
+  e.out = out.is_none() ? nullptr : reinterpret_cast<void*>(address(out));
+  return e;
+}
+
+std::shared_ptr<HandleState> submit_one(Engine& eng, Entry e) {
+  std::vector<Entry> v;
+  v.push_back(std::move(e));
+  py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
+  return eng.submit(std::move(v));
+}
+
+// The engine-allocated result as a flat uint8 array that owns the memory.
+py::array output_array(HandleState& h, size_t i) {
+  if (i >= h.outputs.size() || !h.outputs[i].data)
+    throw_error(ErrorKind::kInternal, "no engine-allocated output ", i);
+  auto* keep = new std::shared_ptr<uint8_t>(h.outputs[i].data);
+  py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<uint8_t>*>(p); });
+  return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(h.outputs[i].bytes)},
+                   {static_cast<py::ssize_t>(1)}, h.outputs[i].data.get(), owner);
+}
+
+void bind_handle(py::module_& m) {
+  py::class_<HandleState, std::shared_ptr<HandleState>>(m, "Handle")
+      .def("wait", &HandleState::wait, py::call_guard<py::gil_scoped_release>())
+      .def("done", &HandleState::done)
+      .def("output", &output_array)
+      .def("output_shape", [](HandleState& h, size_t i) { return h.outputs.at(i).shape; })
+      .def_readonly("received_splits", &HandleState::received_splits)
+      .def_readonly("join_result", &HandleState::join_result);
+}
+
+void bind_engine_class(py::module_& m) {
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init([](std::shared_ptr<Context> ctx) {
+        return std::make_shared<Engine>(std::move(ctx), engine_options_from_env());
+      }))
+      .def("allreduce",
+           [](Engine& eng, py::handle in, py::handle out, std::vector<int64_t> shape,
+              int32_t dtype, int32_t op, double pre, double post, std::string name) {
+             Entry e = entry(CollKind::kAllreduce, in, out, std::move(shape), dtype,
+                             std::move(name));
+             e.meta.op = op_arg(op);
+             e.meta.prescale = pre;
+             e.meta.postscale = post;
+             return submit_one(eng, std::move(e));
+           })
+      .def("grouped_allreduce",
+           [](Engine& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,
+              std::vector<std::vector<int64_t>> shapes, std::vector<int32_t> dtypes,
+              std::vector<std::string> names, int32_t op, double pre, double post,
+              std::string group) {
+             std::vector<Entry> es;
+             for (size_t i = 0; i < ins.size(); ++i) {
+               es.push_back(entry(CollKind::kAllreduce, ins[i], outs.at(i), shapes.at(i),
+                                  dtypes.at(i), names.at(i)));
+               es.back().meta.op = op_arg(op);
+               es.back().meta.prescale = pre;
+               es.back().meta.postscale = post;
+               es.back().meta.group = group;
+             }
+             py::gil_scoped_release nogil;
+             return eng.submit(std::move(es));
+           })
+      .def("allgather",
+           [](Engine& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype,
+              std::string name) {
+             return submit_one(eng, entry(CollKind::kAllgather, in, py::none(), std::move(shape),
+                                          dtype, std::move(name)));
+           })
+      .def("broadcast",
+           [](Engine& eng, py::handle buf, std::vector<int64_t> shape, int32_t dtype, int root,
+              std::string name) {
+             Entry e = entry(CollKind::kBroadcast, buf, buf, std::move(shape), dtype,
+                             std::move(name));
+             e.meta.root = root;
+             return submit_one(eng, std::move(e));
+           })
+      .def("reducescatter",
+           [](Engine& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype, int32_t op,
+              double pre, double post, std::string name) {
+             Entry e = entry(CollKind::kReducescatter, in, py::none(), std::move(shape), dtype,
+                             std::move(name));
+             e.meta.op = op_arg(op);
+             e.meta.prescale = pre;
+             e.meta.postscale = post;
+             return submit_one(eng, std::move(e));
+           })
+      .def("alltoall",
+           [](Engine& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype,
+              std::vector<int64_t> splits, std::string name) {
+             Entry e = entry(CollKind::kAlltoall, in, py::none(), std::move(shape), dtype,
+                             std::move(name));
+             e.splits = std::move(splits);
+             return submit_one(eng, std::move(e));
+           })
+      .def("barrier",
+           [](Engine& eng, std::string name) {
+             Entry e;
+             e.meta.kind = CollKind::kBarrier;
+             e.meta.dtype = DType::kUInt8;
+             e.meta.name = std::move(name);
+             return submit_one(eng, std::move(e));
+           })
+      .def("join", &Engine::join, py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  bind_handle(m);
+  bind_engine_class(m);
+}
+
+}  // namespace rr

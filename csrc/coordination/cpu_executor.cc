@@ -1,0 +1,212 @@
+// The host-memory executor. A response of one allreduce runs in place on the
+// caller's buffers; a fused response packs its tensors into the fusion
+// buffer (64-byte aligned slots; the padding is reduced too, harmlessly),
+// reduces that once, and unpacks. Joined ranks contribute neutral elements.
+// With joined ranks, Average runs as Sum and is divided by the number of
+// contributors afterwards, identically on every rank.
+#include <cstring>
+#include <limits>
+
+#include "collectives/collective_util.h"
+#include "collectives/collectives.h"
+#include "coordination/executor.h"
+#include "coordination/timeline.h"
+
+namespace rr {
+
+namespace {
+
+template <typename T>
+void fill(void* buf, size_t count, T v) {
+  auto* p = static_cast<T*>(buf);
+  for (size_t i = 0; i < count; ++i) p[i] = v;
+}
+
+size_t aligned(size_t b) { return (b + 63) / 64 * 64; }
+
+class CpuExecutor : public Executor {
+ public:
+  CpuExecutor(Context& ctx, Timeline* timeline) : ctx_(ctx), timeline_(timeline) {}
+
+  void execute(const Response& r, const std::vector<Entry*>& local) override {
+    const RequestMeta& m = r.tensors.front();
+    if (timeline_) start_activity(r, cat(coll_name(m.kind)));
+    switch (m.kind) {
+      case CollKind::kAllreduce:
+        r.tensors.size() == 1 ? allreduce_one(r, local[0]) : allreduce_fused(r, local);
+        break;
+      case CollKind::kAllgather: gather(m, local[0]); break;
+      case CollKind::kBroadcast: bcast(m, local[0]); break;
+      case CollKind::kReducescatter: scatter(m, local[0]); break;
+      case CollKind::kAlltoall: exchange(m, local[0]); break;
+      case CollKind::kBarrier: barrier(ctx_, m.name); break;
+    }
+    if (timeline_) end_activity(r);
+  }
+
+ private:
+  // Average over fewer ranks than the job has: reduce as Sum, divide after.
+  struct Plan {
+    ReduceOp op;
+    bool divide_after;
+  };
+  Plan plan(const Response& r) const {
+    const ReduceOp op = r.tensors.front().op;
+    if (op == ReduceOp::kAverage && r.contributors < ctx_.size()) return {ReduceOp::kSum, true};
+    return {op, false};
+  }
+  void finish(const Response& r, const Plan& p, void* buf, size_t count) const {
+    const RequestMeta& m = r.tensors.front();
+    if (p.divide_after)
+      finalize_reduction(buf, count, m.dtype, ReduceOp::kAverage, m.postscale, r.contributors);
+  }
+
+  void allreduce_one(const Response& r, Entry* e) {
+    const RequestMeta& m = r.tensors.front();
+    const size_t count = static_cast<size_t>(num_elements(m.shape));
+    const Plan p = plan(r);
+    const void* in = e ? e->in : neutral(m, p.op, count);
+    void* out = e ? e->out : ctx_.scratch(2, m.bytes());
+    allreduce(ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, m.prescale,
+              p.divide_after ? 1.0 : m.postscale);
+    finish(r, p, out, count);
+  }
+
+  void allreduce_fused(const Response& r, const std::vector<Entry*>& local) {
+    const RequestMeta& m = r.tensors.front();
+    const size_t es = dtype_size(m.dtype);
+    std::vector<size_t> off(r.tensors.size() + 1, 0);
+    for (size_t i = 0; i < r.tensors.size(); ++i) off[i + 1] = off[i] + aligned(r.tensors[i].bytes());
+    uint8_t* buf = fusion(off.back());
+    const Plan p = plan(r);
+    phase("MEMCPY_IN_FUSION_BUFFER");
+    for (size_t i = 0; i < r.tensors.size(); ++i) {
+      const size_t n = r.tensors[i].bytes();
+      if (local[i]) {
+        if (n) std::memcpy(buf + off[i], local[i]->in, n);
+      } else {
+        fill_identity(buf + off[i], n / es, m.dtype, p.op);
+      }
+    }
+    const size_t count = off.back() / es;
+    allreduce(ctx_, Tensor{buf, {static_cast<int64_t>(count)}, m.dtype,
+                           cat(m.name, "+", r.tensors.size() - 1, " fused")},
+              buf, p.op, m.prescale, p.divide_after ? 1.0 : m.postscale);
+    finish(r, p, buf, count);
+    phase("MEMCPY_OUT_FUSION_BUFFER");
+    for (size_t i = 0; i < r.tensors.size(); ++i)
+      if (local[i] && r.tensors[i].bytes())
+        std::memcpy(local[i]->out, buf + off[i], r.tensors[i].bytes());
+  }
+
+  void gather(const RequestMeta& m, Entry* e) {
+    std::vector<int64_t> shape = e ? e->meta.shape : m.shape;
+    if (!e) shape[0] = 0;
+    OwnedBuffer result;
+    allgather(ctx_, Tensor{e ? e->in : nullptr, shape, m.dtype, m.name},
+              [&](const std::vector<int64_t>& s) {
+                result = allocate_owned(s, m.dtype);
+                return static_cast<void*>(result.data.get());
+              });
+    if (e) e->handle->outputs[e->index] = std::move(result);
+  }
+
+  void bcast(const RequestMeta& m, Entry* e) {
+    void* buf = e ? e->out : ctx_.scratch(2, m.bytes());
+    broadcast(ctx_, buf, Tensor{buf, m.shape, m.dtype, m.name}, m.root);
+  }
+
+  void scatter(const RequestMeta& m, Entry* e) {
+    OwnedBuffer result;
+    reducescatter(ctx_, Tensor{e->in, m.shape, m.dtype, m.name}, m.op, m.prescale, m.postscale,
+                  [&](const std::vector<int64_t>& s) {
+                    result = allocate_owned(s, m.dtype);
+                    return static_cast<void*>(result.data.get());
+                  });
+    e->handle->outputs[e->index] = std::move(result);
+  }
+
+  void exchange(const RequestMeta& m, Entry* e) {
+    OwnedBuffer result;
+    e->handle->received_splits =
+        alltoall(ctx_, Tensor{e->in, e->meta.shape, m.dtype, m.name}, e->splits,
+                 [&](const std::vector<int64_t>& s) {
+                   result = allocate_owned(s, m.dtype);
+                   return static_cast<void*>(result.data.get());
+                 });
+    e->handle->outputs[e->index] = std::move(result);
+  }
+
+  const void* neutral(const RequestMeta& m, ReduceOp op, size_t count) {
+    void* buf = ctx_.scratch(1, m.bytes());
+    fill_identity(buf, count, m.dtype, op);
+    return buf;
+  }
+
+  uint8_t* fusion(size_t bytes) {
+    if (fusion_.size() < bytes) fusion_.resize(bytes);  // zero-filled: pages touched once
+    return fusion_.data();
+  }
+
+  void phase(const char* name) { ctx_.phase(name); }
+  void start_activity(const Response& r, const std::string& activity) {
+    std::vector<std::string> names;
+    for (const auto& t : r.tensors) {
+      timeline_->end(t.name);  // WAIT
+      timeline_->begin(t.name, activity);
+      names.push_back(t.name);
+    }
+    timeline_->set_current(names);
+  }
+  void end_activity(const Response& r) {
+    timeline_->set_current({});
+    for (const auto& t : r.tensors) timeline_->end(t.name);
+  }
+
+  Context& ctx_;
+  Timeline* timeline_;
+  std::vector<uint8_t> fusion_;
+};
+
+}  // namespace
+
+void fill_identity(void* buf, size_t count, DType dtype, ReduceOp op) {
+  if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+    std::memset(buf, 0, count * dtype_size(dtype));
+    return;
+  }
+  const int which = op == ReduceOp::kProduct ? 0 : (op == ReduceOp::kMin ? 1 : 2);
+  switch (dtype) {
+    case DType::kUInt8: fill<uint8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 255 : 0)); break;
+    case DType::kInt8: fill<int8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 127 : -128)); break;
+    case DType::kBool: fill<uint8_t>(buf, count, which == 2 ? 0 : 1); break;
+    case DType::kInt32:
+      fill<int32_t>(buf, count, which == 0 ? 1 : (which == 1 ? INT32_MAX : INT32_MIN));
+      break;
+    case DType::kInt64:
+      fill<int64_t>(buf, count, which == 0 ? 1 : (which == 1 ? INT64_MAX : INT64_MIN));
+      break;
+    case DType::kFloat16:  // 1.0, +inf, -inf
+      fill<uint16_t>(buf, count, which == 0 ? 0x3C00 : (which == 1 ? 0x7C00 : 0xFC00));
+      break;
+    case DType::kBFloat16:
+      fill<uint16_t>(buf, count, which == 0 ? 0x3F80 : (which == 1 ? 0x7F80 : 0xFF80));
+      break;
+    case DType::kFloat32: {
+      const float inf = std::numeric_limits<float>::infinity();
+      fill<float>(buf, count, which == 0 ? 1.0f : (which == 1 ? inf : -inf));
+      break;
+    }
+    case DType::kFloat64: {
+      const double inf = std::numeric_limits<double>::infinity();
+      fill<double>(buf, count, which == 0 ? 1.0 : (which == 1 ? inf : -inf));
+      break;
+    }
+  }
+}
+
+std::unique_ptr<Executor> make_cpu_executor(Context& ctx, Timeline* timeline) {
+  return std::make_unique<CpuExecutor>(ctx, timeline);
+}
+
+}  // namespace rr

@@ -1,0 +1,308 @@
+#include "coordination/engine.h"
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "collectives/collective_util.h"
+#include "common/env.h"
+#include "common/logging.h"
+#include "transport/shm/doorbell.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define RR_ENGINE_RELAX() _mm_pause()
+#else
+#define RR_ENGINE_RELAX() ((void)0)
+#endif
+
+namespace rr {
+
+EngineOptions engine_options_from_env() {
+  EngineOptions o;
+  const int64_t fusion = env_int("RINGREDUCE_FUSION_THRESHOLD",
+                                 static_cast<int64_t>(o.fusion_threshold));
+  const int64_t cache = env_int("RINGREDUCE_CACHE_CAPACITY",
+                                static_cast<int64_t>(o.cache_capacity));
+  o.cycle_time_s = env_double("RINGREDUCE_CYCLE_TIME_MS", 0) * 1e-3;
+  o.stall_check_s = env_double("RINGREDUCE_STALL_CHECK_SECONDS", o.stall_check_s);
+  o.stall_shutdown_s = env_double("RINGREDUCE_STALL_SHUTDOWN_SECONDS", o.stall_shutdown_s);
+  o.timeline_path = env_str("RINGREDUCE_TIMELINE", "");
+  if (fusion < 0 || cache < 0 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
+      o.stall_shutdown_s < 0)
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_FUSION_THRESHOLD, ",
+                "RINGREDUCE_CACHE_CAPACITY, RINGREDUCE_CYCLE_TIME_MS and ",
+                "RINGREDUCE_STALL_*_SECONDS must not be negative");
+  o.fusion_threshold = static_cast<uint64_t>(fusion);
+  o.cache_capacity = static_cast<size_t>(cache);
+  return o;
+}
+
+Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
+    : ctx_(std::move(ctx)),
+      opt_(std::move(opt)),
+      rank_(ctx_->rank()),
+      size_(ctx_->size()),
+      cache_(opt_.cache_capacity),
+      ctrl_(*ctx_),
+      t0_(std::chrono::steady_clock::now()) {
+  ctx_->check_usable();
+  if (rank_ == 0 && !opt_.timeline_path.empty()) {
+    timeline_ = std::make_unique<Timeline>(opt_.timeline_path);
+    ctx_->set_phase_observer(timeline_.get());
+  }
+  if (rank_ == 0)
+    negotiator_ = std::make_unique<Negotiator>(
+        NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s,
+                          opt_.stall_shutdown_s},
+        timeline_.get());
+  cpu_ = make_cpu_executor(*ctx_, timeline_.get());
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  RR_CHECK(wake_fd_ >= 0, "eventfd: ", errno_string(errno));
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  shutdown();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+double Engine::now() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+}
+
+// ------------------------------------------------------------- submitting
+void Engine::validate(Entry& e) {
+  const RequestMeta& m = e.meta;
+  const char* what = coll_name(m.kind);
+  Tensor t{e.in, m.shape, m.dtype, m.name};
+  if (m.device >= 0)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", what, " '", m.name,
+                "': the tensor is on GPU ", m.device, ", and this build has no GPU backend");
+  check_shape(*ctx_, t, what);
+  switch (m.kind) {
+    case CollKind::kAllreduce:
+    case CollKind::kReducescatter:
+      check_reduce(*ctx_, t, m.op, what);
+      check_scales(*ctx_, t, m.prescale, m.postscale, what);
+      if (m.kind == CollKind::kReducescatter) check_has_rows(*ctx_, t, what);
+      break;
+    case CollKind::kAllgather: check_has_rows(*ctx_, t, what); break;
+    case CollKind::kAlltoall:
+      check_has_rows(*ctx_, t, what);
+      check_splits(*ctx_, t, e.splits);
+      break;
+    case CollKind::kBroadcast:
+      if (m.root < 0 || m.root >= size_)
+        throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": broadcast '", m.name,
+                    "': root_rank ", m.root, " is not in [0, ", size_, ")");
+      break;
+    case CollKind::kBarrier: break;
+  }
+}
+
+void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h) {
+  if (failed_)
+    throw Error(fail_kind_, cat("rank ", rank_, ": cannot start ", coll_name(entries[0].meta.kind),
+                                " '", entries[0].meta.name, "': ringreduce stopped after an ",
+                                "earlier failure: ", fail_message_));
+  if (stopping_)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ringreduce has been shut down; ",
+                "call init() again");
+  std::unordered_set<std::string> batch;
+  for (const Entry& e : entries) {
+    const std::string& n = e.meta.name;
+    if (!n.empty() && (in_flight_.count(n) || !batch.insert(n).second))
+      throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(e.meta.kind), " '",
+                  n, "': a tensor of this name is already in flight on this rank; synchronize() ",
+                  "it before submitting the name again, or give each tensor its own name");
+  }
+  // Counters advance only once every entry passed validation: a call that
+  // fails locally on one rank must not shift the names of later calls.
+  // One counter for every kind, so ranks that make different unnamed calls
+  // at the same point get a mismatch error naming both calls.
+  uint64_t counter = noname_;
+  for (Entry& e : entries) {
+    if (e.meta.name.empty() && !e.join) e.meta.name = cat("noname.", counter++);
+    validate(e);
+  }
+  noname_ = counter;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    entries[i].handle = h;
+    entries[i].index = i;
+    if (!entries[i].join) in_flight_.insert(entries[i].meta.name);
+    queue_.push_back(std::move(entries[i]));
+  }
+  has_work_.store(true);
+}
+
+std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
+  RR_CHECK(!entries.empty(), "submit of no tensors");
+  auto h = std::make_shared<HandleState>(entries.size(), ctx_->progress().spin_seconds);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    enqueue_locked(entries, h);
+  }
+  notify();
+  return h;
+}
+
+std::shared_ptr<HandleState> Engine::join() {
+  Entry e;
+  e.join = true;
+  e.meta.kind = CollKind::kBarrier;
+  e.meta.name = "join";
+  std::vector<Entry> one;
+  one.push_back(std::move(e));
+  return submit(std::move(one));
+}
+
+void Engine::notify() {
+  if (Doorbell* bell = ctx_->progress().doorbell) bell->ring();
+  const uint64_t one = 1;
+  ssize_t ignored = ::write(wake_fd_, &one, sizeof one);
+  (void)ignored;
+}
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;  // the Context may be closed by now: touch nothing
+    stopping_ = true;
+  }
+  stop_.store(true);
+  notify();
+  if (thread_.joinable()) thread_.join();
+  fail_all(ErrorKind::kInternal,
+           cat("rank ", rank_, ": ringreduce was shut down before this collective completed"));
+  ctx_->set_phase_observer(nullptr);
+  if (timeline_) timeline_->close();
+}
+
+
+// ------------------------------------------------------------ the thread
+void Engine::loop() {
+  try {
+    while (idle_wait() == Wake::kWork) {
+      last_round_ = now();
+      if (rank_ == 0)
+        coordinator_round();
+      else
+        worker_round();
+      if (timeline_) timeline_->flush();
+    }
+  } catch (const Error& e) {
+    fail_engine(e);
+  } catch (const std::exception& e) {
+    fail_engine(Error(ErrorKind::kInternal, cat("rank ", rank_, ": engine thread: ", e.what())));
+  }
+}
+
+bool Engine::ready_to_start() {
+  if (has_work_.load() && now() - last_round_ >= opt_.cycle_time_s) return true;
+  if (rank_ != 0) return size_ > 1 && ctrl_.try_header(0);
+  for (int w = 1; w < size_; ++w)
+    if (ctrl_.try_header(w)) return true;
+  return now() >= negotiator_->next_deadline();
+}
+
+Engine::Wake Engine::idle_wait() {
+  const ProgressSettings& ps = ctx_->progress();
+  const double start = now();
+  double last_check = start;
+  for (;;) {
+    if (stop_.load()) return Wake::kStop;
+    if (ready_to_start()) return Wake::kWork;
+    const double t = now();
+    if (t - start < ps.spin_seconds) {
+      if (ps.yield_while_spinning)
+        sched_yield();
+      else
+        RR_ENGINE_RELAX();
+      continue;
+    }
+    if (t - last_check >= 0.1) {
+      try {
+        for (int p = 0; p < size_; ++p)
+          if (p != rank_) ctx_->link(p).check_alive();
+      } catch (const Error& e) {
+        throw Error(e.kind(), cat("rank ", rank_, ": while idle: ", e.what()));
+      }
+      last_check = t;
+    }
+    double timeout = 0.1;
+    if (has_work_.load()) timeout = std::min(timeout, last_round_ + opt_.cycle_time_s - t);
+    if (rank_ == 0) timeout = std::min(timeout, negotiator_->next_deadline() - t);
+    block(static_cast<int64_t>(std::max(timeout, 0.0) * 1e9));
+  }
+}
+
+// Sleeps until a peer may have sent something, a caller submitted work, or
+// the timeout passes. shm-only: the doorbell (peers and notify() ring it).
+// Otherwise poll() on the watched sockets and the wake eventfd; shm peers
+// cannot wake poll(), so with both kinds the sleep is cut to 1 ms slices.
+void Engine::block(int64_t timeout_ns) {
+  std::vector<pollfd> fds{pollfd{wake_fd_, POLLIN, 0}};
+  bool any_shm = false;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || (rank_ != 0 && p != 0)) continue;
+    WaitHandle w = ctx_->link(p).wait_handle();
+    if (w.fd >= 0) fds.push_back(pollfd{w.fd, POLLIN, 0});
+    any_shm |= w.doorbell;
+  }
+  Doorbell* bell = ctx_->progress().doorbell;
+  if (fds.size() == 1 && bell) {
+    const uint32_t seen = bell->snapshot();
+    bell->set_sleeping(true);
+    if (!stop_.load() && !ready_to_start()) bell->wait(seen, timeout_ns);
+    bell->set_sleeping(false);
+    return;
+  }
+  int64_t ms = (timeout_ns + 999999) / 1000000;
+  if (any_shm) ms = std::min<int64_t>(ms, 1);
+  if (::poll(fds.data(), fds.size(), static_cast<int>(ms)) > 0 && (fds[0].revents & POLLIN)) {
+    uint64_t v;
+    ssize_t ignored = ::read(wake_fd_, &v, sizeof v);
+    (void)ignored;
+  }
+}
+
+// -------------------------------------------------------------- failures
+void Engine::fail_all(ErrorKind kind, const std::string& why) {
+  std::deque<Entry> queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queued.swap(queue_);
+    in_flight_.clear();
+    has_work_.store(false);
+  }
+  auto fail = [&](Entry& e) {
+    e.handle->fail_one(kind, e.join ? cat("join could not complete: ", why)
+                                    : cat("rank ", rank_, ": ", coll_name(e.meta.kind), " '",
+                                          e.meta.name, "' could not complete: ", why));
+  };
+  for (auto& e : queued) fail(e);
+  for (auto& [name, e] : pending_) fail(e);
+  for (auto& e : joins_) fail(e);
+  pending_.clear();
+  joins_.clear();
+}
+
+void Engine::fail_engine(const Error& e) {
+  ctx_->mark_broken(e.what());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) {
+      failed_ = true;
+      fail_kind_ = e.kind();
+      fail_message_ = e.what();
+    }
+  }
+  fail_all(fail_kind_, e.what());
+}
+
+}  // namespace rr

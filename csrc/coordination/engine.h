@@ -1,0 +1,121 @@
+// The Engine: one background thread per rank that owns all communication.
+// Callers enqueue entries (any thread) and get a HandleState back at once;
+// the thread negotiates readiness with the other ranks (control.h protocol,
+// Negotiator on rank 0), agrees responses through the response cache, and
+// executes them through the executor for their device, completing handles.
+//
+// State machine of the thread:
+//   IDLE  --local work (cycle time permitting) / control bytes arrive /
+//           stall deadline (rank 0)-->  ROUND  --> EXECUTE --> IDLE
+//   any   --peer lost, timeout, fatal stall-->  FAILED (every pending and
+//           future call raises the error, naming the rank and operation)
+//   any   --shutdown()-->  STOPPED (pending calls raise "shut down")
+// IDLE spins for the spin time, then sleeps on the shm doorbell or poll(),
+// waking every 100 ms to check that peers are alive.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "coordination/control.h"
+#include "coordination/executor.h"
+#include "coordination/handle.h"
+#include "coordination/negotiator.h"
+#include "coordination/response_cache.h"
+#include "coordination/timeline.h"
+#include "transport/context.h"
+
+namespace rr {
+
+struct EngineOptions {
+  uint64_t fusion_threshold = 64ULL << 20;  // RINGREDUCE_FUSION_THRESHOLD
+  double cycle_time_s = 0;                  // RINGREDUCE_CYCLE_TIME_MS
+  size_t cache_capacity = 1024;             // RINGREDUCE_CACHE_CAPACITY
+  double stall_check_s = 60;                // RINGREDUCE_STALL_CHECK_SECONDS
+  double stall_shutdown_s = 0;              // RINGREDUCE_STALL_SHUTDOWN_SECONDS
+  std::string timeline_path;                // RINGREDUCE_TIMELINE (rank 0 writes it)
+};
+
+EngineOptions engine_options_from_env();
+
+class Engine {
+ public:
+  Engine(std::shared_ptr<Context> ctx, EngineOptions opt);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates locally (dtype/op, shape, root, duplicate names) and enqueues.
+  // Unnamed entries get "noname.<n>". Throws if the engine failed.
+  std::shared_ptr<HandleState> submit(std::vector<Entry> entries);
+  std::shared_ptr<HandleState> join();
+  // Stops the thread; calls still pending fail. Idempotent.
+  void shutdown();
+  Context& context() { return *ctx_; }
+
+ private:
+  enum class Wake { kStop, kWork };
+  void validate(Entry& e);
+  void enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h);
+  void notify();
+  void loop();
+  Wake idle_wait();
+  bool ready_to_start();
+  void block(int64_t timeout_ns);
+  void coordinator_round();
+  void worker_round();
+  std::vector<Entry> drain();
+  void record_local(std::vector<Entry>& fresh);
+  std::vector<uint8_t> encode_requests(const std::vector<Entry>& fresh, bool join);
+  void decode_requests(int rank, const std::vector<uint8_t>& payload, double now);
+  std::vector<uint8_t> encode_responses(const std::vector<Response>& rs) const;
+  std::vector<Response> decode_responses(const std::vector<uint8_t>& payload) const;
+  void process(const std::vector<Response>& rs);
+  void execute(const Response& r);
+  void fail_entries(const Response& r, ErrorKind kind, const std::string& msg);
+  void fail_all(ErrorKind kind, const std::string& why);
+  void fail_engine(const Error& e);
+  double now() const;
+
+  std::shared_ptr<Context> ctx_;
+  EngineOptions opt_;
+  const int rank_, size_;
+  std::unique_ptr<Timeline> timeline_;
+  std::unique_ptr<Negotiator> negotiator_;  // rank 0 only
+  ResponseCache cache_;
+  ControlChannel ctrl_;
+  std::unique_ptr<Executor> cpu_;
+
+  // Shared with submitting threads, under mu_.
+  std::mutex mu_;
+  std::deque<Entry> queue_;
+  std::unordered_set<std::string> in_flight_;
+  uint64_t noname_ = 0;
+  bool stopping_ = false;
+  bool failed_ = false;
+  ErrorKind fail_kind_ = ErrorKind::kPeerLost;
+  std::string fail_message_;
+  std::atomic<bool> has_work_{false};
+  std::atomic<bool> stop_{false};
+
+  // Background thread only.
+  std::unordered_map<std::string, Entry> pending_;  // submitted, awaiting a response
+  std::vector<Entry> joins_;
+  bool joined_ = false;
+  uint64_t round_ = 0;
+  double last_round_ = -1e9;
+  int wake_fd_ = -1;
+  std::chrono::steady_clock::time_point t0_;
+  std::thread thread_;
+};
+
+}  // namespace rr

@@ -1,0 +1,230 @@
+// One negotiation round of the Engine (protocol in control.h) and the
+// execution of its responses. Runs on the engine thread only.
+#include <algorithm>
+
+#include "common/logging.h"
+#include "coordination/engine.h"
+
+namespace rr {
+
+namespace {
+
+void expect(const CtrlMessage& m, CtrlType type, uint64_t round, int rank) {
+  if (m.type != type || m.round != round)
+    throw_error(ErrorKind::kInternal, "rank ", rank, ": control message ", int(m.type),
+                " of round ", m.round, " from rank ", m.from, " where ", int(type), " of round ",
+                round, " was due (streams out of step)");
+}
+
+}  // namespace
+
+std::vector<Entry> Engine::drain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Entry> out(std::make_move_iterator(queue_.begin()),
+                         std::make_move_iterator(queue_.end()));
+  queue_.clear();
+  has_work_.store(false);
+  return out;
+}
+
+// Moves fresh entries to the pending table (tensors) or the join list.
+void Engine::record_local(std::vector<Entry>& fresh) {
+  for (Entry& e : fresh) {
+    if (e.join) {
+      joined_ = true;
+      joins_.push_back(std::move(e));
+    } else {
+      std::string name = e.meta.name;
+      pending_.emplace(std::move(name), std::move(e));
+    }
+  }
+}
+
+void Engine::coordinator_round() {
+  const uint64_t k = round_;
+  auto what = [k] { return cat("negotiation round ", k); };
+  for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kPoll, k, {});
+  std::vector<Entry> fresh = drain();
+  const double t = now();
+  bool join = false;
+  for (const Entry& e : fresh) {
+    if (e.join) join = true;
+    else negotiator_->submit(0, e.meta, t);
+  }
+  if (join) negotiator_->join(0);
+  record_local(fresh);
+  if (size_ > 1)
+    for (const CtrlMessage& m : ctrl_.receive(
+             [this] {
+               std::vector<int> ws;
+               for (int w = 1; w < size_; ++w) ws.push_back(w);
+               return ws;
+             }(),
+             what)) {
+      expect(m, CtrlType::kRequests, k, rank_);
+      decode_requests(m.from, m.payload, t);
+    }
+  std::vector<Response> rs = negotiator_->decide(now());
+  if (size_ > 1) {
+    std::vector<uint8_t> payload = encode_responses(rs);
+    for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kResponses, k, payload);
+    ctrl_.flush(what);
+  }
+  process(rs);
+  ++round_;
+}
+
+void Engine::worker_round() {
+  const uint64_t k = round_;
+  auto what = [k] { return cat("negotiation round ", k); };
+  std::vector<Entry> fresh = drain();
+  const bool join = std::any_of(fresh.begin(), fresh.end(), [](const Entry& e) { return e.join; });
+  ctrl_.post(0, CtrlType::kRequests, k, encode_requests(fresh, join));
+  record_local(fresh);
+  expect(ctrl_.receive({0}, what).at(0), CtrlType::kPoll, k, rank_);
+  CtrlMessage resp = std::move(ctrl_.receive({0}, what).at(0));
+  expect(resp, CtrlType::kResponses, k, rank_);
+  ctrl_.flush(what);
+  process(decode_responses(resp.payload));
+  ++round_;
+}
+
+// REQUESTS payload: u8 join | bit vector of cached ids | full metadata list.
+std::vector<uint8_t> Engine::encode_requests(const std::vector<Entry>& fresh, bool join) {
+  ByteWriter w;
+  w.put<uint8_t>(join ? 1 : 0);
+  std::vector<uint8_t> bits((cache_.slots() + 7) / 8, 0);
+  std::vector<const RequestMeta*> full;
+  for (const Entry& e : fresh) {
+    if (e.join) continue;
+    const int64_t id = cache_.lookup(e.meta);
+    if (id >= 0)
+      bits[id / 8] |= static_cast<uint8_t>(1u << (id % 8));
+    else
+      full.push_back(&e.meta);
+  }
+  w.put_bytes(bits);
+  w.put<uint32_t>(static_cast<uint32_t>(full.size()));
+  for (const RequestMeta* m : full) m->write(w);
+  return std::move(w.bytes());
+}
+
+void Engine::decode_requests(int rank, const std::vector<uint8_t>& payload, double t) {
+  ByteReader r(payload.data(), payload.size());
+  const bool join = r.get<uint8_t>() != 0;
+  std::vector<uint8_t> bits = r.get_bytes();
+  for (size_t i = 0; i < bits.size() * 8; ++i)
+    if (bits[i / 8] & (1u << (i % 8))) negotiator_->submit(rank, cache_.at(i), t);
+  const uint32_t n = r.get<uint32_t>();
+  for (uint32_t i = 0; i < n; ++i) negotiator_->submit(rank, RequestMeta::read(r), t);
+  if (join) negotiator_->join(rank);
+}
+
+// RESPONSES payload: per response its fields, per tensor a cache id or -1
+// followed by the full metadata.
+std::vector<uint8_t> Engine::encode_responses(const std::vector<Response>& rs) const {
+  ByteWriter w;
+  w.put<uint32_t>(static_cast<uint32_t>(rs.size()));
+  for (const Response& r : rs) {
+    w.put<uint8_t>(static_cast<uint8_t>(r.type));
+    w.put<int32_t>(r.contributors);
+    w.put<int32_t>(r.last_joined);
+    w.put<uint8_t>(static_cast<uint8_t>(r.error_kind));
+    w.put_str(r.message);
+    w.put<uint32_t>(static_cast<uint32_t>(r.tensors.size()));
+    for (const RequestMeta& m : r.tensors) {
+      const int64_t id = cache_.lookup(m);
+      w.put<int64_t>(id);
+      if (id < 0) m.write(w);
+    }
+  }
+  return std::move(w.bytes());
+}
+
+std::vector<Response> Engine::decode_responses(const std::vector<uint8_t>& payload) const {
+  ByteReader rd(payload.data(), payload.size());
+  std::vector<Response> rs(rd.get<uint32_t>());
+  for (Response& r : rs) {
+    r.type = static_cast<RespType>(rd.get<uint8_t>());
+    r.contributors = rd.get<int32_t>();
+    r.last_joined = rd.get<int32_t>();
+    r.error_kind = static_cast<ErrorKind>(rd.get<uint8_t>());
+    r.message = rd.get_str();
+    r.tensors.resize(rd.get<uint32_t>());
+    for (RequestMeta& m : r.tensors) {
+      const int64_t id = rd.get<int64_t>();
+      m = id >= 0 ? cache_.at(static_cast<uint32_t>(id)) : RequestMeta::read(rd);
+    }
+  }
+  return rs;
+}
+
+// Every rank processes the same list in the same order: that keeps the data
+// streams and the response caches in step.
+void Engine::process(const std::vector<Response>& rs) {
+  for (const Response& r : rs) {
+    switch (r.type) {
+      case RespType::kExec:
+        execute(r);
+        for (const RequestMeta& m : r.tensors) cache_.put(m);
+        break;
+      case RespType::kError: fail_entries(r, r.error_kind, r.message); break;
+      case RespType::kJoinDone:
+        for (Entry& j : joins_) {
+          j.handle->join_result = r.last_joined;
+          j.handle->resolve_one();
+        }
+        joins_.clear();
+        joined_ = false;
+        break;
+      case RespType::kStallWarning: log(LogLevel::kWarning, rank_, r.message); break;
+      case RespType::kFatal: throw Error(r.error_kind, cat("rank ", rank_, ": ", r.message));
+    }
+  }
+}
+
+void Engine::execute(const Response& r) {
+  std::vector<Entry*> local;
+  for (const RequestMeta& m : r.tensors) {
+    auto it = pending_.find(m.name);
+    if (it == pending_.end() && !joined_)
+      throw_error(ErrorKind::kInternal, "rank ", rank_, ": told to run '", m.name,
+                  "', which this rank never submitted");
+    local.push_back(it == pending_.end() ? nullptr : &it->second);
+  }
+  try {
+    cpu_->execute(r, local);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kMismatch && e.kind() != ErrorKind::kInvalidArgument) throw;
+    fail_entries(r, e.kind(), e.what());
+    return;
+  }
+  for (Entry* e : local) {
+    if (!e) continue;
+    auto handle = e->handle;
+    std::string name = e->meta.name;
+    pending_.erase(name);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.erase(name);
+    }
+    handle->resolve_one();
+  }
+}
+
+void Engine::fail_entries(const Response& r, ErrorKind kind, const std::string& msg) {
+  const std::string text = msg.rfind("rank ", 0) == 0 ? msg : cat("rank ", rank_, ": ", msg);
+  for (const RequestMeta& m : r.tensors) {
+    auto it = pending_.find(m.name);
+    if (it == pending_.end()) continue;
+    auto handle = it->second.handle;
+    pending_.erase(it);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.erase(m.name);
+    }
+    handle->fail_one(kind, text);
+  }
+}
+
+}  // namespace rr

@@ -1,0 +1,51 @@
+#include "coordination/handle.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+namespace rr {
+
+OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype) {
+  OwnedBuffer b;
+  b.shape = shape;
+  b.bytes = static_cast<size_t>(num_elements(shape)) * dtype_size(dtype);
+  // 64-byte alignment suits every dtype and vector load; never zero-sized.
+  const size_t rounded = (b.bytes + 63) / 64 * 64 + 64;
+  void* p = std::aligned_alloc(64, rounded);
+  if (!p) throw_error(ErrorKind::kInternal, "out of memory allocating ", b.bytes, " bytes");
+  b.data = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { std::free(q); });
+  return b;
+}
+
+void HandleState::finish_locked() {
+  if (--remaining_ > 0) return;
+  done_.store(true, std::memory_order_release);
+  cv_.notify_all();
+}
+
+void HandleState::resolve_one() {
+  std::lock_guard<std::mutex> lock(mu_);
+  finish_locked();
+}
+
+void HandleState::fail_one(ErrorKind kind, const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failed_) {
+    failed_ = true;
+    kind_ = kind;
+    message_ = message;
+  }
+  finish_locked();
+}
+
+void HandleState::wait() {
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + std::chrono::duration<double>(spin_seconds_);
+  while (!done() && Clock::now() < until) std::this_thread::yield();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire); });
+  if (failed_) throw Error(kind_, message_);
+}
+
+}  // namespace rr

@@ -1,0 +1,68 @@
+// What the Python side holds while a collective is in flight. A handle covers
+// one call: one tensor, or all members of a grouped_allreduce. It completes
+// once every entry is resolved (success or failure), so buffers the caller
+// keeps alive until then are never touched afterwards. The first failure
+// wins and is what wait() raises.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "coordination/request.h"
+
+namespace rr {
+
+// A buffer the engine allocated for a result whose size only the
+// collective decides (allgather, reducescatter, alltoall).
+struct OwnedBuffer {
+  std::shared_ptr<uint8_t> data;
+  size_t bytes = 0;
+  std::vector<int64_t> shape;
+};
+OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype);
+
+class HandleState {
+ public:
+  HandleState(size_t entries, double spin_seconds)
+      : outputs(entries), remaining_(entries), spin_seconds_(spin_seconds) {}
+
+  void resolve_one();
+  void fail_one(ErrorKind kind, const std::string& message);
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  // Blocks until done (spins briefly first); throws the failure if any.
+  void wait();
+
+  std::vector<OwnedBuffer> outputs;       // by entry, for engine-allocated results
+  std::vector<int64_t> received_splits;   // alltoall
+  int join_result = -1;                   // join
+
+ private:
+  void finish_locked();
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<bool> done_{false};
+  size_t remaining_;
+  bool failed_ = false;
+  ErrorKind kind_ = ErrorKind::kInternal;
+  std::string message_;
+  double spin_seconds_;
+};
+
+// One tensor this rank submitted.
+struct Entry {
+  RequestMeta meta;
+  const void* in = nullptr;
+  void* out = nullptr;           // allreduce / broadcast: the caller's result buffer
+  std::vector<int64_t> splits;   // alltoall
+  bool join = false;             // a join() marker rather than a tensor
+  std::shared_ptr<HandleState> handle;
+  size_t index = 0;              // which of the handle's entries
+};
+
+}  // namespace rr

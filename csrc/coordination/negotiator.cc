@@ -1,0 +1,185 @@
+#include "coordination/negotiator.h"
+
+#include <algorithm>
+#include <map>
+
+#include "coordination/fusion.h"
+#include "coordination/timeline.h"
+
+namespace rr {
+
+namespace {
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += cat(i ? "," : "", ranks[i]);
+  return s;
+}
+
+}  // namespace
+
+const RequestMeta& Negotiator::any_meta(const Pending& p) {
+  for (size_t r = 0; r < p.submitted.size(); ++r)
+    if (p.submitted[r]) return p.metas[r];
+  return p.metas[0];
+}
+
+Negotiator::Negotiator(NegotiatorOptions o, Timeline* timeline)
+    : opt_(o), timeline_(timeline), joined_(o.size, false) {}
+
+void Negotiator::submit(int rank, const RequestMeta& m, double now) {
+  auto [it, fresh] = table_.try_emplace(m.name);
+  Pending& p = it->second;
+  if (fresh) {
+    p.metas.resize(opt_.size);
+    p.submitted.assign(opt_.size, false);
+    p.first_seen = p.last_warned = now;
+    p.order = next_order_++;
+    if (timeline_) timeline_->negotiate_begin(m.name, coll_name(m.kind));
+  }
+  if (p.submitted[rank]) return;  // engines refuse a name in flight twice
+  p.submitted[rank] = true;
+  p.metas[rank] = m;
+  ++p.count;
+  if (timeline_) timeline_->rank_ready(m.name, rank);
+}
+
+void Negotiator::join(int rank) {
+  if (joined_[rank]) return;
+  joined_[rank] = true;
+  ++joined_count_;
+  last_joined_ = rank;
+}
+
+bool Negotiator::ready(const Pending& p) const {
+  if (joined_count_ == opt_.size && p.count < opt_.size) return false;
+  for (int r = 0; r < opt_.size; ++r)
+    if (!joined_[r] && !p.submitted[r]) return false;
+  return true;
+}
+
+std::string Negotiator::mismatch(const Pending& p) const {
+  const RequestMeta* first = nullptr;
+  bool differ = false;
+  for (int r = 0; r < opt_.size; ++r) {
+    if (!p.submitted[r]) continue;
+    if (!first) first = &p.metas[r];
+    else differ |= !compatible(*first, p.metas[r]);
+  }
+  if (!differ) return "";
+  std::map<std::string, std::vector<int>> groups;
+  for (int r = 0; r < opt_.size; ++r)
+    if (p.submitted[r]) groups[p.metas[r].describe()].push_back(r);
+  std::string msg = cat("ranks disagree on tensor '", first->name, "' (every rank must ",
+                        "submit a name with the same collective, dtype, shape, op, root and ",
+                        "scale factors): ");
+  bool lead = true;
+  for (const auto& [text, ranks] : groups) {
+    msg += cat(lead ? "" : "; ", rank_list(ranks), " called ", text);
+    lead = false;
+  }
+  return msg;
+}
+
+std::string Negotiator::unsupported_with_joined(const Pending& p) const {
+  if (joined_count_ == 0) return "";
+  const RequestMeta& m = any_meta(p);
+  std::vector<int> absent;
+  for (int r = 0; r < opt_.size; ++r)
+    if (joined_[r] && !p.submitted[r]) absent.push_back(r);
+  if (absent.empty()) return "";
+  if (m.kind == CollKind::kBroadcast && !p.submitted[m.root])
+    return cat("broadcast '", m.name, "': root rank ", m.root, " has already joined");
+  if (m.kind == CollKind::kAllreduce || m.kind == CollKind::kAllgather ||
+      m.kind == CollKind::kBroadcast)
+    return "";
+  return cat(coll_name(m.kind), " '", m.name, "' cannot run while ", rank_list(absent),
+             " joined (only allreduce, allgather and broadcast can)");
+}
+
+Response Negotiator::verdict(const Pending& p) const {
+  Response r;
+  r.contributors = p.count;
+  r.tensors.push_back(any_meta(p));
+  std::string why = mismatch(p);
+  ErrorKind kind = ErrorKind::kMismatch;
+  if (why.empty()) {
+    why = unsupported_with_joined(p);
+    kind = ErrorKind::kInvalidArgument;
+  }
+  if (!why.empty()) {
+    r.type = RespType::kError;
+    r.error_kind = kind;
+    r.message = why;
+  }
+  return r;
+}
+
+std::vector<Response> Negotiator::decide(double now) {
+  std::vector<std::pair<uint64_t, std::string>> done;
+  for (const auto& [name, p] : table_)
+    if (ready(p)) done.emplace_back(p.order, name);
+  std::sort(done.begin(), done.end());
+  std::vector<Response> ready_list;
+  for (const auto& [order, name] : done) {
+    ready_list.push_back(verdict(table_.at(name)));
+    table_.erase(name);
+    if (timeline_) timeline_->negotiate_end(name);
+  }
+  std::vector<Response> out = plan_fusion(ready_list, opt_.fusion_threshold);
+  if (joined_count_ == opt_.size) {
+    Response j;
+    j.type = RespType::kJoinDone;
+    j.last_joined = last_joined_;
+    out.push_back(j);
+    joined_.assign(opt_.size, false);
+    joined_count_ = 0;
+    last_joined_ = -1;
+  }
+  stall_report(now, &out);
+  return out;
+}
+
+std::string Negotiator::missing_ranks(const Pending& p) const {
+  std::vector<int> have, miss;
+  for (int r = 0; r < opt_.size; ++r) (p.submitted[r] ? have : miss).push_back(r);
+  return cat("submitted by ", rank_list(have), ", missing on ", rank_list(miss));
+}
+
+void Negotiator::stall_report(double now, std::vector<Response>* out) {
+  if (opt_.stall_check_s <= 0 && opt_.stall_shutdown_s <= 0) return;
+  std::vector<std::pair<uint64_t, std::string>> lines;
+  bool fatal = false;
+  for (auto& [name, p] : table_) {
+    const double age = now - p.first_seen;
+    const bool fail = opt_.stall_shutdown_s > 0 && age >= opt_.stall_shutdown_s;
+    const bool warn = opt_.stall_check_s > 0 && now - p.last_warned >= opt_.stall_check_s;
+    if (!fail && !warn) continue;
+    fatal |= fail;
+    p.last_warned = now;
+    lines.emplace_back(p.order, cat("'", name, "' (", coll_name(any_meta(p).kind), ") ",
+                                    missing_ranks(p), ", for ", static_cast<int64_t>(age), " s"));
+  }
+  if (lines.empty()) return;
+  std::sort(lines.begin(), lines.end());
+  Response r;
+  r.type = fatal ? RespType::kFatal : RespType::kStallWarning;
+  r.error_kind = ErrorKind::kTimeout;
+  r.message = "stalled tensors (some ranks submitted them, others did not; every rank must "
+              "submit the same tensors, and a rank that ran out of data should call join()): ";
+  for (size_t i = 0; i < lines.size(); ++i) r.message += cat(i ? "; " : "", lines[i].second);
+  if (fatal)
+    r.message += cat(". Stopping: RINGREDUCE_STALL_SHUTDOWN_SECONDS=", opt_.stall_shutdown_s);
+  out->push_back(r);
+}
+
+double Negotiator::next_deadline() const {
+  double t = std::numeric_limits<double>::infinity();
+  for (const auto& [name, p] : table_) {
+    if (opt_.stall_check_s > 0) t = std::min(t, p.last_warned + opt_.stall_check_s);
+    if (opt_.stall_shutdown_s > 0) t = std::min(t, p.first_seen + opt_.stall_shutdown_s);
+  }
+  return t;
+}
+
+}  // namespace rr

@@ -1,0 +1,73 @@
+// The coordinator's negotiation state machine (runs on rank 0 only). Ranks
+// submit tensors in any order; a tensor is ready once every rank that has not
+// joined has submitted it. Per tensor:
+//
+//   absent --first submit--> pending --all non-joined ranks--> ready --> out
+//                               |  (stall: warn after stall_check_s,
+//                               |   fail the job after stall_shutdown_s)
+//
+// decide() turns ready tensors into responses in the order the coordinator
+// first saw them: an exec response when all submissions are compatible, an
+// error response naming what each rank sent when not. Then fusion planning
+// (fusion.h), then join completion (every rank joined -> kJoinDone, the set
+// resets), then stall reports. Pure logic: no I/O, time passed in, so the
+// unit tests feed it canned requests.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "coordination/request.h"
+
+namespace rr {
+
+class Timeline;
+
+struct NegotiatorOptions {
+  int size = 1;
+  uint64_t fusion_threshold = 64 << 20;
+  double stall_check_s = 60;    // 0: never warn
+  double stall_shutdown_s = 0;  // 0: never fail
+};
+
+class Negotiator {
+ public:
+  explicit Negotiator(NegotiatorOptions o, Timeline* timeline = nullptr);
+
+  void submit(int rank, const RequestMeta& m, double now);
+  void join(int rank);
+  std::vector<Response> decide(double now);
+  // When decide() should next run to report a stall (+inf: nothing pending).
+  double next_deadline() const;
+  size_t pending() const { return table_.size(); }
+
+ private:
+  struct Pending {
+    std::vector<RequestMeta> metas;  // by rank, valid where submitted
+    std::vector<bool> submitted;
+    int count = 0;
+    double first_seen = 0;
+    double last_warned = 0;
+    uint64_t order = 0;
+  };
+  static const RequestMeta& any_meta(const Pending& p);
+  bool ready(const Pending& p) const;
+  Response verdict(const Pending& p) const;
+  std::string mismatch(const Pending& p) const;
+  std::string unsupported_with_joined(const Pending& p) const;
+  void stall_report(double now, std::vector<Response>* out);
+  std::string missing_ranks(const Pending& p) const;
+
+  NegotiatorOptions opt_;
+  Timeline* timeline_;
+  std::unordered_map<std::string, Pending> table_;
+  std::vector<bool> joined_;
+  int joined_count_ = 0;
+  int last_joined_ = -1;
+  uint64_t next_order_ = 0;
+};
+
+}  // namespace rr

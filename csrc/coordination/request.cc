@@ -1,0 +1,93 @@
+#include "coordination/request.h"
+
+#include "common/error.h"
+
+namespace rr {
+
+size_t RequestMeta::bytes() const {
+  return static_cast<size_t>(num_elements(shape)) * dtype_size(dtype);
+}
+
+void RequestMeta::write(ByteWriter& w) const {
+  w.put<uint8_t>(static_cast<uint8_t>(kind));
+  w.put<uint8_t>(static_cast<uint8_t>(dtype));
+  w.put<uint8_t>(static_cast<uint8_t>(op));
+  w.put<int32_t>(root);
+  w.put<int32_t>(device);
+  w.put<double>(prescale);
+  w.put<double>(postscale);
+  w.put_dims(shape);
+  w.put_str(name);
+  w.put_str(group);
+}
+
+RequestMeta RequestMeta::read(ByteReader& r) {
+  RequestMeta m;
+  m.kind = static_cast<CollKind>(r.get<uint8_t>());
+  m.dtype = static_cast<DType>(r.get<uint8_t>());
+  m.op = static_cast<ReduceOp>(r.get<uint8_t>());
+  m.root = r.get<int32_t>();
+  m.device = r.get<int32_t>();
+  m.prescale = r.get<double>();
+  m.postscale = r.get<double>();
+  m.shape = r.get_dims();
+  m.name = r.get_str();
+  m.group = r.get_str();
+  return m;
+}
+
+namespace {
+
+std::string dims_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += cat(i ? "," : "", shape[i]);
+  return s + "]";
+}
+
+bool reduces(CollKind k) { return k == CollKind::kAllreduce || k == CollKind::kReducescatter; }
+
+}  // namespace
+
+std::string RequestMeta::describe() const {
+  std::string s = cat(coll_name(kind), " ", dtype_name(dtype), dims_text(shape));
+  if (reduces(kind)) {
+    s += cat(" op=", reduce_op_name(op));
+    if (prescale != 1.0) s += cat(" prescale=", prescale);
+    if (postscale != 1.0) s += cat(" postscale=", postscale);
+  }
+  if (kind == CollKind::kBroadcast) s += cat(" root=", root);
+  if (device >= 0) s += cat(" device=", device);
+  if (!group.empty()) s += cat(" group='", group, "'");
+  return s;
+}
+
+bool operator==(const RequestMeta& a, const RequestMeta& b) {
+  return a.kind == b.kind && a.dtype == b.dtype && a.op == b.op && a.root == b.root &&
+         a.device == b.device && a.prescale == b.prescale && a.postscale == b.postscale &&
+         a.shape == b.shape && a.name == b.name && a.group == b.group;
+}
+
+bool compatible(const RequestMeta& a, const RequestMeta& b) {
+  if (a.kind != b.kind || a.dtype != b.dtype || a.device != b.device || a.group != b.group ||
+      a.shape.size() != b.shape.size())
+    return false;
+  const bool rows_free = a.kind == CollKind::kAllgather || a.kind == CollKind::kAlltoall;
+  for (size_t i = rows_free ? 1 : 0; i < a.shape.size(); ++i)
+    if (a.shape[i] != b.shape[i]) return false;
+  if (reduces(a.kind) && (a.op != b.op || a.prescale != b.prescale || a.postscale != b.postscale))
+    return false;
+  return a.kind != CollKind::kBroadcast || a.root == b.root;
+}
+
+const char* resp_type_name(RespType t) {
+  switch (t) {
+    case RespType::kExec: return "exec";
+    case RespType::kError: return "error";
+    case RespType::kJoinDone: return "join-done";
+    case RespType::kStallWarning: return "stall-warning";
+    case RespType::kFatal: return "fatal";
+  }
+  return "unknown";
+}
+
+}  // namespace rr

@@ -1,0 +1,58 @@
+// A Chrome-trace timeline (RINGREDUCE_TIMELINE=path.json), written by rank 0's
+// engine thread only. One row per tensor; on it, nested activities:
+//   NEGOTIATE_<OP>   from the first rank's request to readiness, with an
+//                    instant mark "rank r ready" as each rank's request arrives
+//   WAIT             ready, queued behind earlier responses
+//   MEMCPY_IN_FUSION_BUFFER / MEMCPY_OUT_FUSION_BUFFER
+//   <OP> with the algorithm's phases inside (AGREE, RING_REDUCE_SCATTER,
+//        RING_ALLGATHER, DIRECT, BROADCAST_CHAIN, ...)
+// Events are buffered and appended to the file after every round, so a trace
+// of a crashed job is still readable (the viewer accepts a missing "]");
+// close() writes the closing bracket, making the file strict JSON.
+#pragma once
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/context.h"
+
+namespace rr {
+
+class Timeline : public PhaseObserver {
+ public:
+  explicit Timeline(const std::string& path);
+  ~Timeline() override;
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+
+  void negotiate_begin(const std::string& tensor, const char* op);
+  void rank_ready(const std::string& tensor, int rank);
+  void negotiate_end(const std::string& tensor);
+  void begin(const std::string& tensor, const std::string& activity);
+  void end(const std::string& tensor);
+
+  // The tensors the executing response covers: algorithm phases (reported by
+  // the collectives through PhaseObserver) are drawn on their rows.
+  void set_current(const std::vector<std::string>& tensors);
+  void phase(const char* name) override;
+  void phase_end();
+
+  void flush();
+  void close();
+
+ private:
+  int row(const std::string& tensor);
+  void event(const char* ph, int tid, const std::string& name);
+
+  std::FILE* file_ = nullptr;
+  std::string buf_;
+  std::unordered_map<std::string, int> rows_;
+  std::vector<std::string> current_;
+  bool in_phase_ = false;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace rr

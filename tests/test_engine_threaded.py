@@ -1,0 +1,249 @@
+"""Threaded tier of the engine: N ranks as threads over real shm/TCP links,
+submitting asynchronously, in different orders, with fusion, the response
+cache, join, the stall inspector and the timeline."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from conftest import env
+
+import ringreduce as rr
+from ringreduce.testing import make_world, run_threaded
+
+
+def world(n, **settings):
+    with env(**settings):
+        return make_world(n)
+
+
+def grads(rank, count=12, seed=0):
+    """Integer-valued float32 tensors of mixed sizes: sums are exact in any order."""
+    rng = np.random.default_rng(seed * 100 + rank)
+    sizes = [1, 7, 300, 5000, 70000, 3, 200000, 64, 1000, 9, 40000, 2][:count]
+    return [rng.integers(-50, 50, s).astype(np.float32) for s in sizes]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_async_submissions_in_different_orders(n):
+    def body(c):
+        gs = grads(c.rank())
+        order = list(range(len(gs)))
+        np.random.default_rng(c.rank()).shuffle(order)  # each rank its own order
+        hs = {i: c.allreduce_async(gs[i], op=rr.Sum, name=f"g{i}") for i in order}
+        return [rr.synchronize(hs[i]) for i in range(len(gs))]
+
+    results = run_threaded(n, body)
+    want = [sum(grads(r)[i] for r in range(n)) for i in range(len(grads(0)))]
+    for res in results:
+        for got, exp in zip(res, want):
+            np.testing.assert_array_equal(got, exp)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fused_and_unfused_results_are_identical(n):
+    def run(threshold, data):
+        w = world(n, RINGREDUCE_FUSION_THRESHOLD=threshold)
+
+        def body(c):
+            hs = [c.allreduce_async(x, op=rr.Average, name=f"t{i}", prescale_factor=0.5)
+                  for i, x in enumerate(data(c.rank()))]
+            return [h.wait() for h in hs]
+
+        return run_threaded(n, body, world=w, timeout=60)[0], w
+
+    def exact(r):
+        return grads(r)
+
+    def noisy(r):  # arbitrary floats: at n = 2, a + b == b + a bit for bit
+        rng = np.random.default_rng(r)
+        return [rng.standard_normal(s).astype(np.float32) for s in (5, 4000, 70000, 11)]
+
+    for data in [exact] + ([noisy] if n == 2 else []):
+        fused, w1 = run(64 << 20, data)
+        alone, w2 = run(0, data)
+        for a, b in zip(fused, alone):
+            np.testing.assert_array_equal(a, b)
+        for c in w1 + w2:
+            c.close()
+
+
+def test_grouped_allreduce_and_poll():
+    def body(c):
+        xs = [np.full(s, c.rank() + 1, np.float64) for s in (3, 100000, 1)]
+        h = rr_grouped(c, xs)
+        seen_pending = not h.done()
+        out = h.wait()
+        assert h.done()
+        return seen_pending, [o.tolist()[:2] for o in out]
+
+    res = run_threaded(2, body)
+    for _, out in res:
+        assert out == [[3.0, 3.0], [3.0, 3.0], [3.0]]
+
+
+def rr_grouped(c, xs):
+    return c.grouped_allreduce_async(xs, op=rr.Sum, name="grp")
+
+
+def test_duplicate_name_in_flight_is_refused_until_synchronized():
+    def body(c):
+        x = np.ones(10, np.float32)
+        h = c.allreduce_async(x, name="dup")
+        with pytest.raises(rr.InvalidInputError, match="'dup': a tensor of this name is "
+                                                       "already in flight"):
+            c.allreduce_async(x, name="dup")
+        h.wait()
+        return c.allreduce(x, name="dup", op=rr.Sum)  # free again once synchronized
+
+    assert all((o == 2).all() for o in run_threaded(2, body))
+
+
+def test_join_with_uneven_steps_averages_over_contributors():
+    n = 3
+
+    def body(c):
+        r = c.rank()
+        outs = []
+        for step in range(r + 2):  # rank r has r + 2 batches
+            outs.append(c.allreduce(np.full(4, float(r + 1), np.float32), name="grad",
+                                    op=rr.Average))
+            c.allgather(np.full((1, 2), r), name=f"ag{step}")
+        last = c.join()
+        return outs, last
+
+    res = run_threaded(n, body)
+    for r, (outs, last) in enumerate(res):
+        assert last == n - 1  # rank 2 has the most batches: it joins last
+        want = [2.0, 2.0, 2.5, 3.0]  # avg of ranks {1,2,3}, {1,2,3}, {2,3}, {3}
+        assert [o[0] for o in outs] == want[:r + 2]
+    again = run_threaded(n, lambda c: c.allreduce(np.ones(2), op=rr.Sum))
+    assert all((a == n).all() for a in again)
+
+
+def test_join_neutral_elements_for_min_max_product():
+    def body(c):
+        if c.rank() == 1:
+            return c.join()
+        x = np.array([3, -2], np.int32)
+        out = [c.allreduce(x, op=op, name=f"op{op}") for op in (rr.Min, rr.Max, rr.Product)]
+        c.join()
+        return out
+
+    out = run_threaded(2, body)[0]
+    assert [o.tolist() for o in out] == [[3, -2], [3, -2], [3, -2]]
+
+
+def test_stall_warning_names_tensor_and_missing_rank(capfd):
+    w = world(2, RINGREDUCE_STALL_CHECK_SECONDS="0.3")
+
+    def body(c):
+        if c.rank() == 1:
+            time.sleep(1.0)  # rank 1 is late, then catches up
+        return c.allreduce(np.ones(3), op=rr.Sum, name="slowpoke")
+
+    out = run_threaded(2, body, world=w)
+    assert all((o == 2).all() for o in out)
+    err = capfd.readouterr().err
+    assert "stalled tensors" in err and "'slowpoke'" in err
+    assert "submitted by rank 0, missing on rank 1" in err
+    assert "[ringreduce WARNING rank 1]" in err  # every rank logs it
+    for c in w:
+        c.close()
+
+
+def test_stall_shutdown_raises_on_every_rank():
+    w = world(2, RINGREDUCE_STALL_CHECK_SECONDS="0.2", RINGREDUCE_STALL_SHUTDOWN_SECONDS="0.8")
+
+    def body(c):
+        t0 = time.monotonic()
+        try:
+            c.allreduce(np.ones(3), name=f"grad{c.rank()}")  # different names: never ready
+        except rr.RingReduceTimeoutError as e:
+            return time.monotonic() - t0, str(e)
+        return None
+
+    res = run_threaded(2, body, world=w, timeout=30)
+    for took, msg in res:
+        assert took < 5
+        assert "'grad0'" in msg and "'grad1'" in msg and "missing on rank" in msg
+        assert "RINGREDUCE_STALL_SHUTDOWN_SECONDS" in msg
+    with pytest.raises(rr.RingReduceError, match="stopped after an earlier failure"):
+        w[0].allreduce(np.ones(1))
+    for c in w:
+        c.close()
+
+
+@pytest.mark.parametrize("capacity", ["0", "3"])
+def test_small_or_disabled_cache_stays_correct_over_steps(capacity):
+    w = world(2, RINGREDUCE_CACHE_CAPACITY=capacity)
+
+    def body(c):
+        out = []
+        for step in range(4):
+            gs = grads(c.rank(), count=8, seed=step)
+            order = list(range(8))[::-1] if (step + c.rank()) % 2 else list(range(8))
+            hs = {i: c.allreduce_async(gs[i], op=rr.Sum, name=f"g{i}") for i in order}
+            out.append([hs[i].wait() for i in range(8)])
+        return out
+
+    res = run_threaded(2, body, world=w)
+    for step in range(4):
+        for i in range(8):
+            want = grads(0, 8, step)[i] + grads(1, 8, step)[i]
+            for r in range(2):
+                np.testing.assert_array_equal(res[r][step][i], want)
+    for c in w:
+        c.close()
+
+
+def test_timeline_is_valid_json_with_every_phase(tmp_path):
+    path = tmp_path / "timeline.json"
+    w = world(2, RINGREDUCE_TIMELINE=str(path), RINGREDUCE_SMALL_BYTES="1024")
+
+    def body(c):
+        hs = [c.allreduce_async(x, name=f"t{i}") for i, x in enumerate(grads(c.rank()))]
+        [h.wait() for h in hs]
+        c.broadcast(np.ones(100000), root_rank=0, name="b")
+
+    run_threaded(2, body, world=w)
+    for c in w:
+        c.close()
+    events = json.loads(path.read_text())
+    names = {e["name"] for e in events}
+    for phase in ["NEGOTIATE_ALLREDUCE", "rank 0 ready", "rank 1 ready", "WAIT", "allreduce",
+                  "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "AGREE",
+                  "RING_REDUCE_SCATTER", "RING_ALLGATHER", "NEGOTIATE_BROADCAST",
+                  "BROADCAST_CHAIN"]:
+        assert phase in names, phase
+    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"t0", "t11", "b"} <= rows
+    begins = sum(e["ph"] == "B" for e in events)
+    assert begins == sum(e["ph"] == "E" for e in events) and begins > 40
+
+
+def test_dropped_handle_keeps_buffers_alive():
+    def body(c):
+        for i in range(20):
+            c.allreduce_async(np.ones(50000, np.float32), name=f"fire{i}")  # never waited
+        return c.allreduce(np.ones(2), op=rr.Sum, name="last")
+
+    assert all((o == 2).all() for o in run_threaded(2, body))
+
+
+def test_tcp_engine_between_fake_hosts():
+    with env(RINGREDUCE_TRANSPORT="tcp"):
+        w = make_world(3, host_ids=["a", "b", "c"])
+
+    def body(c):
+        hs = [c.allreduce_async(x, op=rr.Sum, name=f"g{i}") for i, x in enumerate(grads(c.rank()))]
+        return [h.wait() for h in hs]
+
+    res = run_threaded(3, body, world=w)
+    for i in range(len(grads(0))):
+        np.testing.assert_array_equal(res[2][i], sum(grads(r)[i] for r in range(3)))
+    for c in w:
+        c.close()

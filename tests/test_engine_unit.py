@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from ringreduce._core import coordination as co
 
 F32, F16 = 6, 4

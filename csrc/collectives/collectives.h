@@ -43,9 +43,18 @@ std::vector<int64_t> alltoall(Context& ctx, const Tensor& in, const std::vector<
                               const Allocator& alloc);
 void barrier(Context& ctx, const std::string& name);
 
+class Segments;
+// The tensors of a fused allreduce, reduced in place (collectives/segments.h).
+// Wire-compatible with allreduce() of the same bytes packed contiguously;
+// only for totals above RINGREDUCE_SMALL_BYTES.
+void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
+                        double prescale, double postscale, const std::string& name);
+
 // --- algorithms (one file each) ---
 void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                     double postscale, const std::string& what);
+void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, DType dtype,
+                             ReduceOp op, double postscale, const std::string& what);
 void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                       double postscale, const std::vector<std::vector<uint8_t>>& contributions);
 // Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r.

@@ -1,6 +1,9 @@
 #include "collectives/ring_pipeline.h"
 
 #include <algorithm>
+#include <cstring>
+
+#include "collectives/segments.h"
 
 #include "common/error.h"
 #include "transport/progress.h"
@@ -66,7 +69,7 @@ class RingTask : public ProgressTask {
       const RingStep& s = steps_[st_];
       size_t avail = sendable();
       if (sdone_ < avail) {
-        size_t k = right_->send_some(s.send, avail, sdone_);
+        size_t k = s.src ? send_from_segments(s, avail) : right_->send_some(s.send, avail, sdone_);
         sdone_ += k;
         moved |= k > 0;
       }
@@ -75,6 +78,33 @@ class RingTask : public ProgressTask {
       sdone_ = 0;
     }
     return moved;
+  }
+
+  // Sends chunk by chunk (the same framing as a contiguous send): a chunk
+  // inside one region goes out in place, one spanning regions is gathered
+  // into staging first. Returns the bytes accepted.
+  size_t send_from_segments(const RingStep& s, size_t avail) {
+    size_t sent = 0;
+    while (sdone_ + sent < avail) {
+      const size_t pos = sdone_ + sent, start = pos / chunk_ * chunk_;
+      const size_t end = std::min(start + chunk_, avail), len = end - pos;
+      const uint8_t* p = s.src->contiguous(s.src_off + pos, len);
+      if (!p) {
+        if (staged_step_ != st_ || staged_start_ != start) {
+          staging_.resize(chunk_);
+          s.src->for_each(s.src_off + start, end - start, [&](uint8_t* q, size_t rel, size_t n) {
+            std::memcpy(staging_.data() + rel, q, n);
+          });
+          staged_step_ = st_;
+          staged_start_ = start;
+        }
+        p = staging_.data() + (pos - start);
+      }
+      const size_t k = right_->send_some(p, len, 0);
+      sent += k;
+      if (k < len) break;
+    }
+    return sent;
   }
 
   Link* left_;
@@ -86,6 +116,8 @@ class RingTask : public ProgressTask {
   size_t mark_;
   size_t rt_ = 0, rdone_ = 0;  // receive step and bytes received in it
   size_t st_ = 0, sdone_ = 0;  // send step and bytes sent in it
+  std::vector<uint8_t> staging_;  // a gathered chunk of a segmented send
+  size_t staged_step_ = SIZE_MAX, staged_start_ = 0;
 };
 
 }  // namespace

@@ -25,11 +25,17 @@
 
 namespace rr {
 
+class Segments;
+
+// With `src` set, the step sends src's bytes [src_off, src_off + send_bytes)
+// instead of `send` (the regions of a fused allreduce, read in place).
 struct RingStep {
   const uint8_t* send = nullptr;
   size_t send_bytes = 0;
   RecvSink* sink = nullptr;
   size_t recv_bytes = 0;
+  const Segments* src = nullptr;
+  size_t src_off = 0;
 };
 
 // Runs the steps with rank + 1 as right and rank - 1 as left neighbour.

@@ -1,7 +1,9 @@
 // The host-memory executor. A response of one allreduce runs in place on the
-// caller's buffers; a fused response packs its tensors into the fusion
-// buffer (64-byte aligned slots; the padding is reduced too, harmlessly),
-// reduces that once, and unpacks. Joined ranks contribute neutral elements.
+// caller's buffers. A fused response above the small-message size is reduced
+// in place too, as one ring over all its tensors (collectives/segments.h);
+// a small one, or one on a rank that joined (neutral elements to supply), is
+// packed into the fusion buffer, reduced once and unpacked. Both forms put
+// the same bytes on the wire, so ranks may differ in which they use.
 // With joined ranks, Average runs as Sum and is divided by the number of
 // contributors afterwards, identically on every rank.
 #include <cstring>
@@ -9,6 +11,7 @@
 
 #include "collectives/collective_util.h"
 #include "collectives/collectives.h"
+#include "collectives/segments.h"
 #include "coordination/executor.h"
 #include "coordination/timeline.h"
 
@@ -22,8 +25,6 @@ void fill(void* buf, size_t count, T v) {
   for (size_t i = 0; i < count; ++i) p[i] = v;
 }
 
-size_t aligned(size_t b) { return (b + 63) / 64 * 64; }
-
 class CpuExecutor : public Executor {
  public:
   CpuExecutor(Context& ctx, Timeline* timeline) : ctx_(ctx), timeline_(timeline) {}
@@ -33,7 +34,12 @@ class CpuExecutor : public Executor {
     if (timeline_) start_activity(r, cat(coll_name(m.kind)));
     switch (m.kind) {
       case CollKind::kAllreduce:
-        r.tensors.size() == 1 ? allreduce_one(r, local[0]) : allreduce_fused(r, local);
+        if (r.tensors.size() == 1)
+          allreduce_one(r, local[0]);
+        else if (in_place_ok(r, local))
+          allreduce_segmented(r, local);
+        else
+          allreduce_fused(r, local);
         break;
       case CollKind::kAllgather: gather(m, local[0]); break;
       case CollKind::kBroadcast: bcast(m, local[0]); break;
@@ -76,7 +82,7 @@ class CpuExecutor : public Executor {
     const RequestMeta& m = r.tensors.front();
     const size_t es = dtype_size(m.dtype);
     std::vector<size_t> off(r.tensors.size() + 1, 0);
-    for (size_t i = 0; i < r.tensors.size(); ++i) off[i + 1] = off[i] + aligned(r.tensors[i].bytes());
+    for (size_t i = 0; i < r.tensors.size(); ++i) off[i + 1] = off[i] + r.tensors[i].bytes();
     uint8_t* buf = fusion(off.back());
     const Plan p = plan(r);
     phase("MEMCPY_IN_FUSION_BUFFER");
@@ -97,6 +103,34 @@ class CpuExecutor : public Executor {
     for (size_t i = 0; i < r.tensors.size(); ++i)
       if (local[i] && r.tensors[i].bytes())
         std::memcpy(local[i]->out, buf + off[i], r.tensors[i].bytes());
+  }
+
+  bool in_place_ok(const Response& r, const std::vector<Entry*>& local) const {
+    size_t total = 0;
+    for (size_t i = 0; i < r.tensors.size(); ++i) {
+      if (!local[i]) return false;
+      total += r.tensors[i].bytes();
+    }
+    return total > ctx_.options().small_bytes;
+  }
+
+  void allreduce_segmented(const Response& r, const std::vector<Entry*>& local) {
+    const RequestMeta& m = r.tensors.front();
+    Segments segs;
+    phase("COPY_OUT_OF_PLACE_INPUTS");
+    for (size_t i = 0; i < r.tensors.size(); ++i) {
+      Entry* e = local[i];
+      const size_t n = r.tensors[i].bytes();
+      if (e->out != e->in && n) std::memcpy(e->out, e->in, n);
+      segs.add(static_cast<uint8_t*>(e->out), n);
+    }
+    const Plan p = plan(r);
+    allreduce_segments(ctx_, segs, m.dtype, p.op, m.prescale, p.divide_after ? 1.0 : m.postscale,
+                       cat(m.name, "+", r.tensors.size() - 1, " fused"));
+    if (p.divide_after)
+      segs.for_each(0, segs.bytes(), [&](uint8_t* q, size_t, size_t len) {
+        finish(r, p, q, len / dtype_size(m.dtype));
+      });
   }
 
   void gather(const RequestMeta& m, Entry* e) {

@@ -1,0 +1,138 @@
+"""ringreduce for PyTorch, with the names of ``horovod.torch``::
+
+    import torch
+    import ringreduce.torch as rr          # `import ringreduce.torch as hvd` works too
+
+    rr.init()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * rr.size())
+    opt = rr.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    rr.broadcast_parameters(model.state_dict(), root_rank=0)
+    rr.broadcast_optimizer_state(opt, root_rank=0)
+    for x, y in loader:                    # shard the data by rr.rank() / rr.size()
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    rr.save_checkpoint("ckpt.pt", model=model, optimizer=opt, epoch=e)   # rank 0, atomic
+
+Tensors cross into the C++ core as views of their memory (DLPack, no copy);
+the extension is not compiled against torch. CPU tensors only for now.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ringreduce import (
+    Average,
+    Communicator,
+    InvalidInputError,
+    Max,
+    Min,
+    MismatchError,
+    NotInitializedError,
+    PeerLostError,
+    Product,
+    RingReduceError,
+    RingReduceTimeoutError,
+    Sum,
+    init,
+    is_initialized,
+    reduce_isa,
+    shutdown,
+)
+from ringreduce.checkpoint import CheckpointError
+
+from ._tensors import comm as _comm
+from ._tensors import use_communicator
+from .broadcast import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from .checkpoint import load_checkpoint, save_checkpoint
+from .compression import Compression, Compressor
+from .movement import (
+    allgather,
+    allgather_async,
+    alltoall,
+    alltoall_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    reducescatter,
+    reducescatter_async,
+)
+from .ops import (
+    Handle,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    poll,
+    synchronize,
+)
+from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
+
+__all__ = [
+    "Average", "CheckpointError", "Communicator", "Compression", "Compressor",
+    "DistributedOptimizer", "Handle", "InvalidInputError", "Max", "Min", "MismatchError",
+    "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
+    "RingReduceTimeoutError", "Sum", "SyncBatchNorm", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "cross_rank", "cross_size", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "poll", "rank",
+    "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shutdown",
+    "size", "synchronize", "use_communicator",
+]
+
+
+def rank() -> int:
+    """This process's rank in [0, size())."""
+    return _comm().rank()
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _comm().size()
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host."""
+    return _comm().local_rank()
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _comm().local_size()
+
+
+def cross_rank() -> int:
+    """Index of this host among the job's hosts."""
+    return _comm().cross_rank()
+
+
+def cross_size() -> int:
+    """Number of hosts in the job."""
+    return _comm().cross_size()
+
+
+def barrier(name: Optional[str] = None) -> None:
+    """Wait until every rank has called ``barrier()``."""
+    _comm().barrier(name)
+
+
+def join() -> int:
+    """Declare that this rank has no more data; returns the last rank to join.
+
+    Until every rank has joined, this rank takes part in the other ranks'
+    collectives (e.g. DistributedOptimizer's gradient allreduces) with zeros.
+    """
+    return _comm().join()

@@ -1,0 +1,124 @@
+"""Plumbing shared by ringreduce.torch: which Communicator to use, torch <-> numpy views.
+
+Tensors cross into the core as numpy views of their memory (no copy): CPU
+tensors through DLPack, bfloat16 through an int16 view re-labelled as
+``ml_dtypes.bfloat16`` (numpy cannot import bfloat16 through DLPack).
+
+Tests run several ranks as threads of one process; ``use_communicator(comm)``
+makes every ringreduce.torch call on the current thread go to ``comm``
+instead of the process's default communicator (``ringreduce.init()``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+import ringreduce as _rr
+from ringreduce import Communicator
+from ringreduce.exceptions import InvalidInputError
+
+_local = threading.local()
+
+
+@contextmanager
+def use_communicator(comm: Communicator) -> Iterator[Communicator]:
+    """Route this thread's ringreduce.torch calls to ``comm`` (threads-as-ranks testing).
+
+    Parameters
+    ----------
+    comm : ringreduce.Communicator
+        E.g. one of ``ringreduce.testing.make_world(n)``.
+    """
+    old = getattr(_local, "comm", None)
+    _local.comm = comm
+    try:
+        yield comm
+    finally:
+        _local.comm = old
+
+
+def comm() -> Communicator:
+    """The communicator for this thread: the override, else the process's default."""
+    override = getattr(_local, "comm", None)
+    return override if override is not None else _rr._comm()
+
+
+def binder() -> Callable[[], Communicator]:
+    """A function returning the communicator that is current now.
+
+    Long-lived objects (optimizers, autograd contexts) keep it so that their
+    later collectives (from hooks, backward) reach the same communicator; without
+    an override it follows ``init()``/``shutdown()`` of the process default.
+    """
+    override = getattr(_local, "comm", None)
+    if override is not None:
+        return lambda: override
+    return _rr._comm
+
+
+def _bfloat16() -> Any:
+    try:
+        import ml_dtypes
+    except ImportError as err:  # pragma: no cover - depends on the installation
+        raise InvalidInputError(
+            "bfloat16 tensors need the ml_dtypes package: pip install ml_dtypes "
+            "(or pip install 'ringreduce[torch]')") from err
+    return ml_dtypes.bfloat16
+
+
+def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
+    """A numpy view of the memory of CPU tensor ``t`` (no copy; strides kept).
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        A CPU tensor; autograd is bypassed (the view is of ``t.detach()``).
+    what : str
+        Names the call and tensor in error messages.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise InvalidInputError(f"{what}: tensor is on {t.device}; only CPU tensors are "
+                                "supported (move it with .cpu(), or use the GPU backend)")
+    if t.is_sparse or t.layout != torch.strided:
+        raise InvalidInputError(f"{what}: tensor has layout {t.layout}; convert it with "
+                                ".to_dense() first")
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.dtype == torch.bfloat16:
+        return to_numpy(t.view(torch.int16), what).view(_bfloat16())
+    try:
+        return np.from_dlpack(t)
+    except (BufferError, RuntimeError, TypeError) as err:
+        raise InvalidInputError(f"{what}: cannot view a {t.dtype} tensor as an array ({err}); "
+                                "supported dtypes are uint8, int8, int32, int64, float16, "
+                                "bfloat16, float32, float64, bool") from err
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    """A torch tensor sharing the memory of numpy array ``a`` (bfloat16 included)."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)
+
+
+def check_tensor(t: Any, what: str) -> torch.Tensor:
+    """Raise a clear InvalidInputError unless ``t`` is a CPU torch.Tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def label(op: str, name: Optional[str]) -> str:
+    """``allreduce 'grad.fc.weight'`` or ``allreduce`` for error messages."""
+    return f"{op} '{name}'" if name else op

@@ -1,0 +1,220 @@
+"""Start every rank from the same state: parameters, optimizer state, Python objects."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional, Union
+
+import torch
+
+from ringreduce.exceptions import InvalidInputError, RingReduceError
+
+from ._tensors import comm
+from .movement import broadcast_async_
+from .ops import Handle
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
+           "broadcast_parameters"]
+
+Params = Union[Mapping[str, Any], Iterable[tuple[str, Any]]]
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` (tensors included) on every rank."""
+    return comm().broadcast_object(obj, root_rank, name)
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> list:
+    """Return every rank's picklable ``obj`` as a list in rank order."""
+    return comm().allgather_object(obj, name)
+
+
+def wait_all(handles: Iterable[Handle]) -> list:
+    """Synchronize every handle (even after one failed), then raise the first error."""
+    results, first = [], None
+    for h in handles:
+        try:
+            results.append(h.wait())
+        except RingReduceError as err:
+            first = first or err
+            results.append(None)
+    if first is not None:
+        raise first
+    return results
+
+
+def agree(what: str, signature: Any, describe: str = "") -> None:
+    """Raise the same InvalidInputError on every rank unless ``signature`` is equal everywhere.
+
+    Collective. ``signature`` is a picklable summary (e.g. names, shapes, dtypes).
+    """
+    everyone = comm().allgather_object(signature, name=f"{what}.signature")
+    if all(s == everyone[0] for s in everyone):
+        return
+    lines = []
+    for r, s in enumerate(everyone):
+        if s != everyone[0]:
+            lines.append(f"rank {r} has {_diff(everyone[0], s)} compared to rank 0")
+    raise InvalidInputError(f"{what}: ranks disagree{describe}: " + "; ".join(lines) +
+                            ". Every rank must build the same model and optimizer.")
+
+
+def _diff(a: Any, b: Any) -> str:
+    if isinstance(a, list) and isinstance(b, list):
+        da, db = dict(a), dict(b)
+        extra = sorted(set(db) - set(da))[:5]
+        missing = sorted(set(da) - set(db))[:5]
+        changed = sorted(k for k in set(da) & set(db) if da[k] != db[k])[:5]
+        parts = [f"extra {extra}" if extra else "", f"missing {missing}" if missing else "",
+                 ", ".join(f"{k!r}: {db[k]} instead of {da[k]}" for k in changed)]
+        return "; ".join(p for p in parts if p) or "a different order"
+    return f"{b!r} instead of {a!r}"
+
+
+def _named_tensors(params: Params, what: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = sorted(params.items(), key=lambda kv: str(kv[0]))
+    else:
+        try:
+            items = list(params)
+        except TypeError:
+            items = None
+        if items is None or not all(isinstance(i, tuple) and len(i) == 2 for i in items):
+            raise InvalidInputError(f"{what}: expected a state_dict or an iterable of "
+                                    "(name, tensor) pairs such as model.named_parameters()")
+    seen: set = set()
+    out = []
+    for name, t in items:
+        if name in seen:
+            raise InvalidInputError(f"{what}: the name {name!r} appears twice; names must be "
+                                    "unique")
+        seen.add(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{what}: {name!r} is a {type(t).__name__}, not a tensor; "
+                                    "use broadcast_object() for other values")
+        out.append((str(name), t))
+    return out
+
+
+def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
+    """Overwrite every rank's tensors in place with ``root_rank``'s.
+
+    Collective. Checks first that all ranks pass the same names, shapes and
+    dtypes (and raises the same error everywhere if not).
+
+    Parameters
+    ----------
+    params : dict or iterable of (str, torch.Tensor)
+        ``model.state_dict()`` (buffers included) or ``model.named_parameters()``.
+    root_rank : int
+        Rank whose values win.
+    """
+    what = "broadcast_parameters"
+    items = _named_tensors(params, what)
+    agree(what, [(n, (tuple(t.shape), str(t.dtype))) for n, t in items],
+          " on the tensors to broadcast")
+    handles, seen = [], set()
+    with torch.no_grad():
+        for name, t in items:
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if t.numel() and key in seen:  # tied weights: the same memory under two names
+                continue
+            seen.add(key)
+            handles.append(broadcast_async_(t, root_rank, name=f"broadcast.{name}"))
+        wait_all(handles)
+
+
+class _Slot:
+    """Stands for the i-th tensor of an optimizer state_dict while its skeleton is pickled."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, shape: tuple, dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+    def __getstate__(self) -> tuple:
+        return self.index, self.shape, self.dtype
+
+    def __setstate__(self, state: tuple) -> None:
+        self.index, self.shape, self.dtype = state
+
+
+def _split(obj: Any, tensors: list) -> Any:
+    """Replace tensors in ``obj`` (dicts, lists, tuples) by _Slots, collecting them."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: list) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
+    return [len(g["params"]) for g in optimizer.param_groups]
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
+
+    Collective. Works for any ``torch.optim.Optimizer`` (DistributedOptimizer
+    included), also before the first step, when the state is still empty:
+    every rank then ends up with empty state (and root's hyper-parameters), and
+    the first step creates identical state everywhere.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        The optimizer; every rank must have the same parameter groups.
+    root_rank : int
+        Rank whose state wins.
+    """
+    what = "broadcast_optimizer_state"
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(f"{what}: expected a torch.optim.Optimizer, got "
+                                f"{type(optimizer).__name__}")
+    c = comm()
+    tensors: list = []
+    skeleton = _split(optimizer.state_dict(), tensors) if c.rank() == root_rank else None
+    skeleton, groups = broadcast_object((skeleton, _group_sizes(optimizer)), root_rank,
+                                        name=f"{what}.skeleton")
+    mine = _group_sizes(optimizer)
+    error = None if mine == groups else (f"rank {c.rank()} has parameter groups of sizes "
+                                         f"{mine}, rank {root_rank} has {groups}")
+    errors = [e for e in allgather_object(error, name=f"{what}.check") if e]
+    if errors:
+        raise InvalidInputError(f"{what}: " + "; ".join(errors))
+    if c.rank() != root_rank:
+        slots: list = []
+        _collect_slots(skeleton, slots)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots,
+                                                                        key=lambda s: s.index)]
+    with torch.no_grad():
+        wait_all([broadcast_async_(t, root_rank, name=f"{what}.{i}")
+                  for i, t in enumerate(tensors)])
+    if c.rank() != root_rank:
+        optimizer.load_state_dict(_join(skeleton, tensors))
+
+
+def _collect_slots(obj: Any, out: list) -> None:
+    if isinstance(obj, _Slot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_slots(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_slots(v, out)

@@ -1,0 +1,223 @@
+"""allgather, broadcast, reducescatter, alltoall on torch tensors (differentiable forms too).
+
+Gradients follow the convention of ``ops``: they are those of the sum of every
+rank's loss. See the module docstring there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from ringreduce import Average, Communicator, Sum
+from ringreduce.exceptions import InvalidInputError
+
+from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
+from .ops import _OPS, Handle, Splits, _writable, resolve_op, synchronize
+
+
+def _wants_grad(t: torch.Tensor, what: str) -> bool:
+    return torch.is_grad_enabled() and check_tensor(t, what).requires_grad
+
+
+def _sum_grad(c: Communicator, grad: torch.Tensor, name: Optional[str]) -> torch.Tensor:
+    gname = f"{name}.grad" if name else None
+    return to_torch(c.allreduce(to_numpy(grad.contiguous(), "allreduce"), Sum, gname))
+
+
+# ------------------------------------------------------------- allgather
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str],
+                get_comm: Callable[[], Communicator]) -> torch.Tensor:
+        ctx.args = (name, get_comm, tensor.shape[0] if tensor.dim() else 0)
+        return to_torch(get_comm().allgather(to_numpy(tensor, label("allgather", name)), name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        name, get_comm, rows = ctx.args
+        c = get_comm()
+        lname = f"{name}.grad.rows" if name else None
+        counts = c.allgather(np.array([rows], np.int64), lname)
+        offset = int(counts[:c.rank()].sum())
+        return _sum_grad(c, grad, name).narrow(0, offset, rows), None, None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (lengths may differ); differentiable.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        At least 1-d; the dimensions after the first must match across ranks.
+    name : str, optional
+        Identifies the tensor across ranks and in error messages.
+    """
+    if _wants_grad(tensor, label("allgather", name)):
+        return _AllgatherFn.apply(tensor, name, binder())
+    return to_torch(comm().allgather(to_numpy(tensor, label("allgather", name)), name))
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
+    """Start an allgather; ``synchronize(handle)`` returns the concatenation."""
+    what = label("allgather_async", name)
+    return Handle(comm().allgather_async(to_numpy(check_tensor(tensor, what), what), name),
+                  to_torch)
+
+
+# ------------------------------------------------------------- broadcast
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str],
+                get_comm: Callable[[], Communicator]) -> torch.Tensor:
+        ctx.args = (root_rank, name, get_comm)
+        what = label("broadcast", name)
+        return to_torch(get_comm().broadcast(to_numpy(tensor, what), root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        root_rank, name, get_comm = ctx.args
+        c = get_comm()
+        g = _sum_grad(c, grad, name)
+        return (g if c.rank() == root_rank else torch.zeros_like(g)), None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; differentiable."""
+    if _wants_grad(tensor, label("broadcast", name)):
+        return _BroadcastFn.apply(tensor, root_rank, name, binder())
+    what = label("broadcast", name)
+    return to_torch(comm().broadcast(to_numpy(tensor, what), root_rank, name))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s in place (not tracked by autograd)."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+    """Start a broadcast into a new tensor."""
+    what = label("broadcast_async", name)
+    return Handle(comm().broadcast_async(to_numpy(check_tensor(tensor, what), what), root_rank,
+                                         name), to_torch)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+    """Start an in-place broadcast into ``tensor``; ``synchronize`` returns ``tensor``."""
+    arr, finish = _writable(tensor, label("broadcast_async_", name))
+    return Handle(comm().broadcast_async_(arr, root_rank, name), finish)
+
+
+# --------------------------------------------------------- reducescatter
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: int, name: Optional[str], pre: float,
+                post: float, get_comm: Callable[[], Communicator]) -> torch.Tensor:
+        ctx.args = (op, name, pre * post, get_comm)
+        what = label("reducescatter", name)
+        return to_torch(get_comm().reducescatter(to_numpy(tensor, what), op, name, pre, post))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        op, name, scale, get_comm = ctx.args
+        if op not in (Sum, Average):
+            raise InvalidInputError(f"{label('reducescatter', name)}: op {_OPS[op]} has no "
+                                    "gradient; only Sum and Average are differentiable")
+        c = get_comm()
+        g = to_torch(c.allgather(to_numpy(grad.contiguous(), "reducescatter"),
+                                 f"{name}.grad" if name else None))
+        scale = scale / c.size() if op == Average else scale
+        return (g * scale if scale != 1.0 else g), None, None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, op: int = Average, name: Optional[str] = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks and return this rank's share of dim 0; differentiable.
+
+    Dim 0 is split as evenly as possible; lower ranks get the extra rows.
+    """
+    what = label("reducescatter", name)
+    op = resolve_op(None, op, what)
+    if _wants_grad(tensor, what):
+        return _ReducescatterFn.apply(tensor, op, name, float(prescale_factor),
+                                      float(postscale_factor), binder())
+    return to_torch(comm().reducescatter(to_numpy(tensor, what), op, name, prescale_factor,
+                                         postscale_factor))
+
+
+def reducescatter_async(tensor: torch.Tensor, op: int = Average, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter; ``synchronize(handle)`` returns this rank's share."""
+    what = label("reducescatter_async", name)
+    op = resolve_op(None, op, what)
+    return Handle(comm().reducescatter_async(to_numpy(check_tensor(tensor, what), what), op,
+                                             name, prescale_factor, postscale_factor), to_torch)
+
+
+# --------------------------------------------------------------- alltoall
+def _splits_list(splits: Splits) -> Optional[list[int]]:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        return [int(s) for s in splits.tolist()]
+    return [int(s) for s in splits]
+
+
+def _alltoall_result(given: bool) -> Callable[[Any], Any]:
+    def finish(out: Any) -> Any:
+        if given:
+            return to_torch(out[0]), torch.from_numpy(np.asarray(out[1], np.int64))
+        return to_torch(out)
+
+    return finish
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Optional[list], name: Optional[str],
+                get_comm: Callable[[], Communicator]) -> tuple:
+        c = get_comm()
+        if splits is None:  # even split: every rank sends and receives the same row count
+            rows = tensor.shape[0] if tensor.dim() else 0
+            if rows % c.size():
+                raise InvalidInputError(f"{label('alltoall', name)}: dim 0 ({rows}) does not "
+                                        f"divide by size {c.size()}; pass splits=")
+            splits = [rows // c.size()] * c.size()
+        out, received = c.alltoall(to_numpy(tensor, label("alltoall", name)), splits, name)
+        ctx.args = (name, get_comm, [int(r) for r in received])
+        received = torch.from_numpy(np.asarray(received, np.int64))
+        ctx.mark_non_differentiable(received)
+        return to_torch(out), received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> tuple:
+        name, get_comm, received = ctx.args
+        out, _ = get_comm().alltoall(to_numpy(grad.contiguous(), "alltoall"), received,
+                                     f"{name}.grad" if name else None)
+        return to_torch(out), None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None) -> Any:
+    """Send ``splits[r]`` rows of ``tensor`` to rank r; differentiable.
+
+    Without ``splits`` dim 0 must divide by ``size()`` and the received tensor is
+    returned; with ``splits`` a tuple ``(output, received_splits)``.
+    """
+    what = label("alltoall", name)
+    given = splits is not None
+    if _wants_grad(tensor, what):
+        out, received = _AlltoallFn.apply(tensor, _splits_list(splits), name, binder())
+        return (out, received) if given else out
+    return _alltoall_result(given)(comm().alltoall(to_numpy(tensor, what),
+                                                   _splits_list(splits), name))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Splits = None,
+                   name: Optional[str] = None) -> Handle:
+    """Start an alltoall; ``synchronize(handle)`` returns what ``alltoall`` would."""
+    what = label("alltoall_async", name)
+    return Handle(comm().alltoall_async(to_numpy(check_tensor(tensor, what), what),
+                                        _splits_list(splits), name),
+                  _alltoall_result(splits is not None))

@@ -1,0 +1,243 @@
+"""Collectives on torch tensors, with the signatures of ``horovod.torch``.
+
+Results are torch tensors of the input's dtype. Out-of-place ``allreduce``,
+``allgather``, ``broadcast``, ``reducescatter`` and ``alltoall`` are
+differentiable: their gradients are those of the **sum of every rank's loss**
+(e.g. allreduce(Average)'s backward is allreduce(Average) of the gradient,
+allgather's backward is the Sum-allreduced gradient's slice for this rank,
+broadcast's backward is the Sum of the gradients on the root and zero elsewhere).
+Together with DistributedOptimizer's averaging this gives the gradient of the
+mean loss over all ranks.
+
+The ``*_async`` forms return a ``Handle``; ``synchronize(handle)`` returns the
+result (a torch tensor) and ``poll(handle)`` tells whether it is ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+
+from ringreduce import Average, Communicator, Max, Min, Product, Sum
+from ringreduce.exceptions import InvalidInputError
+
+from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
+from .compression import Compression, Compressor
+
+_OPS = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
+Splits = Optional[Union[Sequence[int], torch.Tensor]]
+
+
+class Handle:
+    """A collective in flight; pass it to ``synchronize()`` or ``poll()``.
+
+    Wraps a ``ringreduce.Handle`` and turns its numpy result into torch tensors.
+    """
+
+    __slots__ = ("_inner", "_finish", "_result", "_pending")
+
+    def __init__(self, inner: Any, finish: Callable[[Any], Any]) -> None:
+        self._inner = inner
+        self._finish = finish
+        self._result: Any = None
+        self._pending = True
+
+    def done(self) -> bool:
+        """True once the collective has completed; ``wait()`` will not block."""
+        return not self._pending or self._inner.done()
+
+    def wait(self) -> Any:
+        """Block until complete and return the result; raises the collective's error."""
+        if self._pending:
+            self._pending = False
+            self._result = self._finish(self._inner.wait())
+            self._finish = None
+        return self._result
+
+
+def synchronize(handle: Any) -> Any:
+    """Wait for ``handle`` and return its result (torch tensors for ringreduce.torch calls)."""
+    return handle.wait()
+
+
+def poll(handle: Any) -> bool:
+    """True if ``handle`` has completed (``synchronize`` will then not block)."""
+    return handle.done()
+
+
+def resolve_op(average: Any, op: Optional[int], what: str) -> int:
+    """The reduction op from Horovod's ``average=`` flag or ``op=``.
+
+    The second positional argument may also be an op (``allreduce(t, rr.Sum)``,
+    as in ``ringreduce.allreduce``).
+    """
+    if op is not None and average is not None:
+        raise InvalidInputError(f"{what}: pass either op= or the deprecated average=, not both")
+    if op is None:
+        if average is None:
+            return Average
+        if isinstance(average, bool):
+            return Average if average else Sum
+        op = average
+    if isinstance(op, bool) or op not in _OPS:
+        raise InvalidInputError(f"{what}: op must be one of ringreduce.torch.Sum, Average, Min, "
+                                f"Max, Product; got {op!r}")
+    return int(op)
+
+
+def _writable(t: torch.Tensor, what: str) -> tuple[np.ndarray, Callable[[Any], torch.Tensor]]:
+    """A C-contiguous array over ``t`` and a function that finishes an in-place op on it.
+
+    Non-contiguous tensors go through a contiguous copy that is copied back.
+    """
+    check_tensor(t, what)
+    if t.is_contiguous():
+        return to_numpy(t, what), lambda _: t
+    buf = t.detach().contiguous()
+
+    def copy_back(_: Any) -> torch.Tensor:
+        with torch.no_grad():
+            t.copy_(buf)
+        return t
+
+    return to_numpy(buf, what), copy_back
+
+
+def _new_tensor(result: Any) -> torch.Tensor:
+    return to_torch(result)
+
+
+# ------------------------------------------------------------- allreduce
+def _allreduce_now(c: Communicator, tensor: torch.Tensor, op: int, name: Optional[str],
+                   compression: type[Compressor], pre: float, post: float) -> torch.Tensor:
+    what = label("allreduce", name)
+    compressed, ctx = compression.compress(check_tensor(tensor, what).detach())
+    out = c.allreduce(to_numpy(compressed, what), op, name, pre, post)
+    return compression.decompress(to_torch(out), ctx)
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: int, name: Optional[str],
+                compression: type[Compressor], pre: float, post: float,
+                get_comm: Callable[[], Communicator]) -> torch.Tensor:
+        ctx.args = (op, name, compression, pre, post, get_comm)
+        return _allreduce_now(get_comm(), tensor, op, name, compression, pre, post)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        op, name, compression, pre, post, get_comm = ctx.args
+        if op not in (Sum, Average):
+            raise InvalidInputError(f"{label('allreduce', name)}: op {_OPS[op]} has no gradient;"
+                                    " only Sum and Average are differentiable")
+        gname = f"{name}.grad" if name else None
+        g = _allreduce_now(get_comm(), grad.contiguous(), op, gname, compression, pre, post)
+        return g, None, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
+              compression: type[Compressor] = Compression.none, op: Optional[int] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks; return a new tensor (differentiable for Sum/Average).
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        CPU tensor with the same shape and dtype on every rank.
+    average : bool, optional
+        Horovod's deprecated flag (True: Average, False: Sum); prefer ``op``.
+    name : str, optional
+        Identifies the tensor across ranks (must match) and in error messages.
+    compression : Compressor, optional
+        ``Compression.none`` (default), ``Compression.fp16`` or ``Compression.bf16``.
+    op : int, optional
+        ``Sum``, ``Average`` (default), ``Min``, ``Max`` or ``Product``.
+    prescale_factor, postscale_factor : float
+        Multiply each input before, and the result after, the reduction.
+
+    Returns
+    -------
+    torch.Tensor
+        Identical on every rank.
+    """
+    op = resolve_op(average, op, label("allreduce", name))
+    if torch.is_grad_enabled() and check_tensor(tensor, "allreduce").requires_grad:
+        return _AllreduceFn.apply(tensor, op, name, compression, float(prescale_factor),
+                                  float(postscale_factor), binder())
+    return _allreduce_now(comm(), tensor, op, name, compression, prescale_factor,
+                          postscale_factor)
+
+
+def allreduce_(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
+               op: Optional[int] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks in place (not tracked by autograd) and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor))
+
+
+def allreduce_async(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
+                    op: Optional[int] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0) -> Handle:
+    """Start an allreduce; ``synchronize(handle)`` returns a new tensor."""
+    what = label("allreduce_async", name)
+    op = resolve_op(average, op, what)
+    arr = to_numpy(check_tensor(tensor, what), what)
+    return Handle(comm().allreduce_async(arr, op, name, prescale_factor, postscale_factor),
+                  _new_tensor)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
+                     op: Optional[int] = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0) -> Handle:
+    """Start an in-place allreduce; ``synchronize(handle)`` returns ``tensor``."""
+    what = label("allreduce_async_", name)
+    op = resolve_op(average, op, what)
+    arr, finish = _writable(tensor, what)
+    return Handle(comm().allreduce_async_(arr, op, name, prescale_factor, postscale_factor),
+                  finish)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,
+                            name: Optional[str] = None, op: Optional[int] = None,
+                            prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Handle:
+    """Start one fused allreduce of ``tensors``; the result is a list of new tensors."""
+    what = label("grouped_allreduce_async", name)
+    op = resolve_op(average, op, what)
+    arrs = [to_numpy(check_tensor(t, what), what) for t in tensors]
+    return Handle(comm().grouped_allreduce_async(arrs, op, name, prescale_factor,
+                                                 postscale_factor),
+                  lambda out: [to_torch(a) for a in out])
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Any = None,
+                             name: Optional[str] = None, op: Optional[int] = None,
+                             prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> Handle:
+    """In-place ``grouped_allreduce_async``; the result is the list ``tensors``."""
+    what = label("grouped_allreduce_async_", name)
+    op = resolve_op(average, op, what)
+    views = [_writable(t, what) for t in tensors]
+    inner = comm().grouped_allreduce_async_([a for a, _ in views], op, name, prescale_factor,
+                                            postscale_factor)
+    return Handle(inner, lambda _: [finish(None) for _, finish in views])
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
+                      name: Optional[str] = None, op: Optional[int] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Allreduce all of ``tensors`` as one fused unit; returns a list of new tensors."""
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                               postscale_factor))
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Any = None,
+                       name: Optional[str] = None, op: Optional[int] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """In-place ``grouped_allreduce``; returns ``tensors`` as a list."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor))

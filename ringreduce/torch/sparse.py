@@ -1,0 +1,73 @@
+"""Reducing sparse COO gradients (e.g. ``nn.Embedding(sparse=True)``) by allgather.
+
+Every rank contributes its (indices, values); after the allgather each rank
+builds the sum as one sparse tensor (duplicate indices add up when coalesced)
+and scales it like the dense allreduce would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringreduce import Average, Communicator, Sum
+from ringreduce.exceptions import InvalidInputError
+
+from ._tensors import to_numpy, to_torch
+
+
+class SparseAllreduce:
+    """An allreduce of a sparse tensor in flight, as two allgathers; ``wait()`` returns it.
+
+    Parameters
+    ----------
+    comm : ringreduce.Communicator
+        Where to reduce.
+    grad : torch.Tensor
+        Sparse COO tensor with the same dense shape on every rank.
+    name : str
+        Base name; the allgathers are ``<name>.indices`` and ``<name>.values``.
+    op : int
+        ``Sum`` or ``Average``.
+    prescale, postscale : float
+        Applied to the values before and after the reduction.
+    """
+
+    def __init__(self, comm: Communicator, grad: torch.Tensor, name: str, op: int,
+                 prescale: float = 1.0, postscale: float = 1.0) -> None:
+        if op not in (Sum, Average):
+            raise InvalidInputError(f"sparse gradient {name!r}: only Sum and Average are "
+                                    "supported; pass sparse_as_dense=True")
+        g = grad.coalesce()
+        values = g.values() * prescale if prescale != 1.0 else g.values()
+        self._indices = g.indices().t().contiguous()
+        self._values = values.contiguous()
+        self._shape, self._size = g.shape, comm.size()
+        self._scale = postscale / (comm.size() if op == Average else 1)
+        self._handles = [
+            comm.allgather_async(to_numpy(self._indices, f"sparse gradient {name!r}"),
+                                 f"{name}.indices"),
+            comm.allgather_async(to_numpy(self._values, f"sparse gradient {name!r}"),
+                                 f"{name}.values"),
+        ]
+
+    def done(self) -> bool:
+        """True once both allgathers have completed."""
+        return all(h.done() for h in self._handles)
+
+    def wait(self) -> Any:
+        """Wait for the allgathers and return the reduced sparse tensor (coalesced)."""
+        results, errors = [], []
+        for h in self._handles:  # wait for both, even if one fails
+            try:
+                results.append(h.wait())
+            except Exception as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        indices, values = (to_torch(a) for a in results)
+        if self._scale != 1.0:
+            values = values * self._scale
+        return torch.sparse_coo_tensor(indices.t(), values, self._shape,
+                                       check_invariants=False).coalesce()

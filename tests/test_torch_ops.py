@@ -1,0 +1,285 @@
+"""ringreduce.torch collectives on torch tensors, ranks as threads: results, dtypes, autograd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ringreduce as rr  # noqa: E402
+import ringreduce.torch as rrt  # noqa: E402
+from ringreduce.testing import run_threaded  # noqa: E402
+
+torch.set_num_threads(1)
+
+DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.bool]
+
+
+def run(n, fn, return_exceptions=False):
+    def body(c):
+        with rrt.use_communicator(c):
+            return fn(c.rank())
+
+    return run_threaded(n, body, timeout=60, return_exceptions=return_exceptions)
+
+
+def contribution(rank, dtype, shape=(5, 3)):
+    g = torch.Generator().manual_seed(rank)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) < 0.6
+    if dtype.is_floating_point:
+        return (torch.randint(1, 5, shape, generator=g)).to(dtype)
+    return torch.randint(0, 3, shape, generator=g).to(dtype)
+
+
+def test_reexports_everything_of_ringreduce():
+    missing = [n for n in rr.__all__ if not hasattr(rrt, n)]
+    assert not missing
+    for name in ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+                 "Compression", "SyncBatchNorm", "save_checkpoint", "load_checkpoint", "join"):
+        assert callable(getattr(rrt, name)) or name == "Compression"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_queries_barrier_join(n):
+    def fn(rank):
+        rrt.barrier()
+        return (rrt.rank(), rrt.size(), rrt.local_rank(), rrt.local_size(), rrt.cross_rank(),
+                rrt.cross_size(), rrt.join())
+
+    out = run(n, fn)
+    for r, got in enumerate(out):
+        assert got[:6] == (r, n, r, n, 0, 1)
+        assert 0 <= got[6] < n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allreduce_every_dtype(dtype):
+    n = 3
+
+    def fn(rank):
+        x = contribution(rank, dtype)
+        out = {"new": rrt.allreduce(x, op=rrt.Sum if dtype != torch.bool else rrt.Max)}
+        y = x.clone()
+        assert rrt.allreduce_(y, op=rrt.Max, name="m") is y
+        out["max"] = y
+        h = rrt.allreduce_async(x, op=rrt.Min, name="min")
+        out["min"] = rrt.synchronize(h)
+        return out
+
+    res = run(n, fn)
+    xs = [contribution(r, dtype) for r in range(n)]
+    stack = torch.stack([x.to(torch.float64) for x in xs])
+    want_sum = stack.amax(0) if dtype == torch.bool else stack.sum(0)
+    for r in range(n):
+        for k, want in (("new", want_sum), ("max", stack.amax(0)), ("min", stack.amin(0))):
+            got = res[r][k]
+            assert got.dtype == dtype and got.shape == xs[0].shape, k
+            assert torch.equal(got.to(torch.float64), want.to(dtype).to(torch.float64)), k
+
+
+def test_allreduce_average_scaling_and_op_spellings():
+    def fn(rank):
+        x = torch.full((4,), float(rank + 1))
+        return [rrt.allreduce(x), rrt.allreduce(x, average=False), rrt.allreduce(x, True),
+                rrt.allreduce(x, rrt.Sum), rrt.allreduce(x, op=rrt.Sum, prescale_factor=2.0,
+                                                         postscale_factor=0.5),
+                rrt.allreduce(x, compression=rrt.Compression.fp16)]
+
+    for got in run(2, fn):
+        assert [float(t[0]) for t in got] == [1.5, 3.0, 1.5, 3.0, 3.0, 1.5]
+        assert got[-1].dtype == torch.float32
+
+
+def test_bad_arguments_are_clear():
+    rrt.init()
+    try:
+        with pytest.raises(rr.InvalidInputError, match="either op= or"):
+            rrt.allreduce(torch.ones(2), average=True, op=rrt.Sum)
+        with pytest.raises(rr.InvalidInputError, match="op must be one of"):
+            rrt.allreduce(torch.ones(2), op=17)
+        with pytest.raises(rr.InvalidInputError, match="expected a torch.Tensor"):
+            rrt.allreduce_async_(np.ones(2))
+        with pytest.raises(rr.InvalidInputError, match="complex|cannot view"):
+            rrt.allreduce(torch.ones(2, dtype=torch.complex64))
+        with pytest.raises(rr.InvalidInputError, match="to_dense"):
+            rrt.allreduce(torch.ones(2).to_sparse())
+    finally:
+        rrt.shutdown()
+
+
+def test_in_place_on_non_contiguous_and_async_poll():
+    def fn(rank):
+        base = torch.arange(12, dtype=torch.float32).view(3, 4) * (rank + 1)
+        col = base.t()  # non-contiguous view into base
+        h = rrt.allreduce_async_(col, op=rrt.Sum, name="col")
+        assert rrt.synchronize(h) is col
+        assert rrt.poll(h)
+        base[:, 1] = rank
+        hb = rrt.broadcast_async_(base[:, 1], root_rank=1, name="b")
+        rrt.synchronize(hb)
+        return base
+
+    want = torch.arange(12, dtype=torch.float32).view(3, 4) * 3
+    want[:, 1] = 1
+    for got in run(2, fn):
+        assert torch.equal(got, want)
+
+
+def test_grouped_allreduce():
+    def fn(rank):
+        xs = [torch.full((3,), float(rank)), torch.full((2, 2), rank, dtype=torch.int64)]
+        new = rrt.grouped_allreduce(xs, op=rrt.Sum, name="g")
+        same = rrt.grouped_allreduce_([x.clone() for x in xs], op=rrt.Sum, name="gi")
+        h = rrt.grouped_allreduce_async(xs, op=rrt.Max)
+        return new, same, rrt.synchronize(h)
+
+    for new, same, mx in run(2, fn):
+        for got in (new, same):
+            assert torch.equal(got[0], torch.full((3,), 1.0))
+            assert torch.equal(got[1], torch.full((2, 2), 1, dtype=torch.int64))
+        assert torch.equal(mx[0], torch.full((3,), 1.0))
+
+
+def test_allgather_broadcast_reducescatter_alltoall():
+    n = 3
+
+    def fn(rank):
+        out = {"gather": rrt.allgather(torch.full((rank + 1, 2), rank, dtype=torch.int32))}
+        out["gather_async"] = rrt.synchronize(rrt.allgather_async(torch.tensor([rank])))
+        out["bcast"] = rrt.broadcast(torch.tensor([rank, 7], dtype=torch.bfloat16), root_rank=2)
+        out["bcast_async"] = rrt.synchronize(rrt.broadcast_async(torch.tensor([rank]), 1))
+        x = torch.arange(7, dtype=torch.float64) * (rank + 1)
+        out["rs"] = rrt.reducescatter(x, op=rrt.Sum)
+        out["rs_async"] = rrt.synchronize(rrt.reducescatter_async(x, op=rrt.Sum))
+        out["a2a"] = rrt.alltoall(torch.arange(3) + 10 * rank)
+        sent = torch.arange(rank + 3) + 10 * rank
+        splits = [1, 1, rank + 1]
+        out["a2a_split"] = rrt.alltoall(sent, splits=torch.tensor(splits))
+        out["a2a_async"] = rrt.synchronize(rrt.alltoall_async(sent, splits=splits))
+        return out
+
+    res = run(n, fn)
+    gather = torch.cat([torch.full((r + 1, 2), r, dtype=torch.int32) for r in range(n)])
+    total = torch.arange(7, dtype=torch.float64) * 6
+    shares = [total[0:3], total[3:5], total[5:7]]
+    for r, out in enumerate(res):
+        assert torch.equal(out["gather"], gather)
+        assert torch.equal(out["gather_async"], torch.arange(n))
+        assert out["bcast"].dtype == torch.bfloat16
+        assert torch.equal(out["bcast"], torch.tensor([2, 7], dtype=torch.bfloat16))
+        assert torch.equal(out["bcast_async"], torch.tensor([1]))
+        assert torch.equal(out["rs"], shares[r]) and torch.equal(out["rs_async"], shares[r])
+        assert torch.equal(out["a2a"], torch.tensor([r, 10 + r, 20 + r]))
+        got, received = out["a2a_split"]
+        want = torch.tensor([10 * j + (r if r < 2 else 2 + k)
+                             for j in range(n) for k in range(1 if r < 2 else j + 1)])
+        assert torch.equal(received, torch.tensor([1, 1, 1] if r < 2 else [1, 2, 3]))
+        assert torch.equal(got, want)
+        assert torch.equal(out["a2a_async"][0], want)
+
+
+def test_objects():
+    def fn(rank):
+        return (rrt.broadcast_object({"rank": rank, "t": torch.ones(2) * rank}, root_rank=1),
+                rrt.allgather_object(("r", rank)))
+
+    for b, g in run(2, fn):
+        assert b["rank"] == 1 and torch.equal(b["t"], torch.ones(2))
+        assert g == [("r", 0), ("r", 1)]
+
+
+# ------------------------------------------------------------------ autograd
+def reference_grads(xs, f):
+    """Gradients of sum_r f_r(everyone's x) computed in one process."""
+    leaves = [x.clone().requires_grad_() for x in xs]
+    f(leaves).backward()
+    return [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
+
+
+def weights(rank, shape):
+    return torch.arange(float(np.prod(shape)), dtype=torch.float64).view(shape) + 10 * rank
+
+
+def check_grads(n, make_x, op_dist, loss_ref):
+    xs = [make_x(r) for r in range(n)]
+
+    def fn(rank):
+        x = xs[rank].clone().requires_grad_()
+        y = op_dist(x, rank)
+        (y * weights(rank, y.shape)).sum().backward()
+        return y.detach(), x.grad
+
+    res = run(n, fn)
+    want = reference_grads(xs, loss_ref)
+    for r in range(n):
+        torch.testing.assert_close(res[r][1], want[r])
+    return res
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_allreduce_gradient(op):
+    n, o = 3, getattr(rrt, op)
+
+    def ref(leaves):
+        s = sum(leaves) / (n if op == "Average" else 1) * 2.0
+        return sum((s * weights(r, s.shape)).sum() for r in range(n))
+
+    res = check_grads(n, lambda r: torch.randn(4, generator=torch.Generator().manual_seed(r),
+                                               dtype=torch.float64),
+                      lambda x, r: rrt.allreduce(x, op=o, name="ar", postscale_factor=2.0),
+                      ref)
+    assert torch.equal(res[0][0], res[1][0])
+
+
+def test_allgather_gradient():
+    n = 3
+
+    def ref(leaves):
+        cat = torch.cat(leaves)
+        return sum((cat * weights(r, cat.shape)).sum() for r in range(n))
+
+    check_grads(n, lambda r: torch.ones(r + 1, 2, dtype=torch.float64) * r,
+                lambda x, r: rrt.allgather(x, name="ag"), ref)
+
+
+def test_broadcast_gradient():
+    n = 3
+
+    def ref(leaves):
+        return sum((leaves[1] * weights(r, leaves[1].shape)).sum() for r in range(n))
+
+    res = check_grads(n, lambda r: torch.ones(2, 2, dtype=torch.float64) * r,
+                      lambda x, r: rrt.broadcast(x, root_rank=1, name="bc"), ref)
+    assert torch.equal(res[0][0], torch.ones(2, 2, dtype=torch.float64))
+
+
+def test_reducescatter_and_alltoall_gradients():
+    n = 2
+
+    def ref_rs(leaves):
+        total = sum(leaves) / n
+        return sum((total[3 * r:3 * r + 3] * weights(r, (3,))).sum() for r in range(n))
+
+    check_grads(n, lambda r: torch.arange(6, dtype=torch.float64) + r,
+                lambda x, r: rrt.reducescatter(x, op=rrt.Average), ref_rs)
+
+    def ref_a2a(leaves):
+        # rank r sends rows [0:1] to rank 0 and [1:1+r+1]... splits [1, r + 1]
+        outs = [torch.cat([leaves[j][:1] if r == 0 else leaves[j][1:] for j in range(n)])
+                for r in range(n)]
+        return sum((o * weights(r, o.shape)).sum() for r, o in enumerate(outs))
+
+    check_grads(n, lambda r: torch.arange(r + 2, dtype=torch.float64) + 5 * r,
+                lambda x, r: rrt.alltoall(x, splits=[1, r + 1])[0], ref_a2a)
+
+
+def test_min_has_no_gradient():
+    def fn(rank):
+        x = torch.ones(2, requires_grad=True)
+        rrt.allreduce(x, op=rrt.Min).sum().backward()
+
+    for err in run(2, fn, return_exceptions=True):
+        assert isinstance(err, rr.InvalidInputError) and "no gradient" in str(err)

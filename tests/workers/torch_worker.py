@@ -1,0 +1,81 @@
+"""ringreduce.torch in real processes: optimizer, broadcasts, SyncBatchNorm, checkpoints.
+
+    mpirun -np N python torch_worker.py CHECKPOINT_DIR
+
+Each check raises on failure; at the end every rank logs ``OK rank <r>``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from workerlib import event, run, say, set_rank
+
+import ringreduce.torch as rr
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
+
+
+def check_same_everywhere(t: torch.Tensor, label: str) -> None:
+    everyone = rr.allgather(t[None], name=f"check.{label}")
+    for r in range(rr.size()):
+        if not torch.equal(everyone[r], t):
+            raise AssertionError(f"rank {rr.rank()}: {label} differs from rank {r}")
+
+
+def train_steps() -> torch.nn.Module:
+    torch.manual_seed(rr.rank())  # different everywhere until the broadcast
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), rr.SyncBatchNorm(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 2))
+    opt = rr.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(),
+                                  compression=rr.Compression.bf16)
+    rr.broadcast_parameters(model.state_dict(), root_rank=0)
+    rr.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rr.rank())
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    check_same_everywhere(flat(model), "parameters after training")
+    event("trained", params=int(flat(model).numel()))
+    return model
+
+
+def checkpoints(model: torch.nn.Module, directory: str) -> None:
+    path = os.path.join(directory, "ckpt.pt")
+    wrote = rr.save_checkpoint(path, model=model, epoch=7)
+    if wrote != (rr.rank() == 0):
+        raise AssertionError(f"rank {rr.rank()}: save_checkpoint returned {wrote}")
+    rr.barrier()
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 16), rr.SyncBatchNorm(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 2))
+    ckpt = rr.load_checkpoint(path, model=fresh)
+    if ckpt["epoch"] != 7 or not torch.equal(flat(fresh), flat(model)):
+        raise AssertionError(f"rank {rr.rank()}: loaded checkpoint differs")
+    try:
+        rr.load_checkpoint(os.path.join(directory, "missing.pt"), model=fresh)
+    except rr.CheckpointError as err:
+        event("missing-error", msg=str(err))
+    else:
+        raise AssertionError("loading a missing checkpoint did not raise")
+
+
+def main() -> None:
+    rr.init()
+    set_rank(rr.rank())
+    torch.set_num_threads(1)
+    model = train_steps()
+    checkpoints(model, sys.argv[1])
+    rr.barrier()
+    say(f"OK rank {rr.rank()}")
+    rr.shutdown()
+
+
+if __name__ == "__main__":
+    run(main)

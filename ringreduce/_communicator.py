@@ -76,6 +76,8 @@ class Communicator:
         self._lock = threading.Lock()
         self._in_flight: list[Handle] = []  # keeps buffers alive until complete
         self._groups = 0
+        self._close_lock = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------------ queries
     def rank(self) -> int:
@@ -107,9 +109,16 @@ class Communicator:
         return self._ctx.transport_to(peer)
 
     def close(self) -> None:
-        """Stop the engine, release links and shared memory; pending calls fail."""
-        self._engine.shutdown()
-        self._ctx.close()
+        """Stop the engine, release links and shared memory; pending calls fail.
+
+        Safe to call from several threads and more than once.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._engine.shutdown()
+            self._ctx.close()
+            self._closed = True
 
     # ------------------------------------------------------------------ helpers
     def _track(self, core: Any, finish: Callable[[Any], Any], keep: tuple) -> Handle:
@@ -200,14 +209,15 @@ class Communicator:
         _check_op(op, what)
         if not srcs:
             raise InvalidInputError(f"{what}: needs at least one array")
-        with self._lock:
-            group = name if name is not None else f"grouped_allreduce.noname.{self._groups}"
-            self._groups += 1
-        names = [f"{group}.{i}" for i in range(len(srcs))]
         codes = [dtype_code(s.dtype, what, None) for s in srcs]
-        return self._engine.grouped_allreduce(srcs, outs, [list(s.shape) for s in srcs], codes,
-                                              names, op, float(prescale), float(postscale),
-                                              str(group))
+        with self._lock:  # the counter advances only when the engine took the group
+            group = name if name is not None else f"grouped_allreduce.noname.{self._groups}"
+            names = [f"{group}.{i}" for i in range(len(srcs))]
+            core = self._engine.grouped_allreduce(srcs, outs, [list(s.shape) for s in srcs],
+                                                  codes, names, op, float(prescale),
+                                                  float(postscale), str(group))
+            self._groups += name is None
+        return core
 
     # ------------------------------------------------------ other collectives
     def allgather_async(self, x: Any, name: Optional[str] = None) -> Handle:

@@ -7,11 +7,21 @@ collective must fail at once. Under mpirun, MPICH's mpiexec kills the whole job
 when a rank dies; there the job must end promptly with no process left.
 Nothing may be left in /dev/shm either way.
 
-The worker is tests/workers/fault_worker.py; it logs timestamped events.
+Kill points that depend on timing are drawn at random on every run (the delay
+is on the worker's command line and in the victim's ``killing`` event, both in
+every failure report; ``RR_FAULT_DELAY=<s>`` replays one), so repeated CI runs
+hit different points: ring steps, negotiation rounds, idle engines.
+
+The worker is tests/workers/fault_worker.py; it logs timestamped events. The
+tests record how long each survivor took to raise after the kill as the
+``raise_after_kill_s`` property (kept by ``--junitxml`` with ``-o junit_family=xunit1``).
 """
 
 from __future__ import annotations
 
+import os
+import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -31,16 +41,25 @@ NEXT_S = 1.0  # ... and its next collective this soon after that
 TRANSPORTS = {"shm": {}, "tcp": {"RINGREDUCE_TRANSPORT": "tcp"}}
 
 
+def random_delay(lo: float = 0.1, hi: float = 1.0) -> float:
+    """Seconds until the victim dies, drawn anew each run (``RR_FAULT_DELAY`` fixes it)."""
+    fixed = os.environ.get("RR_FAULT_DELAY")
+    return float(fixed) if fixed else round(random.uniform(lo, hi), 3)
+
+
 def launch(launcher: str, n: int, scenario: str, transport: str, sync_dir: Path,
-           timeout: float = 40, linger: float = 8.0) -> Job:
-    args = ["--scenario", scenario, "--victim", VICTIM, "--sync-dir", sync_dir,
-            "--linger", linger]
+           timeout: float = 40, linger: float = 8.0, victim: int = VICTIM,
+           extra: Sequence[object] = ()) -> Job:
+    args = ["--scenario", scenario, "--victim", victim, "--sync-dir", sync_dir,
+            "--linger", linger, *extra]
+    if scenario == "during" and "--delay" not in extra:
+        args += ["--delay", random_delay(0.02, 1.0)]  # from the first negotiation on
     run = run_mpi if launcher == "mpirun" else run_env_launch
     return run(n, FAULT, args, env=TRANSPORTS[transport], timeout=timeout)
 
 
-def kill_time(job: Job) -> float:
-    killing = job.event(VICTIM, "killing")
+def kill_time(job: Job, victim: int = VICTIM) -> float:
+    killing = job.event(victim, "killing")
     assert killing is not None, f"the victim never got to its failure point\n{job.describe()}"
     return killing["t"]
 
@@ -52,26 +71,34 @@ def check_no_traces(job: Job, shm_before: set[str]) -> None:
     assert not leftovers, f"left in /dev/shm: {leftovers}\n{job.describe()}"
 
 
-def check_survivors_noticed(job: Job, n: int, op: str = "allreduce") -> None:
-    """Every survivor raised promptly, naming the victim and the operation."""
-    t_kill = kill_time(job)
+def check_survivors_noticed(job: Job, n: int, op: str = "allreduce",
+                            victim: int = VICTIM) -> dict[int, float]:
+    """Every survivor raised promptly, naming the victim and the operation.
+
+    Returns how many seconds after the kill each survivor raised, by rank.
+    """
+    t_kill = kill_time(job, victim)
+    delays = {}
     for r in range(n):
-        if r == VICTIM:
+        if r == victim:
             continue
         raised, after = job.event(r, "raised"), job.event(r, "next-raised")
 
         def fail(what: str, r: int = r) -> str:
-            return f"rank {r} (the victim is rank {VICTIM}): {what}\n{job.describe()}"
+            return f"rank {r} (the victim is rank {victim}): {what}\n{job.describe()}"
 
         assert raised is not None, fail("never raised")
         assert raised["rr"], fail(f"raised {raised['cls']}, not a RingReduceError")
-        assert f"rank {VICTIM}" in raised["msg"] and op in raised["msg"], fail(
+        assert f"rank {victim}" in raised["msg"] and op in raised["msg"], fail(
             f"the error does not name the dead rank and the operation: {raised['msg']}")
-        delay = raised["t"] - t_kill
+        delays[r] = delay = raised["t"] - t_kill
         assert delay < DETECT_S, fail(f"raised {delay:.2f} s after the kill")
         assert after is not None and after["rr"], fail("its next collective did not raise")
         assert after["t"] - raised["t"] < NEXT_S, fail("its next collective raised slowly")
+        assert f"rank {victim}" in after["msg"], fail(
+            f"its next collective's error does not name the dead rank: {after['msg']}")
         assert job.procs[r].returncode == 0, fail("exited badly")
+    return delays
 
 
 # ---------------------------------------------------------------- SIGKILL
@@ -79,8 +106,9 @@ def check_survivors_noticed(job: Job, n: int, op: str = "allreduce") -> None:
     ("during", "shm"), ("during", "tcp"), ("idle", "shm"), ("idle", "tcp"), ("init", "shm"),
     ("init", "tcp"),
 ])
-def test_kill_one_rank_env_launch(scenario, transport, tmp_path):
-    """(a) during a 64 MB allreduce, (b) while the others wait, (c) right after init.
+def test_kill_one_rank_env_launch(scenario, transport, tmp_path, record_property):
+    """(a) during 64 MB allreduces, at a random point, (b) while the others wait,
+    (c) right after init.
 
     In (c) the survivors call their first allreduce 0.5 s after the victim died.
     """
@@ -88,12 +116,99 @@ def test_kill_one_rank_env_launch(scenario, transport, tmp_path):
     job = launch("env", 3, scenario, transport, tmp_path)
     check_no_traces(job, before)
     assert job.procs[VICTIM].returncode == -9, job.describe()
-    check_survivors_noticed(job, 3)
+    record_property("raise_after_kill_s", check_survivors_noticed(job, 3))
     assert not job.events("linger-timeout"), job.describe()
 
 
+# Kills at random points of the engine's life, on 3 ranks: the victim is a
+# worker (rank 1; rank 2 only exchanges control messages with rank 0) or the
+# coordinator itself (rank 0).
+VICTIMS = pytest.mark.parametrize("victim", [1, 0], ids=["worker-dies", "coordinator-dies"])
+TENSORS = 20
+GAP_S = 0.02  # between the victim's submissions in the negotiation test
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_kill_during_ring_allreduce_reaches_every_rank(transport, tmp_path):
+@VICTIMS
+def test_kill_during_negotiation(victim, transport, tmp_path, record_property):
+    """Survivors wait on tensors that only the victim's submission would make ready.
+
+    Every rank submits TENSORS named async allreduces in its own order; the
+    victim submits a random number of them, one every GAP_S like a backward
+    pass, and dies a random 0.1-1 s after the start: while it is still
+    submitting (rounds in flight) or once it waits.
+    Every survivor handle the victim never matched must raise (within
+    DETECT_S of the kill, naming the victim and the tensor), the rest must
+    have completed with the right values or raised too, and nothing may run
+    without the victim's contribution.
+    """
+    before = shm_entries()
+    submit = random.randint(1, TENSORS - 1)
+    extra = ["--delay", random_delay(), "--tensors", TENSORS, "--submit", submit,
+             "--gap", GAP_S]
+    job = launch("env", 3, "negotiation", transport, tmp_path, timeout=20, victim=victim,
+                 extra=extra)
+    check_no_traces(job, before)
+    assert job.procs[victim].returncode == -9, job.describe()
+    record_property("raise_after_kill_s",
+                    check_survivors_noticed(job, 3, op="allreduce", victim=victim))
+    submitted = {e["name"] for e in job.events("submit").get(victim, [])}  # or about to be
+    assert len(submitted) <= submit, job.describe()
+    every = {f"grad.{i}" for i in range(TENSORS)}
+    for r in sorted(set(range(3)) - {victim}):
+        handles, raised = job.event(r, "handles"), job.event(r, "raised")
+        assert handles is not None, f"rank {r} logged no outcome\n{job.describe()}"
+        ok, failed = set(handles["ok"]), handles["failed"]
+        assert ok | set(failed) == every and not ok & set(failed), f"rank {r}: {handles}"
+        assert ok <= submitted, (
+            f"rank {r}: {sorted(ok - submitted)} completed although rank "
+            f"{victim} never submitted them\n{job.describe()}")
+        assert raised["tensor"] not in ok, f"rank {r}: {raised}"
+        for name, err in failed.items():
+            assert err["rr"] and f"rank {victim}" in err["msg"] and f"'{name}'" in err["msg"], (
+                f"rank {r}: the error of '{name}' does not name the dead rank and the "
+                f"tensor: {err}\n{job.describe()}")
+        # every pending handle failed at once, not one by one
+        assert job.event(r, "next-raised")["t"] - raised["t"] < NEXT_S, job.describe()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@VICTIMS
+def test_kill_while_engines_idle(victim, transport, tmp_path, record_property):
+    """Nobody calls anything when the victim dies: the engines must notice by themselves.
+
+    After a few good collectives every survivor sleeps IDLE_S with no call in
+    flight; the victim dies at a random point of that (0.1-1 s in). The
+    survivors' first call afterwards must raise at once, with the failure the
+    engine recorded before the call was made ("stopped after an earlier
+    failure"): so the engine noticed less than IDLE_S - 0.1 s after the kill,
+    well within DETECT_S. (It notices through its 100 ms liveness check, or at
+    once when a socket it sleeps on reports EOF or a peer's last words.)
+    """
+    idle = 2.0
+    before = shm_entries()
+    job = launch("env", 3, "engine-idle", transport, tmp_path, timeout=20, victim=victim,
+                 extra=["--delay", random_delay(), "--idle", idle])
+    check_no_traces(job, before)
+    assert job.procs[victim].returncode == -9, job.describe()
+    record_property("raise_after_kill_s",
+                    check_survivors_noticed(job, 3, op="allreduce", victim=victim))
+    t_kill = kill_time(job, victim)
+    for r in sorted(set(range(3)) - {victim}):
+        calling, raised = job.event(r, "calling"), job.event(r, "raised")
+        assert calling is not None and calling["t"] - t_kill < DETECT_S, job.describe()
+        assert raised["t"] - calling["t"] < NEXT_S, (
+            f"rank {r}: its first call after the idle time took "
+            f"{raised['t'] - calling['t']:.2f} s to raise\n{job.describe()}")
+        assert "earlier failure" in raised["msg"], (
+            f"rank {r}: the engine had not noticed the dead rank by itself while idle "
+            f"({calling['t'] - t_kill:.2f} s after the kill): {raised['msg']}\n{job.describe()}")
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_kill_during_ring_allreduce_reaches_every_rank(transport, tmp_path, record_property):
     """In a 4-rank ring, rank 3 talks only to ranks 2 and 0; it must still learn of rank 1.
 
     Every survivor makes one 512 MB allreduce (slowed down by 4 KiB shm slots)
@@ -107,7 +222,7 @@ def test_kill_during_ring_allreduce_reaches_every_rank(transport, tmp_path):
     env = {**TRANSPORTS[transport], "RINGREDUCE_SHM_SLOT_BYTES": 4096}
     job = run_env_launch(4, FAULT, args, env=env, timeout=40)
     assert not job.timed_out, job.describe()
-    check_survivors_noticed(job, 4)
+    record_property("raise_after_kill_s", check_survivors_noticed(job, 4))
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

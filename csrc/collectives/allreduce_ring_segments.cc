@@ -59,15 +59,11 @@ void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, D
 }
 
 void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
-                        double prescale, double postscale, const std::string& name) {
+                        double postscale, const std::string& name) {
   guarded(ctx, [&] {
     const size_t es = dtype_size(dtype), count = segs.bytes() / es;
-    if (prescale != 1.0)
-      segs.for_each(0, segs.bytes(), [&](uint8_t* p, size_t, size_t len) {
-        apply_prescale(p, len / es, dtype, prescale);
-      });
-    OpDesc d{CollKind::kAllreduce, dtype, op, -1, {static_cast<int64_t>(count)}, prescale,
-             postscale, name};
+    OpDesc d{CollKind::kAllreduce, dtype, op, -1, {static_cast<int64_t>(count)}, 1.0, postscale,
+             name};
     const uint64_t seq = ctx.next_seq();
     RR_CHECK(segs.bytes() > ctx.options().small_bytes || ctx.size() == 1, describe_op(d, seq),
              ": segmented allreduce below the small-message size");

@@ -45,10 +45,11 @@ void barrier(Context& ctx, const std::string& name);
 
 class Segments;
 // The tensors of a fused allreduce, reduced in place (collectives/segments.h).
-// Wire-compatible with allreduce() of the same bytes packed contiguously;
-// only for totals above RINGREDUCE_SMALL_BYTES.
+// Wire-compatible with allreduce() of the same bytes packed contiguously
+// (prescale 1: the caller scales its own inputs); only for totals above
+// RINGREDUCE_SMALL_BYTES.
 void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
-                        double prescale, double postscale, const std::string& name);
+                        double postscale, const std::string& name);
 
 // --- algorithms (one file each) ---
 void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,

@@ -1,5 +1,7 @@
 #include "coordination/control.h"
 
+#include <unistd.h>
+
 #include <cstring>
 
 #include "common/error.h"
@@ -75,9 +77,16 @@ bool ControlChannel::try_header(int peer) {
 CtrlMessage ControlChannel::finish(int peer, std::vector<uint8_t>&& extra) {
   Inbox& b = in_[peer];
   const CtrlHeader& h = b.header;
-  if (h.magic != kCtrlMagic || h.type < 1 || h.type > 3)
+  if (h.magic != kCtrlMagic || h.type < 1 || h.type > 3) {
+    // A peer that left may have written its last words where a header was
+    // due (TCP): let the link recognise them and name the real cause.
+    for (int i = 0; i < 20; ++i) {
+      ctx_.link(peer).check_alive();
+      usleep(10000);
+    }
     throw_error(ErrorKind::kInternal, "rank ", ctx_.rank(), ": garbage control message from rank ",
                 peer, " (streams out of step)");
+  }
   CtrlMessage m;
   m.from = peer;
   m.type = static_cast<CtrlType>(h.type);

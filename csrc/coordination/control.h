@@ -10,8 +10,10 @@
 //   0 -> worker : RESPONSES(k)  exactly one per round, then everyone executes
 // A round starts when any rank has new work: a worker sends REQUESTS(k)
 // unprompted, or rank 0 (local work, a worker's REQUESTS arriving, a stall
-// deadline) sends POLL(k) to all. A worker that already sent REQUESTS(k)
-// ignores POLL(k); an idle worker answers it at once (possibly with nothing).
+// deadline) sends POLL(k) to all. Every worker reads POLL(k); one that already
+// sent REQUESTS(k) has nothing more to do for it, an idle one answers it at
+// once (possibly with nothing). Always polling keeps each stream's order
+// fixed: the worker never has to guess whether a POLL is still coming.
 // No rank sends anything when nobody has work, so an idle job sleeps.
 // Data of round k's responses follows RESPONSES(k) and precedes anything of
 // round k + 1 on every link, because every rank executes the same list.

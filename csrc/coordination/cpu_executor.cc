@@ -4,8 +4,13 @@
 // a small one, or one on a rank that joined (neutral elements to supply), is
 // packed into the fusion buffer, reduced once and unpacked. Both forms put
 // the same bytes on the wire, so ranks may differ in which they use.
+// The executor applies prescale factors itself, to real inputs only, and runs
+// every collective with prescale 1 on every rank: a joined rank's neutral
+// elements must stay neutral (2 x 1 is no identity for Product), and the
+// collectives' header check still sees equal arguments everywhere.
 // With joined ranks, Average runs as Sum and is divided by the number of
 // contributors afterwards, identically on every rank.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -73,7 +78,12 @@ class CpuExecutor : public Executor {
     const Plan p = plan(r);
     const void* in = e ? e->in : neutral(m, p.op, count);
     void* out = e ? e->out : ctx_.scratch(2, m.bytes());
-    allreduce(ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, m.prescale,
+    if (e && m.prescale != 1.0) {
+      if (out != in && m.bytes()) std::memcpy(out, in, m.bytes());
+      apply_prescale(out, count, m.dtype, m.prescale);
+      in = out;
+    }
+    allreduce(ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, 1.0,
               p.divide_after ? 1.0 : m.postscale);
     finish(r, p, out, count);
   }
@@ -90,6 +100,7 @@ class CpuExecutor : public Executor {
       const size_t n = r.tensors[i].bytes();
       if (local[i]) {
         if (n) std::memcpy(buf + off[i], local[i]->in, n);
+        apply_prescale(buf + off[i], n / es, m.dtype, m.prescale);
       } else {
         fill_identity(buf + off[i], n / es, m.dtype, p.op);
       }
@@ -97,7 +108,7 @@ class CpuExecutor : public Executor {
     const size_t count = off.back() / es;
     allreduce(ctx_, Tensor{buf, {static_cast<int64_t>(count)}, m.dtype,
                            cat(m.name, "+", r.tensors.size() - 1, " fused")},
-              buf, p.op, m.prescale, p.divide_after ? 1.0 : m.postscale);
+              buf, p.op, 1.0, p.divide_after ? 1.0 : m.postscale);
     finish(r, p, buf, count);
     phase("MEMCPY_OUT_FUSION_BUFFER");
     for (size_t i = 0; i < r.tensors.size(); ++i)
@@ -105,12 +116,22 @@ class CpuExecutor : public Executor {
         std::memcpy(local[i]->out, buf + off[i], r.tensors[i].bytes());
   }
 
+  // In place needs every tensor here (no neutral elements to supply), a total
+  // past the direct path, and outputs that do not overlap (one array passed
+  // under two names would otherwise be reduced twice).
   bool in_place_ok(const Response& r, const std::vector<Entry*>& local) const {
     size_t total = 0;
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;
     for (size_t i = 0; i < r.tensors.size(); ++i) {
       if (!local[i]) return false;
+      const auto* b = static_cast<const uint8_t*>(local[i]->out);
+      spans.emplace_back(reinterpret_cast<uintptr_t>(b),
+                         reinterpret_cast<uintptr_t>(b + r.tensors[i].bytes()));
       total += r.tensors[i].bytes();
     }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i)
+      if (spans[i].first < spans[i - 1].second) return false;
     return total > ctx_.options().small_bytes;
   }
 
@@ -122,10 +143,11 @@ class CpuExecutor : public Executor {
       Entry* e = local[i];
       const size_t n = r.tensors[i].bytes();
       if (e->out != e->in && n) std::memcpy(e->out, e->in, n);
+      apply_prescale(e->out, n / dtype_size(m.dtype), m.dtype, m.prescale);
       segs.add(static_cast<uint8_t*>(e->out), n);
     }
     const Plan p = plan(r);
-    allreduce_segments(ctx_, segs, m.dtype, p.op, m.prescale, p.divide_after ? 1.0 : m.postscale,
+    allreduce_segments(ctx_, segs, m.dtype, p.op, p.divide_after ? 1.0 : m.postscale,
                        cat(m.name, "+", r.tensors.size() - 1, " fused"));
     if (p.divide_after)
       segs.for_each(0, segs.bytes(), [&](uint8_t* q, size_t, size_t len) {
@@ -186,7 +208,7 @@ class CpuExecutor : public Executor {
   void start_activity(const Response& r, const std::string& activity) {
     std::vector<std::string> names;
     for (const auto& t : r.tensors) {
-      timeline_->end(t.name);  // WAIT
+      timeline_->end(t.name);  // closes WAIT, which negotiation opened
       timeline_->begin(t.name, activity);
       names.push_back(t.name);
     }

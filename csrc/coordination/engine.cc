@@ -51,10 +51,8 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
       ctrl_(*ctx_),
       t0_(std::chrono::steady_clock::now()) {
   ctx_->check_usable();
-  if (rank_ == 0 && !opt_.timeline_path.empty()) {
+  if (rank_ == 0 && !opt_.timeline_path.empty())
     timeline_ = std::make_unique<Timeline>(opt_.timeline_path);
-    ctx_->set_phase_observer(timeline_.get());
-  }
   if (rank_ == 0)
     negotiator_ = std::make_unique<Negotiator>(
         NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s,
@@ -62,8 +60,18 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
         timeline_.get());
   cpu_ = make_cpu_executor(*ctx_, timeline_.get());
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  RR_CHECK(wake_fd_ >= 0, "eventfd: ", errno_string(errno));
+  RR_CHECK(wake_fd_ >= 0, "rank ", rank_, ": eventfd: ", errno_string(errno));
+  ctx_->set_phase_observer(timeline_.get());
   thread_ = std::thread([this] { loop(); });
+}
+
+// Settings every rank must share (cache ids must evict alike; the direct /
+// ring choice decides what goes on the wire) ride in the name of one barrier,
+// the thread's first act: a difference fails every rank's engine with a
+// MismatchError that shows each rank's values.
+void Engine::agree_on_settings() {
+  barrier(*ctx_, cat("settings RINGREDUCE_CACHE_CAPACITY=", opt_.cache_capacity,
+                     " RINGREDUCE_SMALL_BYTES=", ctx_->options().small_bytes));
 }
 
 Engine::~Engine() {
@@ -111,8 +119,9 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
                                 " '", entries[0].meta.name, "': ringreduce stopped after an ",
                                 "earlier failure: ", fail_message_));
   if (stopping_)
-    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ringreduce has been shut down; ",
-                "call init() again");
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": cannot start ",
+                coll_name(entries[0].meta.kind), " '", entries[0].meta.name,
+                "': ringreduce has been shut down; call init() again");
   std::unordered_set<std::string> batch;
   for (const Entry& e : entries) {
     const std::string& n = e.meta.name;
@@ -141,12 +150,12 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
 }
 
 std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
-  RR_CHECK(!entries.empty(), "submit of no tensors");
-  auto h = std::make_shared<HandleState>(entries.size(), 0.0);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    enqueue_locked(entries, h);
-  }
+  RR_CHECK(!entries.empty(), "rank ", rank_, ": submit of no tensors");
+  auto h = std::make_shared<HandleState>(entries.size());
+  // notify() under the lock: shutdown() sets stopping_ under it before the
+  // Context (and its doorbell) can go away.
+  std::lock_guard<std::mutex> lock(mu_);
+  enqueue_locked(entries, h);
   notify();
   return h;
 }
@@ -169,13 +178,16 @@ void Engine::notify() {
 }
 
 void Engine::shutdown() {
+  // Every caller returns only once the thread has stopped (the caller closes
+  // the Context next); only the first does the work.
+  std::lock_guard<std::mutex> once(shutdown_mu_);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return;  // the Context may be closed by now: touch nothing
+    if (stopping_) return;
     stopping_ = true;
+    notify();
   }
   stop_.store(true);
-  notify();
   if (thread_.joinable()) thread_.join();
   fail_all(ErrorKind::kInternal,
            cat("rank ", rank_, ": ringreduce was shut down before this collective completed"));
@@ -187,6 +199,7 @@ void Engine::shutdown() {
 // ------------------------------------------------------------ the thread
 void Engine::loop() {
   try {
+    agree_on_settings();
     while (idle_wait() == Wake::kWork) {
       last_round_ = now();
       if (rank_ == 0)
@@ -216,7 +229,11 @@ Engine::Wake Engine::idle_wait() {
   double last_check = start;
   for (;;) {
     if (stop_.load()) return Wake::kStop;
-    if (ready_to_start()) return Wake::kWork;
+    try {
+      if (ready_to_start()) return Wake::kWork;
+    } catch (const Error& e) {
+      throw Error(e.kind(), cat("rank ", rank_, ": while idle: ", e.what()));
+    }
     const double t = now();
     if (t - start < ps.spin_seconds) {
       if (ps.yield_while_spinning)
@@ -281,7 +298,7 @@ void Engine::fail_all(ErrorKind kind, const std::string& why) {
     has_work_.store(false);
   }
   auto fail = [&](Entry& e) {
-    e.handle->fail_one(kind, e.join ? cat("join could not complete: ", why)
+    e.handle->fail_one(kind, e.join ? cat("rank ", rank_, ": join could not complete: ", why)
                                     : cat("rank ", rank_, ": ", coll_name(e.meta.kind), " '",
                                           e.meta.name, "' could not complete: ", why));
   };

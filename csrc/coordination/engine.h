@@ -64,6 +64,7 @@ class Engine {
 
  private:
   enum class Wake { kStop, kWork };
+  void agree_on_settings();
   void validate(Entry& e);
   void enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h);
   void notify();
@@ -77,6 +78,8 @@ class Engine {
   void record_local(std::vector<Entry>& fresh);
   std::vector<uint8_t> encode_requests(const std::vector<Entry>& fresh, bool join);
   void decode_requests(int rank, const std::vector<uint8_t>& payload, double now);
+  void decode_requests_from(int rank, const std::vector<uint8_t>& payload, double now);
+  std::vector<Response> decode_responses_from(const std::vector<uint8_t>& payload) const;
   std::vector<uint8_t> encode_responses(const std::vector<Response>& rs) const;
   std::vector<Response> decode_responses(const std::vector<uint8_t>& payload) const;
   void process(const std::vector<Response>& rs);
@@ -95,6 +98,7 @@ class Engine {
   ControlChannel ctrl_;
   std::unique_ptr<Executor> cpu_;
 
+  std::mutex shutdown_mu_;
   // Shared with submitting threads, under mu_.
   std::mutex mu_;
   std::deque<Entry> queue_;

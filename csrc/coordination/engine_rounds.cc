@@ -27,7 +27,8 @@ std::vector<Entry> Engine::drain() {
   return out;
 }
 
-// Moves fresh entries to the pending table (tensors) or the join list.
+// Fresh entries wait for their response in the pending table (looked up by
+// name when a response names them) or, for join(), in the join list.
 void Engine::record_local(std::vector<Entry>& fresh) {
   for (Entry& e : fresh) {
     if (e.join) {
@@ -110,6 +111,15 @@ std::vector<uint8_t> Engine::encode_requests(const std::vector<Entry>& fresh, bo
 }
 
 void Engine::decode_requests(int rank, const std::vector<uint8_t>& payload, double t) {
+  try {
+    decode_requests_from(rank, payload, t);
+  } catch (const Error& e) {
+    throw Error(e.kind(), cat("rank ", rank_, ": requests of rank ", rank, " in negotiation round ",
+                              round_, ": ", e.what()));
+  }
+}
+
+void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload, double t) {
   ByteReader r(payload.data(), payload.size());
   const bool join = r.get<uint8_t>() != 0;
   std::vector<uint8_t> bits = r.get_bytes();
@@ -142,6 +152,15 @@ std::vector<uint8_t> Engine::encode_responses(const std::vector<Response>& rs) c
 }
 
 std::vector<Response> Engine::decode_responses(const std::vector<uint8_t>& payload) const {
+  try {
+    return decode_responses_from(payload);
+  } catch (const Error& e) {
+    throw Error(e.kind(), cat("rank ", rank_, ": responses of rank 0 in negotiation round ",
+                              round_, ": ", e.what()));
+  }
+}
+
+std::vector<Response> Engine::decode_responses_from(const std::vector<uint8_t>& payload) const {
   ByteReader rd(payload.data(), payload.size());
   std::vector<Response> rs(rd.get<uint32_t>());
   for (Response& r : rs) {

@@ -1,8 +1,6 @@
 #include "coordination/handle.h"
 
-#include <chrono>
 #include <cstdlib>
-#include <thread>
 
 namespace rr {
 
@@ -13,7 +11,9 @@ OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype) {
   // 64-byte alignment suits every dtype and vector load; never zero-sized.
   const size_t rounded = (b.bytes + 63) / 64 * 64 + 64;
   void* p = std::aligned_alloc(64, rounded);
-  if (!p) throw_error(ErrorKind::kInternal, "out of memory allocating ", b.bytes, " bytes");
+  if (!p)
+    throw_error(ErrorKind::kInternal, "out of memory allocating ", b.bytes,
+                " bytes for a collective's result");
   b.data = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { std::free(q); });
   return b;
 }
@@ -40,9 +40,6 @@ void HandleState::fail_one(ErrorKind kind, const std::string& message) {
 }
 
 void HandleState::wait() {
-  using Clock = std::chrono::steady_clock;
-  const auto until = Clock::now() + std::chrono::duration<double>(spin_seconds_);
-  while (!done() && Clock::now() < until) std::this_thread::yield();
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire); });
   if (failed_) throw Error(kind_, message_);

@@ -29,13 +29,13 @@ OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype);
 
 class HandleState {
  public:
-  HandleState(size_t entries, double spin_seconds)
-      : outputs(entries), remaining_(entries), spin_seconds_(spin_seconds) {}
+  explicit HandleState(size_t entries) : outputs(entries), remaining_(entries) {}
 
   void resolve_one();
   void fail_one(ErrorKind kind, const std::string& message);
   bool done() const { return done_.load(std::memory_order_acquire); }
-  // Blocks until done (spins briefly first); throws the failure if any.
+  // Blocks until done; throws the failure if any. No spinning: on two cores
+  // a spinning waiter takes the core the engine thread needs.
   void wait();
 
   std::vector<OwnedBuffer> outputs;       // by entry, for engine-allocated results
@@ -51,7 +51,6 @@ class HandleState {
   bool failed_ = false;
   ErrorKind kind_ = ErrorKind::kInternal;
   std::string message_;
-  double spin_seconds_;
 };
 
 // One tensor this rank submitted.

@@ -1,6 +1,7 @@
 #include "coordination/negotiator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "coordination/fusion.h"
@@ -124,7 +125,9 @@ std::vector<Response> Negotiator::decide(double now) {
   for (const auto& [order, name] : done) {
     ready_list.push_back(verdict(table_.at(name)));
     table_.erase(name);
-    if (timeline_) timeline_->negotiate_end(name);
+    if (!timeline_) continue;
+    timeline_->negotiate_end(name);
+    if (ready_list.back().type == RespType::kError) timeline_->end(name);  // nothing will run
   }
   std::vector<Response> out = plan_fusion(ready_list, opt_.fusion_threshold);
   if (joined_count_ == opt_.size) {
@@ -158,7 +161,7 @@ void Negotiator::stall_report(double now, std::vector<Response>* out) {
     fatal |= fail;
     p.last_warned = now;
     lines.emplace_back(p.order, cat("'", name, "' (", coll_name(any_meta(p).kind), ") ",
-                                    missing_ranks(p), ", for ", static_cast<int64_t>(age), " s"));
+                                    missing_ranks(p), ", for ", std::floor(age * 10) / 10, " s"));
   }
   if (lines.empty()) return;
   std::sort(lines.begin(), lines.end());

@@ -1,7 +1,8 @@
-// Little-endian-agnostic byte packing for control messages between ranks of
-// one job (all ranks run the same build, so native layout is fine). A reader
-// that runs past the end throws instead of reading garbage: a truncated or
-// corrupt control message becomes an error naming the peer, not a crash.
+// Byte packing for control messages between ranks of one job, in native
+// layout (all ranks run the same build on the same architecture). A reader
+// that runs past the end throws instead of reading garbage; the engine adds
+// the peer and round to the message, so a truncated or corrupt control
+// message becomes an error naming them, not a crash.
 #pragma once
 
 #include <cstdint>

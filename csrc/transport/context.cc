@@ -66,6 +66,7 @@ Context::~Context() { close(); }
 
 void Context::close() {
   leave(cat("rank ", opt_.rank, " shut down"));
+  progress_.doorbell = nullptr;  // it lived in our segment
   links_.clear();
   segments_.clear();
   listener_.reset();

@@ -10,6 +10,16 @@ Scenarios for the victim:
 * ``init``: SIGKILL itself right after init(), before any collective (the
   survivors make their first call ``--delay`` s later, when it is surely dead);
 * ``leave``: call rr.shutdown() while the others wait, then stay alive a while;
+* ``negotiation``: every rank submits named async allreduces of ``--tensors``
+  gradients, each rank in its own order (as a backward pass would); the victim
+  submits only the first ``--submit`` of them (``--gap`` s apart) and SIGKILLs
+  itself ``--delay`` s after the start, so the survivors are left with tensors
+  that can only run once the victim submits them too. The survivors
+  synchronize every handle and log the outcome of each (``handles``);
+* ``engine-idle``: all ranks make a few successful collectives, then nobody
+  calls anything: the victim SIGKILLs itself after ``--delay`` s, the
+  survivors sleep ``--idle`` s (their engines must notice by themselves) and
+  then call an allreduce (``calling``, then ``raised``);
 * ``raise``: raise a Python exception after init() and exit the normal way
   (interpreter teardown, atexit handlers, mpi4py's MPI_Finalize).
 
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import threading
 import time
@@ -41,12 +52,109 @@ from workerlib import error_event, event, run, say, set_rank, watch_job
 
 import ringreduce as rr
 
-KILLS = ("during", "idle", "init")
+KILLS = ("during", "idle", "init", "negotiation", "engine-idle")
 
 
-def die() -> None:
-    event("killing", pid=os.getpid())
+def die(**fields: object) -> None:
+    event("killing", pid=os.getpid(), **fields)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def error_fields(err: BaseException) -> dict:
+    """What ``error_event`` logs about an exception, as a dict."""
+    return {"cls": type(err).__name__, "rr": isinstance(err, rr.RingReduceError),
+            "msg": str(err)}
+
+
+# ---------------------------------------------------------- negotiation
+def grad_size(i: int) -> int:
+    """Mixed sizes, like a gradient list: every 5th is 1 MB, the rest a few KB."""
+    return 1 << 18 if i % 5 == 0 else 1000 + 700 * i
+
+
+def backward_order(rank: int, count: int) -> list[str]:
+    """The gradient names in the order this rank submits them (its own on every rank)."""
+    order = list(range(count))
+    random.Random(rank).shuffle(order)
+    return [f"grad.{i}" for i in order]
+
+
+def submit_grads(names: list[str]) -> dict:
+    """Start a Sum allreduce of rank + 1 for every name; handles by name."""
+    value = rr.rank() + 1.0
+    return {name: rr.allreduce_async(np.full(grad_size(int(name[5:])), value, np.float32),
+                                     op=rr.Sum, name=name)
+            for name in names}
+
+
+def negotiation_survivor(args: argparse.Namespace) -> None:
+    """Synchronize every handle; those the victim never submitted must raise."""
+    n = rr.size()
+    rr.barrier(name="start")
+    handles = submit_grads(backward_order(rr.rank(), args.tensors))
+    event("submitted", names=list(handles))
+    want = n * (n + 1) / 2
+    ok, failed = [], {}
+    for name, h in handles.items():
+        try:
+            out = rr.synchronize(h)
+        except Exception as err:
+            if not failed:
+                event("raised", tensor=name, **error_fields(err))
+            failed[name] = error_fields(err)
+            continue
+        assert (out == want).all(), f"'{name}' gave {out[:4]}..., want {want}"
+        ok.append(name)
+    event("handles", ok=ok, failed=failed)
+    after_failure(args)
+
+
+def negotiation_victim(args: argparse.Namespace) -> None:
+    """Submit ``--submit`` gradients, ``--gap`` s apart; die ``--delay`` s after the start.
+
+    With a gap the kill may come while it is still submitting, with rounds
+    in progress; each submission is logged (``submit``) just before it is made.
+    """
+    rr.barrier(name="start")
+    handles: dict = {}
+
+    def kill() -> None:  # log how far it got
+        die(delay=args.delay, submitted=len(handles),
+            completed=sum(rr.poll(h) for h in list(handles.values())))
+
+    threading.Timer(args.delay, kill).start()
+    for name in backward_order(rr.rank(), args.tensors)[:args.submit]:
+        event("submit", name=name)
+        handles.update(submit_grads([name]))
+        time.sleep(args.gap)
+    for h in handles.values():
+        rr.synchronize(h)
+    event("victim-synchronized")
+    time.sleep(60)
+
+
+# ---------------------------------------------------------- engine idle
+def engine_idle(args: argparse.Namespace) -> None:
+    """A few good collectives, then silence; the victim dies during it."""
+    r, n = rr.rank(), rr.size()
+    rr.barrier(name="start")
+    for _ in range(3):  # the same name again: the response cache's path too
+        out = rr.allreduce(np.full(1000, r + 1.0, np.float32), op=rr.Sum, name="warm")
+        assert (out == n * (n + 1) / 2).all(), f"warm-up allreduce gave {out[:4]}"
+    assert rr.allgather(np.array([r])).tolist() == list(range(n))
+    assert (rr.broadcast(np.full(3, r, np.int32), root_rank=0, name="warm-bcast") == 0).all()
+    event("idle")
+    if r == args.victim:
+        time.sleep(args.delay)
+        die(delay=args.delay)
+    time.sleep(args.idle)  # no calls at all: only the engine can notice
+    event("calling")
+    try:
+        rr.allreduce(np.ones(4, np.float32), name="after-idle")
+        event("no-error")
+    except Exception as err:
+        error_event("raised", err)
+    after_failure(args)
 
 
 def survive(args: argparse.Namespace) -> None:
@@ -66,6 +174,11 @@ def survive(args: argparse.Namespace) -> None:
     except rr.RingReduceError as err:
         error_event("raised", err)
     event("completed", allreduces=done)
+    after_failure(args)
+
+
+def after_failure(args: argparse.Namespace) -> None:
+    """Log what the next collective does, then wait for the other survivors."""
     try:
         rr.allreduce(np.ones(4, np.float32), name="after-failure")
         event("next-ok")
@@ -91,7 +204,7 @@ def victim(args: argparse.Namespace) -> None:
     elif args.scenario == "during":
         buf = np.ones(args.mb << 18, np.float32)
         rr.barrier(name="start")
-        threading.Timer(args.delay, die).start()
+        threading.Timer(args.delay, lambda: die(delay=args.delay)).start()
         while True:
             rr.allreduce_(buf, op=rr.Average, name="victim-watch")
     elif args.scenario == "idle":
@@ -144,6 +257,10 @@ def main(args: argparse.Namespace) -> None:
     event("ready")
     if args.scenario == "mismatch":
         mismatch(args)
+    elif args.scenario == "engine-idle":
+        engine_idle(args)
+    elif args.scenario == "negotiation":
+        (negotiation_victim if rank == args.victim else negotiation_survivor)(args)
     elif rank == args.victim:
         victim(args)
     else:
@@ -162,6 +279,13 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="10,11")
     p.add_argument("--mb", type=int, default=64, help="allreduce size in 'during'")
     p.add_argument("--once", action="store_true", help="survivors make a single call")
+    p.add_argument("--tensors", type=int, default=20, help="gradients in 'negotiation'")
+    p.add_argument("--submit", type=int, default=10,
+                   help="how many of them the victim submits in 'negotiation'")
+    p.add_argument("--gap", type=float, default=0.0,
+                   help="seconds between the victim's submissions in 'negotiation'")
+    p.add_argument("--idle", type=float, default=2.0,
+                   help="seconds the survivors sleep in 'engine-idle'")
     return p.parse_args(argv)
 
 

@@ -66,9 +66,11 @@ void TcpLink::check_alive() {
   std::vector<uint8_t> peek(8192);
   ssize_t r = ::recv(fd_.get(), peek.data(), peek.size(), MSG_PEEK | MSG_DONTWAIT);
   if (r == 0) fail("receiving from", 0);
+  if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+    fail("receiving from", errno);
   if (r <= 0 || static_cast<size_t>(r) == peek.size()) return;
+  // The record may have begun in bytes already consumed: look at both.
   std::vector<uint8_t> saved = tail_;
-  tail_.clear();
   remember(peek.data(), static_cast<size_t>(r));
   std::string why = last_words();
   tail_ = std::move(saved);

@@ -75,6 +75,7 @@ class Communicator:
         self._engine = _core.Engine(context)
         self._lock = threading.Lock()
         self._in_flight: list[Handle] = []  # keeps buffers alive until complete
+        self._prune_at = 64
         self._groups = 0
         self._close_lock = threading.Lock()
         self._closed = False
@@ -124,8 +125,9 @@ class Communicator:
     def _track(self, core: Any, finish: Callable[[Any], Any], keep: tuple) -> Handle:
         h = Handle(core, finish, keep)
         with self._lock:
-            if len(self._in_flight) >= 64:
+            if len(self._in_flight) >= self._prune_at:  # amortized O(1) per call
                 self._in_flight = [x for x in self._in_flight if not x.done()]
+                self._prune_at = max(64, 2 * len(self._in_flight))
             self._in_flight.append(h)
         return h
 

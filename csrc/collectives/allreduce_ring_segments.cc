@@ -12,6 +12,7 @@
 #include "collectives/reduce_kernels.h"
 #include "collectives/ring_pipeline.h"
 #include "collectives/segments.h"
+#include "common/stream_copy.h"
 
 namespace rr {
 
@@ -26,7 +27,7 @@ void SegmentReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
 
 void SegmentCopySink::consume(const uint8_t* data, size_t offset, size_t n) {
   segs_->for_each(base_ + offset, n, [&](uint8_t* dst, size_t rel, size_t len) {
-    std::memcpy(dst, data + rel, len);
+    streaming_ ? stream_copy(dst, data + rel, len) : static_cast<void>(std::memcpy(dst, data + rel, len));
   });
 }
 
@@ -47,9 +48,10 @@ void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, D
     steps.push_back(RingStep{nullptr, off[out + 1] - off[out], &reduce_sinks.back(),
                              off[in + 1] - off[in], &segs, off[out]});
   }
+  const bool streaming = segs.bytes() >= ctx.options().streaming_bytes;
   for (int s = 0; s < n - 1; ++s) {  // allgather (see allgather_ring.cc)
     const int send_b = seg(r - s), recv_b = seg(r - s - 1);
-    copy_sinks.emplace_back(&segs, off[recv_b]);
+    copy_sinks.emplace_back(&segs, off[recv_b], streaming);
     steps.push_back(RingStep{nullptr, off[send_b + 1] - off[send_b], &copy_sinks.back(),
                              off[recv_b + 1] - off[recv_b], &segs, off[send_b]});
   }

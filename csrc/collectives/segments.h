@@ -75,14 +75,23 @@ class SegmentReduceSink : public RecvSink {
   double postscale_;
 };
 
+// Copies incoming bytes into the regions; a chunk that lands inside one
+// region is placed there by the transport directly (with streaming stores for
+// large outputs, as CopySink does), only a chunk spanning regions is split.
 class SegmentCopySink : public RecvSink {
  public:
-  SegmentCopySink(const Segments* segs, size_t base) : segs_(segs), base_(base) {}
+  SegmentCopySink(const Segments* segs, size_t base, bool streaming)
+      : segs_(segs), base_(base), streaming_(streaming) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
+  uint8_t* direct(size_t offset, size_t len) override {
+    return segs_->contiguous(base_ + offset, len);
+  }
+  bool streaming() const override { return streaming_; }
 
  private:
   const Segments* segs_;
   size_t base_;
+  bool streaming_;
 };
 
 }  // namespace rr

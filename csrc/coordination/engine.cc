@@ -13,12 +13,6 @@
 #include "common/logging.h"
 #include "transport/shm/doorbell.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define RR_ENGINE_RELAX() _mm_pause()
-#else
-#define RR_ENGINE_RELAX() ((void)0)
-#endif
 
 namespace rr {
 
@@ -84,6 +78,7 @@ double Engine::now() const {
 }
 
 // ------------------------------------------------------------- submitting
+
 void Engine::validate(Entry& e) {
   const RequestMeta& m = e.meta;
   const char* what = coll_name(m.kind);
@@ -170,8 +165,13 @@ std::shared_ptr<HandleState> Engine::join() {
   return submit(std::move(one));
 }
 
+// Callers set has_work_ before this; the thread sets polling_ before its
+// last check of has_work_ (both sequentially consistent), so either the
+// thread sees the work or this sees polling_ and writes the eventfd. Most
+// submits therefore cost no system call.
 void Engine::notify() {
   if (Doorbell* bell = ctx_->progress().doorbell) bell->ring();
+  if (!polling_.load()) return;
   const uint64_t one = 1;
   ssize_t ignored = ::write(wake_fd_, &one, sizeof one);
   (void)ignored;
@@ -236,10 +236,10 @@ Engine::Wake Engine::idle_wait() {
     }
     const double t = now();
     if (t - start < ps.spin_seconds) {
-      if (ps.yield_while_spinning)
-        sched_yield();
-      else
-        RR_ENGINE_RELAX();
+      // Always yield: the caller this round woke must get a core at once,
+      // and with every rank's engine spinning on a small machine it would
+      // otherwise wait for the scheduler to preempt one.
+      sched_yield();
       continue;
     }
     if (t - last_check >= 0.1) {
@@ -281,11 +281,14 @@ void Engine::block(int64_t timeout_ns) {
   }
   int64_t ms = (timeout_ns + 999999) / 1000000;
   if (any_shm) ms = std::min<int64_t>(ms, 1);
-  if (::poll(fds.data(), fds.size(), static_cast<int>(ms)) > 0 && (fds[0].revents & POLLIN)) {
+  polling_.store(true);
+  if (!stop_.load() && !ready_to_start() &&
+      ::poll(fds.data(), fds.size(), static_cast<int>(ms)) > 0 && (fds[0].revents & POLLIN)) {
     uint64_t v;
     ssize_t ignored = ::read(wake_fd_, &v, sizeof v);
     (void)ignored;
   }
+  polling_.store(false);
 }
 
 // -------------------------------------------------------------- failures

@@ -110,6 +110,7 @@ class Engine {
   std::string fail_message_;
   std::atomic<bool> has_work_{false};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> polling_{false};  // the thread may be asleep in poll()
 
   // Background thread only.
   std::unordered_map<std::string, Entry> pending_;  // submitted, awaiting a response

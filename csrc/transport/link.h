@@ -21,9 +21,10 @@ class RecvSink {
   virtual ~RecvSink() = default;
   // Bytes [offset, offset + n) of the message have arrived at `data`.
   virtual void consume(const uint8_t* data, size_t offset, size_t n) = 0;
-  // Where the transport may place bytes [offset, ...) itself, skipping
-  // consume(); nullptr when the sink must see the bytes (e.g. it reduces).
-  virtual uint8_t* direct(size_t /*offset*/) { return nullptr; }
+  // Where the transport may place bytes [offset, offset + len) itself,
+  // skipping consume(); nullptr when the sink must see the bytes (e.g. it
+  // reduces) or they have no single contiguous home.
+  virtual uint8_t* direct(size_t /*offset*/, size_t /*len*/) { return nullptr; }
   // True if direct bytes should bypass the caches (see common/stream_copy.h).
   virtual bool streaming() const { return false; }
 };
@@ -63,7 +64,7 @@ class CopySink : public RecvSink {
   explicit CopySink(void* dst, bool streaming = false)
       : dst_(static_cast<uint8_t*>(dst)), streaming_(streaming) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
-  uint8_t* direct(size_t offset) override { return dst_ + offset; }
+  uint8_t* direct(size_t offset, size_t /*len*/) override { return dst_ + offset; }
   bool streaming() const override { return streaming_; }
 
  private:

@@ -56,7 +56,7 @@ size_t ShmLink::recv_some(RecvSink& sink, size_t n, size_t done) {
     if (head == tail) break;
     size_t len = std::min(slot_bytes_, n - done);
     const uint8_t* src = mine_->slot(in_index_, head % slots_);
-    if (uint8_t* dst = sink.direct(done))
+    if (uint8_t* dst = sink.direct(done, len))
       sink.streaming() ? stream_copy(dst, src, len) : static_cast<void>(std::memcpy(dst, src, len));
     else
       sink.consume(src, done, len);

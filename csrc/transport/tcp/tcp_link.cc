@@ -110,7 +110,7 @@ size_t TcpLink::recv_some(RecvSink& sink, size_t n, size_t done) {
   size_t start = done;
   const size_t chunk = staging_.size();
   while (done < n) {
-    uint8_t* dst = sink.direct(done);
+    uint8_t* dst = sink.direct(done, n - done);
     size_t want = dst ? n - done : std::min(chunk, n - done) - staged_;
     uint8_t* into = dst ? dst : staging_.data() + staged_;
     ssize_t r = ::recv(fd_.get(), into, want, MSG_DONTWAIT);

@@ -100,7 +100,7 @@ class RingTask : public ProgressTask {
         }
         p = staging_.data() + (pos - start);
       }
-      const size_t k = right_->send_some(p, len, 0);
+      const size_t k = right_->send_piece(p, len, s.send_bytes);
       sent += k;
       if (k < len) break;
     }

@@ -40,7 +40,8 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
                                                 static_cast<int64_t>(o.small_bytes)));
   o.streaming_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_STREAMING_BYTES",
                                                     static_cast<int64_t>(o.streaming_bytes)));
-  o.shm_stream_send_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_SHM_STREAM_SEND_BYTES", 0));
+  o.shm_stream_send_bytes = static_cast<uint64_t>(env_int(
+      "RINGREDUCE_SHM_STREAM_SEND_BYTES", static_cast<int64_t>(o.shm_stream_send_bytes)));
   if (o.shm_slots < 2 || o.shm_slot_bytes < 4096 || o.shm_slot_bytes % 4096 != 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_SLOTS must be >= 2 and ",
                 "RINGREDUCE_SHM_SLOT_BYTES a multiple of 4096");

@@ -45,6 +45,12 @@ class Link {
   // Pushes more of a message of `n` bytes of which `done` are already sent.
   // Returns how many new bytes were accepted (0 if the link is full).
   virtual size_t send_some(const uint8_t* data, size_t n, size_t done) = 0;
+  // Sends the next `len` bytes of a message of `message_bytes` from `data`
+  // (a message whose pieces live in different buffers, sent in link-sized
+  // chunks). Returns how many bytes were accepted.
+  virtual size_t send_piece(const uint8_t* data, size_t len, size_t /*message_bytes*/) {
+    return send_some(data, len, 0);
+  }
   // Delivers more of an incoming message of `n` bytes of which `done` were
   // already delivered. Returns how many new bytes were delivered.
   virtual size_t recv_some(RecvSink& sink, size_t n, size_t done) = 0;

@@ -30,13 +30,22 @@ ShmLink::ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, Shm
 }
 
 size_t ShmLink::send_some(const uint8_t* data, size_t n, size_t done) {
+  return write_slots(data, n, done, n >= stream_from_);
+}
+
+// The streaming decision follows the whole message, not the piece.
+size_t ShmLink::send_piece(const uint8_t* data, size_t len, size_t message_bytes) {
+  return write_slots(data, len, 0, message_bytes >= stream_from_);
+}
+
+size_t ShmLink::write_slots(const uint8_t* data, size_t n, size_t done, bool stream) {
   size_t start = done;
   uint32_t tail = out_->tail.load(std::memory_order_relaxed);
   while (done < n) {
     uint32_t head = out_->head.load(std::memory_order_acquire);
     if (tail - head >= slots_) break;
     size_t len = std::min(slot_bytes_, n - done);
-    if (n >= stream_from_)
+    if (stream)
       stream_copy(theirs_->slot(out_index_, tail % slots_), data + done, len);
     else
       std::memcpy(theirs_->slot(out_index_, tail % slots_), data + done, len);

@@ -28,6 +28,7 @@ class ShmLink : public Link {
   const char* kind() const override { return "shm"; }
   const std::string& peer_host() const override { return host_; }
   size_t send_some(const uint8_t* data, size_t n, size_t done) override;
+  size_t send_piece(const uint8_t* data, size_t len, size_t message_bytes) override;
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{-1, true}; }
   void check_alive() override;
@@ -45,6 +46,7 @@ class ShmLink : public Link {
   uint32_t in_index_;
   uint32_t slots_;
   size_t slot_bytes_;
+  size_t write_slots(const uint8_t* data, size_t n, size_t done, bool stream);
   size_t stream_from_;  // messages at least this large are written with streaming stores
 };
 

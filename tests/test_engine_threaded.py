@@ -344,3 +344,24 @@ def test_concurrent_close_while_busy_is_safe():
             h.wait()
         except rr.RingReduceError:
             pass  # shut down or peer gone: either is fine, a crash is not
+
+
+@pytest.mark.parametrize("mode", ["auto", "always", "never"])
+def test_streaming_send_modes_give_identical_results(mode):
+    w = world(2, RINGREDUCE_SHM_STREAM_SEND=mode, RINGREDUCE_SHM_STREAM_SEND_BYTES="65536")
+
+    def body(c):
+        x = np.arange(600000, dtype=np.float32) * (c.rank() + 1)
+        return [c.allreduce(x, op=rr.Sum, name=f"s{i}") for i in range(12)]  # auto explores
+
+    for outs in run_threaded(2, body, world=w):
+        for o in outs:
+            np.testing.assert_array_equal(o, np.arange(600000, dtype=np.float32) * 3)
+    for c in w:
+        c.close()
+
+
+def test_bad_streaming_mode_is_refused():
+    with env(RINGREDUCE_SHM_STREAM_SEND="sometimes"):
+        with pytest.raises(rr.InvalidInputError, match="RINGREDUCE_SHM_STREAM_SEND='sometimes'"):
+            make_world(2)

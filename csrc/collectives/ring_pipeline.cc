@@ -1,6 +1,7 @@
 #include "collectives/ring_pipeline.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "collectives/segments.h"
@@ -131,9 +132,21 @@ void run_ring(Context& ctx, const std::vector<RingStep>& steps, bool chained,
              ": ring step sizes are not chained");
   std::function<void()> mark;
   if (phase_at.name) mark = [&ctx, &phase_at] { ctx.phase(phase_at.name); };
-  RingTask task(&ctx.link((r - 1 + n) % n), &ctx.link((r + 1) % n), steps, chained,
+  Link& right = ctx.link((r + 1) % n);
+  RingTask task(&ctx.link((r - 1 + n) % n), &right, steps, chained,
                 ctx.options().shm_slot_bytes, std::move(mark), phase_at.step);
+  size_t bytes = 0;
+  for (const auto& s : steps) bytes += s.send_bytes;
+  const uint64_t from = ctx.options().shm_stream_send_bytes;
+  const bool adaptive = from > 0 && steps[0].send_bytes >= from;
+  const bool streamed = adaptive && ctx.stream_choice().pick();
+  if (adaptive) right.set_streaming(streamed);
+  const auto t0 = std::chrono::steady_clock::now();
   drive(ctx.progress(), task, [&what] { return what; });
+  if (adaptive)
+    ctx.stream_choice().report(
+        streamed, static_cast<double>(bytes),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 }  // namespace rr

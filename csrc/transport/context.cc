@@ -42,13 +42,20 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
                                                     static_cast<int64_t>(o.streaming_bytes)));
   o.shm_stream_send_bytes = static_cast<uint64_t>(env_int(
       "RINGREDUCE_SHM_STREAM_SEND_BYTES", static_cast<int64_t>(o.shm_stream_send_bytes)));
+  const std::string stream = env_str("RINGREDUCE_SHM_STREAM_SEND", "auto");
+  if (stream == "always") o.shm_stream_mode = StreamMode::kAlways;
+  else if (stream == "never") o.shm_stream_mode = StreamMode::kNever;
+  else if (stream != "auto")
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_STREAM_SEND='", stream,
+                "' is not one of auto, always, never");
   if (o.shm_slots < 2 || o.shm_slot_bytes < 4096 || o.shm_slot_bytes % 4096 != 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_SLOTS must be >= 2 and ",
                 "RINGREDUCE_SHM_SLOT_BYTES a multiple of 4096");
   return o;
 }
 
-Context::Context(ContextOptions options) : opt_(std::move(options)) {
+Context::Context(ContextOptions options)
+    : opt_(std::move(options)), stream_choice_(opt_.shm_stream_mode) {
   if (opt_.size < 1 || opt_.rank < 0 || opt_.rank >= opt_.size)
     throw_error(ErrorKind::kInvalidArgument, "invalid rank ", opt_.rank, " for world size ",
                 opt_.size);

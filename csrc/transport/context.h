@@ -16,6 +16,7 @@
 #include "transport/link.h"
 #include "transport/progress.h"
 #include "transport/shm/shm_segment.h"
+#include "transport/stream_choice.h"
 #include "transport/tcp/socket_util.h"
 
 namespace rr {
@@ -48,6 +49,7 @@ struct ContextOptions {
   // VMs we measured on spend long stretches in a mode where cache-to-cache
   // hand-over is 4x slower (README, "Benchmarks").
   uint64_t shm_stream_send_bytes = 1 << 20;
+  StreamMode shm_stream_mode = StreamMode::kAuto;  // RINGREDUCE_SHM_STREAM_SEND
 };
 
 // Reads RINGREDUCE_* settings over the defaults.
@@ -95,6 +97,7 @@ class Context {
   void mark_broken(const std::string& why);
   void check_usable() const;
 
+  StreamChoice& stream_choice() { return stream_choice_; }
   void set_phase_observer(PhaseObserver* o) { observer_ = o; }
   void phase(const char* name) {
     if (observer_) observer_->phase(name);
@@ -123,6 +126,7 @@ class Context {
   std::string broken_;
   bool connected_ = false;
   PhaseObserver* observer_ = nullptr;
+  StreamChoice stream_choice_;
 };
 
 }  // namespace rr

@@ -55,6 +55,10 @@ class Link {
   // already delivered. Returns how many new bytes were delivered.
   virtual size_t recv_some(RecvSink& sink, size_t n, size_t done) = 0;
 
+  // Whether large sends may use streaming stores (shm only; see
+  // transport/stream_choice.h). Other transports ignore it.
+  virtual void set_streaming(bool /*allowed*/) {}
+
   virtual WaitHandle wait_handle() const = 0;
   // Throws kPeerLost if the peer is known to be gone. Called between waits.
   virtual void check_alive() = 0;

@@ -30,12 +30,12 @@ ShmLink::ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, Shm
 }
 
 size_t ShmLink::send_some(const uint8_t* data, size_t n, size_t done) {
-  return write_slots(data, n, done, n >= stream_from_);
+  return write_slots(data, n, done, streaming_allowed_ && n >= stream_from_);
 }
 
 // The streaming decision follows the whole message, not the piece.
 size_t ShmLink::send_piece(const uint8_t* data, size_t len, size_t message_bytes) {
-  return write_slots(data, len, 0, message_bytes >= stream_from_);
+  return write_slots(data, len, 0, streaming_allowed_ && message_bytes >= stream_from_);
 }
 
 size_t ShmLink::write_slots(const uint8_t* data, size_t n, size_t done, bool stream) {

@@ -32,6 +32,7 @@ class ShmLink : public Link {
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{-1, true}; }
   void check_alive() override;
+  void set_streaming(bool allowed) override { streaming_allowed_ = allowed; }
   void abort(const std::string&) override { theirs_->header()->doorbell.ring(); }
 
  private:
@@ -47,7 +48,8 @@ class ShmLink : public Link {
   uint32_t slots_;
   size_t slot_bytes_;
   size_t write_slots(const uint8_t* data, size_t n, size_t done, bool stream);
-  size_t stream_from_;  // messages at least this large are written with streaming stores
+  size_t stream_from_;
+  bool streaming_allowed_ = true;  // messages at least this large are written with streaming stores
 };
 
 }  // namespace rr

@@ -42,6 +42,18 @@ def test_reexports_everything_of_ringreduce():
         assert callable(getattr(rrt, name)) or name == "Compression"
 
 
+def test_horovod_build_queries_and_join_device():
+    for name in ("mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
+                 "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled",
+                 "mpi_threads_supported"):
+        assert getattr(rrt, name)() is False, name
+    with pytest.raises(rr.NotInitializedError, match="init"):
+        rrt.size()
+    assert run(2, lambda rank: rrt.join(device=-1)) in ([0, 0], [1, 1])
+    with pytest.raises(rr.InvalidInputError, match="device"):
+        rrt.join(device="cuda")
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_queries_barrier_join(n):
     def fn(rank):

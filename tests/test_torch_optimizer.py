@@ -599,3 +599,207 @@ def test_a_newer_optimizer_takes_over_the_parameters():
 
     w0, w1 = run(2, fn)
     assert torch.equal(w0, w1)
+
+
+# ------------------------------------------------------------------- join()
+def join_reference(kind, base, per_rank):
+    """Plain training where step s averages the gradients of the ranks that still have data.
+
+    Returns the parameters after every step (index s: after s steps).
+    """
+    model = copy.deepcopy(base)
+    opt = make_opt(kind, model)
+    after = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
+    for s in range(max(len(b) for b in per_rank)):
+        active = [b[s] for b in per_rank if s < len(b)]
+        opt.zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in active) / len(active)
+        loss.backward()
+        opt.step()
+        after.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return after
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_join_with_uneven_data(kind):
+    """Ranks with 4, 2 and 3 batches: a rank out of data joins; the others' steps average
+    over the ranks that still have data only, and nobody hangs."""
+    needs_engine()
+    base = make_net()
+    counts = [4, 2, 3]
+    per_rank = [data(steps=c, batch=3, seed=10 + r) for r, c in enumerate(counts)]
+
+    def fn(rank):
+        model = copy.deepcopy(base)
+        opt = rrt.DistributedOptimizer(make_opt(kind, model),
+                                       named_parameters=model.named_parameters())
+        for x, y in per_rank[rank]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        at_join = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        last = rrt.join()
+        rrt.broadcast_parameters(model.state_dict(), root_rank=last)
+        rrt.broadcast_optimizer_state(opt, root_rank=last)
+        final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return last, at_join, final, opt.state_dict()
+
+    out = run(3, fn)
+    want = join_reference(kind, base, per_rank)
+    for rank, (last, at_join, final, sd) in enumerate(out):
+        assert last == 0  # rank 0 has the most batches: it joins last
+        for k in want[-1]:
+            torch.testing.assert_close(at_join[k], want[counts[rank]][k], rtol=1e-9,
+                                       atol=1e-12, msg=f"rank {rank} {k}")
+            assert torch.equal(final[k], out[0][2][k])
+        assert sd["state"].keys() == out[0][3]["state"].keys()
+    assert not torch.equal(want[-1]["fc1.weight"], want[2]["fc1.weight"])
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_join_sparse_gradients_average_over_contributing_ranks(dense):
+    needs_engine()
+
+    def fn(rank):
+        emb = seeded(0, lambda: torch.nn.Embedding(10, 3, sparse=True).double())
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                       named_parameters=emb.named_parameters(),
+                                       sparse_as_dense=dense)
+        grads = []
+        for step in range(2 if rank == 0 else 1):
+            opt.zero_grad()
+            emb(torch.tensor([rank + step, 5])).sum().backward()
+            opt.synchronize()
+            grads.append(emb.weight.grad.to_dense().clone())
+            with opt.skip_synchronize():
+                opt.step()
+        return grads, rrt.join()
+
+    (g0, last0), (g1, last1) = run(2, fn)
+    assert last0 == last1 == 0
+    want = [torch.zeros(10, 3, dtype=torch.float64) for _ in range(2)]
+    want[0][0] += 0.5
+    want[0][1] += 0.5
+    want[0][5] += 1.0
+    want[1][1] += 1.0  # step 2: rank 1 has joined, the average is rank 0's gradient
+    want[1][5] += 1.0
+    torch.testing.assert_close(g0[0], want[0])
+    torch.testing.assert_close(g1[0], want[0])
+    torch.testing.assert_close(g0[1], want[1])
+
+
+# ----------------------------------------------------------- step(closure)
+def test_step_with_closure_matches_big_batch_and_returns_the_loss():
+    base, batches = make_net(), data(steps=3, batch=8)
+
+    def fn(rank):
+        model = copy.deepcopy(base)
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters())
+        losses = []
+        for x, y in batches:
+            xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+
+            def closure(xs=xs, ys=ys):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(xs), ys)
+                loss.backward()
+                return loss
+
+            with torch.no_grad():  # the closure still runs with grad enabled
+                losses.append(opt.step(closure).item())
+        return model.state_dict(), losses
+
+    out = run(2, fn)
+    plain = copy.deepcopy(base)
+    want = train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), batches, 0, 1)
+    for k in want:
+        torch.testing.assert_close(out[0][0][k], want[k], rtol=1e-9, atol=1e-12)
+        assert torch.equal(out[0][0][k], out[1][0][k])
+    model = copy.deepcopy(base)
+    x, y = batches[0]
+    for rank in range(2):  # the first loss is this rank's own loss before any step
+        own = torch.nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4]),
+                                           y[rank * 4:(rank + 1) * 4]).item()
+        assert out[rank][1][0] == pytest.approx(own, rel=1e-12)
+
+
+def test_step_closure_evaluated_twice_is_refused():
+    def fn(rank):
+        model = make_net()
+        opt = rrt.DistributedOptimizer(torch.optim.LBFGS(model.parameters(), max_iter=3),
+                                       named_parameters=model.named_parameters())
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.ones(2, 6, dtype=torch.float64)).pow(2).sum()
+            loss.backward()
+            return loss
+
+        with pytest.raises(rr.InvalidInputError, match="more than once per step"):
+            opt.step(closure)
+        return True
+
+    assert run(2, fn) == [True, True]
+
+
+def test_scheduler_made_before_wrapping_and_state_dict_round_trip():
+    """Horovod order is wrap-then-schedule, but a scheduler made on the plain optimizer
+    first must keep working (no spurious warning), also after load_state_dict()."""
+
+    def fn(rank):
+        model = make_net()
+        plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
+        opt = rrt.DistributedOptimizer(plain, named_parameters=model.named_parameters(),
+                                       num_groups=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.full((1, 6), rank + 1.0, dtype=torch.float64)).sum().backward()
+                opt.step()
+                sched.step()
+        sd = copy.deepcopy(opt.state_dict())
+        opt.load_state_dict(sd)
+        sched.step()  # reaches the loaded param groups through the plain optimizer
+        other = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+        other.load_state_dict(opt.state_dict())  # a plain optimizer takes the state too
+        return opt.param_groups[0]["lr"], other.state_dict(), sd
+
+    for lr, other, sd in run(2, fn):
+        assert lr == pytest.approx(0.0125)
+        assert other["param_groups"][0]["lr"] == pytest.approx(0.0125)
+        assert other["state"].keys() == sd["state"].keys() and len(sd["state"]) == 4
+        for i, st in sd["state"].items():
+            assert torch.equal(other["state"][i]["momentum_buffer"], st["momentum_buffer"])
+
+
+def test_accumulation_with_horovod_zero_grad_timing():
+    """Horovod's accumulation loop: backward every batch, step + zero_grad every k-th."""
+    base, batches = make_net(), data(steps=4, batch=8)
+
+    def fn(rank):
+        model = copy.deepcopy(base)
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       backward_passes_per_step=2)
+        for i, (x, y) in enumerate(batches):
+            xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+            (torch.nn.functional.mse_loss(model(xs), ys) / 2).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+        return model.state_dict()
+
+    out = run(2, fn)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches):
+        (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(out[0][k], v, rtol=1e-9, atol=1e-12)
+        assert torch.equal(out[0][k], out[1][k])

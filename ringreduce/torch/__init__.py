@@ -85,7 +85,9 @@ __all__ = [
     "RingReduceTimeoutError", "Sum", "SyncBatchNorm", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_async_", "broadcast_object", "ccl_built", "cuda_built", "ddl_built",
+    "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "rocm_built", "broadcast_optimizer_state",
     "broadcast_parameters", "cross_rank", "cross_size", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "poll", "rank",
@@ -129,10 +131,25 @@ def barrier(name: Optional[str] = None) -> None:
     _comm().barrier(name)
 
 
-def join() -> int:
+def join(device: int = -1) -> int:
     """Declare that this rank has no more data; returns the last rank to join.
 
     Until every rank has joined, this rank takes part in the other ranks'
-    collectives (e.g. DistributedOptimizer's gradient allreduces) with zeros.
+    allreduce / allgather / broadcast (e.g. DistributedOptimizer's gradient
+    allreduces) with neutral elements; Average divides by the ranks that
+    contributed. ``device`` is Horovod's (where to allocate the zeros) and is
+    ignored: the engine provides them itself.
     """
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise InvalidInputError(f"join: device must be an int, got {device!r}")
     return _comm().join()
+
+
+def _no() -> bool:
+    return False
+
+
+# Horovod's build and backend queries: ringreduce has its own TCP/shared-memory transport
+# (no MPI, Gloo, NCCL, DDL or oneCCL inside) and, for now, CPU tensors only.
+mpi_built = gloo_built = nccl_built = ddl_built = ccl_built = cuda_built = rocm_built = _no
+mpi_enabled = gloo_enabled = mpi_threads_supported = _no

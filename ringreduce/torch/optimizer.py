@@ -13,6 +13,9 @@ How it works (Horovod's design):
   and every rank without a gradient for a parameter that some rank has one for
   joins that allreduce with zeros. Parameters no rank has a gradient for keep
   ``grad = None``, exactly as in a single process.
+* Every collective here is an allreduce or (sparse gradients) an allgather, so
+  a rank that has called ``join()`` answers them with neutral elements and the
+  others' steps average over the ranks that still have data.
 """
 
 from __future__ import annotations
@@ -46,6 +49,23 @@ class _Pending:
 
     def __init__(self, handle: Any, grad: torch.Tensor, buf: torch.Tensor, ctx: Any) -> None:
         self.handle, self.grad, self.buf, self.ctx = handle, grad, buf, ctx
+
+
+class _CachedClosure:
+    """Stands for the user's closure inside the wrapped step: returns the loss the real
+    closure computed before the gradients were averaged; a second evaluation is refused."""
+
+    def __init__(self, loss: Any) -> None:
+        self.loss, self.calls = loss, 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            raise InvalidInputError(
+                "DistributedOptimizer.step(closure): the wrapped optimizer evaluates the "
+                "closure more than once per step (e.g. LBFGS); every evaluation would need "
+                "its own gradient allreduce, matched across ranks, which is not supported")
+        return self.loss
 
 
 def _brief(names: Iterable[str], limit: int = 5) -> str:
@@ -110,6 +130,7 @@ class _DistributedMixin:
         self._rr_ref = weakref.ref(self)
         self._rr_synchronized = False
         self._rr_should_sync = True
+        self._rr_original: Callable[[], Any] = lambda: None
         self._rr_register(named)
         agree("DistributedOptimizer", [(self._rr_names[p], (tuple(p.shape), str(p.dtype)))
                                        for p in self._rr_params], " on the parameters")
@@ -238,12 +259,37 @@ class _DistributedMixin:
             self._rr_should_sync = True
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Synchronize the gradients (unless done already), then step the wrapped optimizer."""
+        """Synchronize the gradients (unless done already), then step the wrapped optimizer.
+
+        With a ``closure`` (torch's convention): call it with grad enabled to compute
+        the loss and gradients, average the gradients, then run the wrapped
+        ``step`` with a closure that returns that loss; returns the loss. The
+        wrapped optimizer may evaluate the closure only once (not LBFGS: each
+        re-evaluation would need its own, matching collectives on every rank).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            closure = _CachedClosure(loss)
         fresh = self._rr_pending or self._rr_partial
-        if self._rr_should_sync and (fresh or not self._rr_synchronized):
-            self.synchronize()
+        if fresh or (self._rr_should_sync and not self._rr_synchronized):
+            self.synchronize()  # fresh gradients are averaged even inside skip_synchronize()
         self._rr_synchronized = False
-        return super().step(closure)
+        out = super().step(closure)
+        original = self._rr_original()
+        if original is not None:  # an LR scheduler made on it before wrapping checks this
+            original._opt_called = True
+        return loss if closure is not None else out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load like the wrapped optimizer; the original optimizer object keeps sharing the
+        (new) state and parameter groups, so LR schedulers made on it keep working."""
+        super().load_state_dict(state_dict)
+        original = self._rr_original()
+        if original is not None and original is not self:
+            original.__dict__["state"] = self.state
+            original.__dict__["param_groups"] = self.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients; raises if called between backward() and step()."""
@@ -269,7 +315,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
                          compression: type[Compressor] = Compression.none,
                          backward_passes_per_step: int = 1, op: int = Average,
-                         gradient_predivide_factor: float = 1.0,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Optional[Any] = None,
                          sparse_as_dense: bool = False) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -292,6 +339,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         ``Average`` (default) or ``Sum``.
     gradient_predivide_factor : float
         With Average: divide by this before the sum and by ``size / factor`` after.
+    num_groups, groups :
+        Horovod's fusion hints, accepted for compatibility and otherwise ignored: the
+        engine fuses whichever gradients are ready together by itself.
     sparse_as_dense : bool
         Send sparse gradients (``nn.Embedding(sparse=True)``) as dense tensors;
         otherwise they are allgathered as (indices, values).
@@ -320,6 +370,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                                 "op=Average")
     if not gradient_predivide_factor > 0:
         raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor must be > 0")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise InvalidInputError(f"DistributedOptimizer: num_groups must be an int >= 0, got "
+                                f"{num_groups!r}")
+    if groups is not None and not isinstance(groups, (int, list, tuple)):
+        raise InvalidInputError("DistributedOptimizer: groups must be None, an int or a list "
+                                f"of lists of parameters, got {type(groups).__name__}")
     named = _param_names(optimizer, named_parameters)
     base = type(optimizer)
     cls = _CLASSES.get(base)
@@ -333,4 +389,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                           if k not in ("step", "zero_grad")})
     dist._rr_setup(named, compression, backward_passes_per_step, op,
                    float(gradient_predivide_factor), sparse_as_dense)
+    dist._rr_original = weakref.ref(optimizer)
     return dist

@@ -3,6 +3,11 @@
 Every rank contributes its (indices, values); after the allgather each rank
 builds the sum as one sparse tensor (duplicate indices add up when coalesced)
 and scales it like the dense allreduce would.
+
+Average divides by the ranks that contributed, like the dense allreduce: a rank
+that has called ``join()`` contributes no rows to allgathers, so every
+contributing rank appends one marker row (all indices ``-1``) to its indices,
+and the number of marker rows received is the divisor.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ class SparseAllreduce:
                                     "supported; pass sparse_as_dense=True")
         g = grad.coalesce()
         values = g.values() * prescale if prescale != 1.0 else g.values()
-        self._indices = g.indices().t().contiguous()
+        marker = torch.full((1, g.sparse_dim()), -1, dtype=torch.int64)
+        self._indices = torch.cat([g.indices().t().to(torch.int64), marker]).contiguous()
         self._values = values.contiguous()
-        self._shape, self._size = g.shape, comm.size()
-        self._scale = postscale / (comm.size() if op == Average else 1)
+        self._shape, self._average = g.shape, op == Average
+        self._scale = postscale
         self._handles = [
             comm.allgather_async(to_numpy(self._indices, f"sparse gradient {name!r}"),
                                  f"{name}.indices"),
@@ -67,7 +73,10 @@ class SparseAllreduce:
         if errors:
             raise errors[0]
         indices, values = (to_torch(a) for a in results)
-        if self._scale != 1.0:
-            values = values * self._scale
+        real = indices[:, 0] >= 0
+        scale = self._scale / (int((~real).sum()) if self._average else 1)
+        indices = indices[real]
+        if scale != 1.0:
+            values = values * scale
         return torch.sparse_coo_tensor(indices.t(), values, self._shape,
                                        check_invariants=False).coalesce()

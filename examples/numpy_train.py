@@ -25,6 +25,7 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import ringreduce as rr
+from ringreduce.checkpoint import atomic_write
 
 Params = dict[str, np.ndarray]
 
@@ -249,26 +250,6 @@ def evaluate(params: Params, x_test: np.ndarray, y_test: np.ndarray) -> float:
     return float(totals[0]) / float(max(int(totals[1]), 1))
 
 
-def fsync_dir(path: str) -> None:
-    """Flush a directory entry (a rename inside it) to disk, where the OS allows it.
-
-    Parameters
-    ----------
-    path : str
-        Directory to sync.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(ckpt_dir: str, params: Params, epoch: int) -> None:
     """Atomically write ``<ckpt_dir>/ckpt.npz``: temp file, fsync, rename, fsync the directory.
 
@@ -283,21 +264,8 @@ def save_checkpoint(ckpt_dir: str, params: Params, epoch: int) -> None:
     epoch : int
         Number of completed epochs.
     """
-    os.makedirs(ckpt_dir, exist_ok=True)
-    # Same directory as the target so os.replace is an atomic rename on one file system; the
-    # pid keeps concurrent writers apart, and open() (unlike mkstemp) honours the umask.
-    tmp = os.path.join(ckpt_dir, f".{CKPT_NAME}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, epoch=np.int64(epoch), **params)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(ckpt_dir, CKPT_NAME))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(ckpt_dir)
+    path = os.path.join(ckpt_dir, CKPT_NAME)
+    atomic_write(path, lambda f: np.savez(f, epoch=np.int64(epoch), **params))
 
 
 def load_checkpoint(path: str, params: Params) -> int:

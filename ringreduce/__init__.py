@@ -14,7 +14,9 @@ buffer protocol)::
 from __future__ import annotations
 
 import atexit
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import numpy as np
@@ -41,6 +43,7 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
     "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+    "use_communicator",
 ]
 
 
@@ -79,7 +82,34 @@ def is_initialized() -> bool:
     return _Process.comm is not None
 
 
+_thread = threading.local()
+
+
+@contextmanager
+def use_communicator(comm: Communicator) -> Iterator[Communicator]:
+    """Route this thread's module-level calls to ``comm`` (threads-as-ranks testing).
+
+    Parameters
+    ----------
+    comm : Communicator
+        E.g. one of ``ringreduce.testing.make_world(n)``.
+    """
+    old = getattr(_thread, "comm", None)
+    _thread.comm = comm
+    try:
+        yield comm
+    finally:
+        _thread.comm = old
+
+
+def _override() -> Optional[Communicator]:
+    return getattr(_thread, "comm", None)
+
+
 def _comm() -> Communicator:
+    override = getattr(_thread, "comm", None)
+    if override is not None:
+        return override
     if _Process.comm is None:
         raise NotInitializedError(
             "ringreduce has not been initialized: call ringreduce.init() first "

@@ -44,6 +44,14 @@ Entry entry(CollKind kind, py::handle in, py::handle out, std::vector<int64_t> s
   return e;
 }
 
+// The arguments every reduction carries.
+Entry& reducing(Entry& e, int32_t op, double pre, double post) {
+  e.meta.op = op_arg(op);
+  e.meta.prescale = pre;
+  e.meta.postscale = post;
+  return e;
+}
+
 std::shared_ptr<HandleState> submit_one(Engine& eng, Entry e) {
   std::vector<Entry> v;
   v.push_back(std::move(e));
@@ -81,10 +89,7 @@ void bind_engine_class(py::module_& m) {
               int32_t dtype, int32_t op, double pre, double post, std::string name) {
              Entry e = entry(CollKind::kAllreduce, in, out, std::move(shape), dtype,
                              std::move(name));
-             e.meta.op = op_arg(op);
-             e.meta.prescale = pre;
-             e.meta.postscale = post;
-             return submit_one(eng, std::move(e));
+             return submit_one(eng, std::move(reducing(e, op, pre, post)));
            })
       .def("grouped_allreduce",
            [](Engine& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,
@@ -95,10 +100,7 @@ void bind_engine_class(py::module_& m) {
              for (size_t i = 0; i < ins.size(); ++i) {
                es.push_back(entry(CollKind::kAllreduce, ins[i], outs.at(i), shapes.at(i),
                                   dtypes.at(i), names.at(i)));
-               es.back().meta.op = op_arg(op);
-               es.back().meta.prescale = pre;
-               es.back().meta.postscale = post;
-               es.back().meta.group = group;
+               reducing(es.back(), op, pre, post).meta.group = group;
              }
              py::gil_scoped_release nogil;
              return eng.submit(std::move(es));
@@ -122,10 +124,7 @@ void bind_engine_class(py::module_& m) {
               double pre, double post, std::string name) {
              Entry e = entry(CollKind::kReducescatter, in, py::none(), std::move(shape), dtype,
                              std::move(name));
-             e.meta.op = op_arg(op);
-             e.meta.prescale = pre;
-             e.meta.postscale = post;
-             return submit_one(eng, std::move(e));
+             return submit_one(eng, std::move(reducing(e, op, pre, post)));
            })
       .def("alltoall",
            [](Engine& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype,

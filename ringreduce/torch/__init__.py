@@ -18,8 +18,6 @@ the extension is not compiled against torch. CPU tensors only for now.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ringreduce import (
     Average,
     Communicator,
@@ -33,15 +31,22 @@ from ringreduce import (
     RingReduceError,
     RingReduceTimeoutError,
     Sum,
+    barrier,
+    cross_rank,
+    cross_size,
     init,
     is_initialized,
+    local_rank,
+    local_size,
+    rank,
     reduce_isa,
     shutdown,
+    size,
+    use_communicator,
 )
 from ringreduce.checkpoint import CheckpointError
 
 from ._tensors import comm as _comm
-from ._tensors import use_communicator
 from .broadcast import (
     allgather_object,
     broadcast_object,
@@ -94,41 +99,6 @@ __all__ = [
     "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shutdown",
     "size", "synchronize", "use_communicator",
 ]
-
-
-def rank() -> int:
-    """This process's rank in [0, size())."""
-    return _comm().rank()
-
-
-def size() -> int:
-    """Number of processes in the job."""
-    return _comm().size()
-
-
-def local_rank() -> int:
-    """Rank among the processes on this host."""
-    return _comm().local_rank()
-
-
-def local_size() -> int:
-    """Number of processes on this host."""
-    return _comm().local_size()
-
-
-def cross_rank() -> int:
-    """Index of this host among the job's hosts."""
-    return _comm().cross_rank()
-
-
-def cross_size() -> int:
-    """Number of hosts in the job."""
-    return _comm().cross_size()
-
-
-def barrier(name: Optional[str] = None) -> None:
-    """Wait until every rank has called ``barrier()``."""
-    _comm().barrier(name)
 
 
 def join(device: int = -1) -> int:

@@ -11,9 +11,6 @@ instead of the process's default communicator (``ringreduce.init()``).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -23,30 +20,9 @@ import ringreduce as _rr
 from ringreduce import Communicator
 from ringreduce.exceptions import InvalidInputError
 
-_local = threading.local()
-
-
-@contextmanager
-def use_communicator(comm: Communicator) -> Iterator[Communicator]:
-    """Route this thread's ringreduce.torch calls to ``comm`` (threads-as-ranks testing).
-
-    Parameters
-    ----------
-    comm : ringreduce.Communicator
-        E.g. one of ``ringreduce.testing.make_world(n)``.
-    """
-    old = getattr(_local, "comm", None)
-    _local.comm = comm
-    try:
-        yield comm
-    finally:
-        _local.comm = old
-
-
-def comm() -> Communicator:
-    """The communicator for this thread: the override, else the process's default."""
-    override = getattr(_local, "comm", None)
-    return override if override is not None else _rr._comm()
+# One override mechanism for every framework layer: ringreduce's own.
+use_communicator = _rr.use_communicator
+comm = _rr._comm
 
 
 def binder() -> Callable[[], Communicator]:
@@ -56,7 +32,7 @@ def binder() -> Callable[[], Communicator]:
     later collectives (from hooks, backward) reach the same communicator; without
     an override it follows ``init()``/``shutdown()`` of the process default.
     """
-    override = getattr(_local, "comm", None)
+    override = _rr._override()
     if override is not None:
         return lambda: override
     return _rr._comm

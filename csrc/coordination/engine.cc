@@ -13,7 +13,6 @@
 #include "common/logging.h"
 #include "transport/shm/doorbell.h"
 
-
 namespace rr {
 
 EngineOptions engine_options_from_env() {
@@ -78,7 +77,6 @@ double Engine::now() const {
 }
 
 // ------------------------------------------------------------- submitting
-
 void Engine::validate(Entry& e) {
   const RequestMeta& m = e.meta;
   const char* what = coll_name(m.kind);

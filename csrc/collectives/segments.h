@@ -24,7 +24,6 @@ class Segments {
     total_ += n;
   }
   size_t bytes() const { return total_; }
-  size_t regions() const { return ptrs_.size(); }
 
   // Calls fn(ptr, rel, len) for each piece of [off, off + n), where rel is
   // the piece's position within the range.

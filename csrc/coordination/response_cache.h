@@ -22,7 +22,6 @@ class ResponseCache {
  public:
   explicit ResponseCache(size_t capacity) : capacity_(capacity) {}
 
-  size_t capacity() const { return capacity_; }
   // Number of ids in use (bit vectors cover ids [0, slots())).
   size_t slots() const { return entries_.size(); }
   // Id of a cached entry with exactly this metadata, or -1.

@@ -328,20 +328,19 @@ class Communicator:
 
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
         """Return root_rank's ``obj`` (any picklable object) on every rank."""
-        name = self._name(name)
         payload = pickle.dumps(obj) if self.rank() == root_rank else b""
-        length = self.broadcast_(np.array([len(payload)], np.int64), root_rank, name + ".len")
+        length = self.broadcast_(np.array([len(payload)], np.int64), root_rank,
+                                 _part(name, "len"))
         data = np.frombuffer(payload, np.uint8).copy() if payload else np.empty(
             int(length[0]), np.uint8)
-        self.broadcast_(data, root_rank, name + ".data")
+        self.broadcast_(data, root_rank, _part(name, "data"))
         return obj if self.rank() == root_rank else pickle.loads(data.tobytes())
 
     def allgather_object(self, obj: Any, name: Optional[str] = None) -> list:
         """Return the list of every rank's ``obj``, in rank order."""
-        name = self._name(name)
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
-        lengths = self.allgather(np.array([len(data)], np.int64), name + ".len")
-        gathered = self.allgather(data, name + ".data")
+        lengths = self.allgather(np.array([len(data)], np.int64), _part(name, "len"))
+        gathered = self.allgather(data, _part(name, "data"))
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         return [pickle.loads(gathered[bounds[i]:bounds[i + 1]].tobytes())
                 for i in range(self.size())]
@@ -351,6 +350,11 @@ class Communicator:
             raise InvalidInputError(f"{what}: root_rank must be an int in [0, {self.size()}), "
                                     f"got {root_rank!r}")
         return int(root_rank)
+
+
+def _part(name: Optional[str], part: str) -> Optional[str]:
+    """Name of one step of a composite call; unnamed stays unnamed (matched by order)."""
+    return None if name is None else f"{name}.{part}"
 
 
 def reduce_isa() -> str:

@@ -365,3 +365,24 @@ def test_bad_streaming_mode_is_refused():
     with env(RINGREDUCE_SHM_STREAM_SEND="sometimes"):
         with pytest.raises(rr.InvalidInputError, match="RINGREDUCE_SHM_STREAM_SEND='sometimes'"):
             make_world(2)
+
+
+def test_unmatched_join_warns_then_fails_instead_of_hanging(capfd):
+    w = world(2, RINGREDUCE_STALL_CHECK_SECONDS="0.3", RINGREDUCE_STALL_SHUTDOWN_SECONDS="1")
+
+    def body(c):
+        t0 = time.monotonic()
+        if c.rank() == 0:
+            with pytest.raises(rr.RingReduceTimeoutError, match="join\\(\\): rank 0 joined"):
+                c.join()  # rank 1 never joins and never submits anything
+            return time.monotonic() - t0
+        time.sleep(2.0)
+        with pytest.raises(rr.RingReduceError, match="stopped after an earlier failure"):
+            c.allreduce(np.ones(2))
+        return None
+
+    took = run_threaded(2, body, world=w, timeout=30)[0]
+    assert took < 4
+    assert "rank 1 neither joined nor submitted anything" in capfd.readouterr().err
+    for c in w:
+        c.close()

@@ -156,3 +156,22 @@ def test_cache_capacity_zero_is_off():
     c = co.ResponseCache(0)
     c.put(t("a"))
     assert c.lookup(t("a")) == -1 and c.slots == 0
+
+
+def test_join_that_nobody_matches_is_reported_then_fails():
+    neg = co.Negotiator(3, stall_check=5.0, stall_shutdown=12.0)
+    neg.submit(1, t("x"), 0.0)
+    neg.submit(2, t("x"), 0.5)
+    neg.join(0, 1.0)
+    assert neg.decide(1.0)[0]["type"] == "exec"  # 'x' ran with rank 0's neutral share
+    assert neg.next_deadline() == 6.0  # nothing pending, nobody active since t = 1
+    assert neg.decide(5.9) == []
+    (w,) = neg.decide(6.0)
+    assert w["type"] == "stall-warning"
+    assert "join(): rank 0 joined; ranks 1,2 neither joined nor submitted anything" in w["message"]
+    neg.submit(1, t("y"), 7.0)  # activity: no join warning while a tensor is pending
+    neg.submit(2, t("y"), 7.0)
+    assert neg.decide(7.0)[0]["tensors"] == ["y"]
+    assert neg.next_deadline() == 12.0
+    (f,) = neg.decide(19.0)
+    assert f["type"] == "fatal" and "join()" in f["message"]

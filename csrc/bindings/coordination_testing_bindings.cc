@@ -64,7 +64,7 @@ void bind_coordination_testing(py::module_& parent) {
            py::arg("stall_check") = 60.0, py::arg("stall_shutdown") = 0.0)
       .def("submit", [](Negotiator& n, int rank, const py::dict& meta,
                         double now) { n.submit(rank, meta_from(meta), now); })
-      .def("join", &Negotiator::join)
+      .def("join", &Negotiator::join, py::arg("rank"), py::arg("now") = 0.0)
       .def("decide", [](Negotiator& n, double now) { return response_dicts(n.decide(now)); })
       .def("next_deadline", &Negotiator::next_deadline)
       .def_property_readonly("pending", &Negotiator::pending);

@@ -52,7 +52,7 @@ void Engine::coordinator_round() {
     if (e.join) join = true;
     else negotiator_->submit(0, e.meta, t);
   }
-  if (join) negotiator_->join(0);
+  if (join) negotiator_->join(0, t);
   record_local(fresh);
   if (size_ > 1)
     for (const CtrlMessage& m : ctrl_.receive(
@@ -127,7 +127,7 @@ void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload,
     if (bits[i / 8] & (1u << (i % 8))) negotiator_->submit(rank, cache_.at(i), t);
   const uint32_t n = r.get<uint32_t>();
   for (uint32_t i = 0; i < n; ++i) negotiator_->submit(rank, RequestMeta::read(r), t);
-  if (join) negotiator_->join(rank);
+  if (join) negotiator_->join(rank, t);
 }
 
 // RESPONSES payload: per response its fields, per tensor a cache id or -1

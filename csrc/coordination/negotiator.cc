@@ -38,6 +38,7 @@ void Negotiator::submit(int rank, const RequestMeta& m, double now) {
     p.order = next_order_++;
     if (timeline_) timeline_->negotiate_begin(m.name, coll_name(m.kind));
   }
+  last_activity_ = std::max(last_activity_, now);
   if (p.submitted[rank]) return;  // engines refuse a name in flight twice
   p.submitted[rank] = true;
   p.metas[rank] = m;
@@ -45,7 +46,8 @@ void Negotiator::submit(int rank, const RequestMeta& m, double now) {
   if (timeline_) timeline_->rank_ready(m.name, rank);
 }
 
-void Negotiator::join(int rank) {
+void Negotiator::join(int rank, double now) {
+  last_activity_ = std::max(last_activity_, now);
   if (joined_[rank]) return;
   joined_[rank] = true;
   ++joined_count_;
@@ -163,6 +165,7 @@ void Negotiator::stall_report(double now, std::vector<Response>* out) {
     lines.emplace_back(p.order, cat("'", name, "' (", coll_name(any_meta(p).kind), ") ",
                                     missing_ranks(p), ", for ", std::floor(age * 10) / 10, " s"));
   }
+  fatal |= join_stall(now, &lines);
   if (lines.empty()) return;
   std::sort(lines.begin(), lines.end());
   Response r;
@@ -176,8 +179,36 @@ void Negotiator::stall_report(double now, std::vector<Response>* out) {
   out->push_back(r);
 }
 
+// Some ranks joined, nothing is pending and nobody has submitted anything for
+// a while: the ranks that have not joined are stuck (or forgot to join), and
+// the joined ones would wait forever. Tensor stalls cover the other cases.
+bool Negotiator::join_stalled() const {
+  return joined_count_ > 0 && joined_count_ < opt_.size && table_.empty();
+}
+
+bool Negotiator::join_stall(double now, std::vector<std::pair<uint64_t, std::string>>* lines) {
+  if (!join_stalled()) return false;
+  const double idle = now - last_activity_;
+  const bool fail = opt_.stall_shutdown_s > 0 && idle >= opt_.stall_shutdown_s;
+  const bool warn = opt_.stall_check_s > 0 &&
+                    now - std::max(last_activity_, join_warned_) >= opt_.stall_check_s;
+  if (!fail && !warn) return false;
+  join_warned_ = now;
+  std::vector<int> in, out;
+  for (int r = 0; r < opt_.size; ++r) (joined_[r] ? in : out).push_back(r);
+  lines->emplace_back(UINT64_MAX, cat("join(): ", rank_list(in), " joined; ", rank_list(out),
+                                      " neither joined nor submitted anything for ",
+                                      std::floor(idle * 10) / 10, " s"));
+  return fail;
+}
+
 double Negotiator::next_deadline() const {
   double t = std::numeric_limits<double>::infinity();
+  if (join_stalled()) {
+    if (opt_.stall_check_s > 0)
+      t = std::max(last_activity_, join_warned_) + opt_.stall_check_s;
+    if (opt_.stall_shutdown_s > 0) t = std::min(t, last_activity_ + opt_.stall_shutdown_s);
+  }
   for (const auto& [name, p] : table_) {
     if (opt_.stall_check_s > 0) t = std::min(t, p.last_warned + opt_.stall_check_s);
     if (opt_.stall_shutdown_s > 0) t = std::min(t, p.first_seen + opt_.stall_shutdown_s);

@@ -10,7 +10,8 @@
 // first saw them: an exec response when all submissions are compatible, an
 // error response naming what each rank sent when not. Then fusion planning
 // (fusion.h), then join completion (every rank joined -> kJoinDone, the set
-// resets), then stall reports. Pure logic: no I/O, time passed in, so the
+// resets), then stall reports (also for a join() that the other ranks never
+// match while nothing else happens). Pure logic: no I/O, time passed in, so the
 // unit tests feed it canned requests.
 #pragma once
 
@@ -18,6 +19,7 @@
 #include <limits>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "coordination/request.h"
@@ -38,7 +40,7 @@ class Negotiator {
   explicit Negotiator(NegotiatorOptions o, Timeline* timeline = nullptr);
 
   void submit(int rank, const RequestMeta& m, double now);
-  void join(int rank);
+  void join(int rank, double now);
   std::vector<Response> decide(double now);
   // When decide() should next run to report a stall (+inf: nothing pending).
   double next_deadline() const;
@@ -60,6 +62,8 @@ class Negotiator {
   std::string unsupported_with_joined(const Pending& p) const;
   void stall_report(double now, std::vector<Response>* out);
   std::string missing_ranks(const Pending& p) const;
+  bool join_stalled() const;
+  bool join_stall(double now, std::vector<std::pair<uint64_t, std::string>>* lines);
 
   NegotiatorOptions opt_;
   Timeline* timeline_;
@@ -68,6 +72,8 @@ class Negotiator {
   int joined_count_ = 0;
   int last_joined_ = -1;
   uint64_t next_order_ = 0;
+  double last_activity_ = 0;  // latest submit or join, for join stalls
+  double join_warned_ = 0;
 };
 
 }  // namespace rr

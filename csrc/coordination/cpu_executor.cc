@@ -57,14 +57,18 @@ class CpuExecutor : public Executor {
 
  private:
   // Average over fewer ranks than the job has: reduce as Sum, divide after.
+  // `postscale` is what the collective applies (the rest comes with the
+  // division afterwards).
   struct Plan {
     ReduceOp op;
     bool divide_after;
+    double postscale;
   };
   Plan plan(const Response& r) const {
-    const ReduceOp op = r.tensors.front().op;
-    if (op == ReduceOp::kAverage && r.contributors < ctx_.size()) return {ReduceOp::kSum, true};
-    return {op, false};
+    const RequestMeta& m = r.tensors.front();
+    if (m.op == ReduceOp::kAverage && r.contributors < ctx_.size())
+      return {ReduceOp::kSum, true, 1.0};
+    return {m.op, false, m.postscale};
   }
   void finish(const Response& r, const Plan& p, void* buf, size_t count) const {
     const RequestMeta& m = r.tensors.front();
@@ -84,7 +88,7 @@ class CpuExecutor : public Executor {
       in = out;
     }
     allreduce(ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, 1.0,
-              p.divide_after ? 1.0 : m.postscale);
+              p.postscale);
     finish(r, p, out, count);
   }
 
@@ -108,7 +112,7 @@ class CpuExecutor : public Executor {
     const size_t count = off.back() / es;
     allreduce(ctx_, Tensor{buf, {static_cast<int64_t>(count)}, m.dtype,
                            cat(m.name, "+", r.tensors.size() - 1, " fused")},
-              buf, p.op, 1.0, p.divide_after ? 1.0 : m.postscale);
+              buf, p.op, 1.0, p.postscale);
     finish(r, p, buf, count);
     phase("MEMCPY_OUT_FUSION_BUFFER");
     for (size_t i = 0; i < r.tensors.size(); ++i)
@@ -147,7 +151,7 @@ class CpuExecutor : public Executor {
       segs.add(static_cast<uint8_t*>(e->out), n);
     }
     const Plan p = plan(r);
-    allreduce_segments(ctx_, segs, m.dtype, p.op, p.divide_after ? 1.0 : m.postscale,
+    allreduce_segments(ctx_, segs, m.dtype, p.op, p.postscale,
                        cat(m.name, "+", r.tensors.size() - 1, " fused"));
     if (p.divide_after)
       segs.for_each(0, segs.bytes(), [&](uint8_t* q, size_t, size_t len) {

@@ -46,6 +46,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   ctx_->check_usable();
   if (rank_ == 0 && !opt_.timeline_path.empty())
     timeline_ = std::make_unique<Timeline>(opt_.timeline_path);
+  for (int w = 1; rank_ == 0 && w < size_; ++w) workers_.push_back(w);
   if (rank_ == 0)
     negotiator_ = std::make_unique<Negotiator>(
         NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s,

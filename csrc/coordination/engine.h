@@ -94,6 +94,7 @@ class Engine {
   const int rank_, size_;
   std::unique_ptr<Timeline> timeline_;
   std::unique_ptr<Negotiator> negotiator_;  // rank 0 only
+  std::vector<int> workers_;                // rank 0: ranks 1 .. size - 1
   ResponseCache cache_;
   ControlChannel ctrl_;
   std::unique_ptr<Executor> cpu_;

@@ -55,13 +55,7 @@ void Engine::coordinator_round() {
   if (join) negotiator_->join(0, t);
   record_local(fresh);
   if (size_ > 1)
-    for (const CtrlMessage& m : ctrl_.receive(
-             [this] {
-               std::vector<int> ws;
-               for (int w = 1; w < size_; ++w) ws.push_back(w);
-               return ws;
-             }(),
-             what)) {
+    for (const CtrlMessage& m : ctrl_.receive(workers_, what)) {
       expect(m, CtrlType::kRequests, k, rank_);
       decode_requests(m.from, m.payload, t);
     }

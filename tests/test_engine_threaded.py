@@ -255,8 +255,11 @@ def test_tcp_engine_between_fake_hosts():
         c.close()
 
 
-@pytest.mark.parametrize("settings", [{}, {"RINGREDUCE_SHM_SLOT_BYTES": "4096"},
-                                      {"RINGREDUCE_TRANSPORT": "tcp"}])
+@pytest.mark.parametrize("settings", [
+    {}, {"RINGREDUCE_SHM_SLOT_BYTES": "4096"}, {"RINGREDUCE_TRANSPORT": "tcp"},
+    {"RINGREDUCE_SHM_SLOT_BYTES": "4096", "RINGREDUCE_RING_SLICE_BYTES": "12288"},
+    {"RINGREDUCE_TRANSPORT": "tcp", "RINGREDUCE_SHM_SLOT_BYTES": "4096",
+     "RINGREDUCE_RING_SLICE_BYTES": "8192"}])
 def test_fused_in_place_ring_matches_reference(settings):
     """Fused responses above the small size run one ring over the tensors in place;
     chunks that span tensors are gathered (small slots make that common)."""
@@ -308,9 +311,14 @@ def test_joined_rank_neutral_elements_survive_prescale():
     assert p.tolist() == [6.0, -4.0] and mn.tolist() == [-3.0, 2.0] and mx.tolist() == [1.5, -1.0]
 
 
-def test_settings_that_must_match_are_checked():
+@pytest.mark.parametrize("var,values", [("RINGREDUCE_CACHE_CAPACITY", ("1024", "2")),
+                                        ("RINGREDUCE_RING_SLICE_BYTES", ("1048576", "524288"))])
+def test_settings_that_must_match_are_checked(var, values):
     secret = os.urandom(32)
-    ctxs = [_core.Context(r, 2, secret, "h") for r in range(2)]
+    ctxs = []
+    for r, value in enumerate(values):  # each rank reads its own environment
+        with env(**{var: value}):
+            ctxs.append(_core.Context(r, 2, secret, "h"))
     infos = [c.local_info() for c in ctxs]
     ts = [threading.Thread(target=c.connect, args=(infos,)) for c in ctxs]
     for t in ts:
@@ -318,14 +326,15 @@ def test_settings_that_must_match_are_checked():
     for t in ts:
         t.join()
     comms = []
-    for cap, ctx in zip(("1024", "2"), ctxs):  # each engine reads its own environment
-        with env(RINGREDUCE_CACHE_CAPACITY=cap):
+    for value, ctx in zip(values, ctxs):
+        with env(**{var: value}):
             comms.append(Communicator(ctx))
     errs = run_threaded(2, lambda c: c.allreduce(np.ones(2)), world=comms,
                         return_exceptions=True)
     for e in errs:
         assert isinstance(e, rr.MismatchError), e
-        assert "RINGREDUCE_CACHE_CAPACITY=1024" in str(e) and "CAPACITY=2 " in str(e)
+        key = var.removeprefix("RINGREDUCE_")
+        assert f"{key}={values[0]}" in str(e) and f"{key}={values[1]}" in str(e)
     for c in comms:
         c.close()
 

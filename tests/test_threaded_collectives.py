@@ -21,6 +21,10 @@ CONFIGS = {
     "shm-streaming-stores": {"RINGREDUCE_SHM_SLOT_BYTES": "4096", "RINGREDUCE_SMALL_BYTES": "0",
                              "RINGREDUCE_SHM_STREAM_SEND_BYTES": "4096",
                              "RINGREDUCE_STREAMING_BYTES": "0"},
+    # Rings larger than a slice run slice by slice (ring_pipeline.h); an odd
+    # slice of three slots leaves uneven last pieces.
+    "shm-sliced": {"RINGREDUCE_SHM_SLOT_BYTES": "4096", "RINGREDUCE_SHM_SLOTS": "4",
+                   "RINGREDUCE_RING_SLICE_BYTES": "12288", "RINGREDUCE_SMALL_BYTES": "0"},
     "tcp-small-chunks": {"RINGREDUCE_TRANSPORT": "tcp", "RINGREDUCE_SHM_SLOT_BYTES": "4096",
                          "RINGREDUCE_SMALL_BYTES": "0"},
 }

@@ -15,12 +15,11 @@ namespace {
 
 class RingTask : public ProgressTask {
  public:
-  RingTask(Link* left, Link* right, const std::vector<RingStep>& steps, bool chained, size_t chunk,
+  RingTask(Link* left, Link* right, const std::vector<RingStep>& steps, size_t chunk,
            std::function<void()> at_mark, size_t mark)
       : left_(left),
         right_(right),
         steps_(steps),
-        chained_(chained),
         chunk_(chunk),
         at_mark_(std::move(at_mark)),
         mark_(mark) {}
@@ -59,7 +58,7 @@ class RingTask : public ProgressTask {
   // Bytes of the current send step that may go out now.
   size_t sendable() const {
     const size_t n = steps_[st_].send_bytes;
-    if (!chained_ || st_ == 0 || rt_ >= st_) return n;
+    if (!steps_[st_].follows || rt_ >= st_) return n;
     size_t got = rt_ + 1 == st_ ? rdone_ : 0;
     return got >= n ? n : got / chunk_ * chunk_;
   }
@@ -111,7 +110,6 @@ class RingTask : public ProgressTask {
   Link* left_;
   Link* right_;
   const std::vector<RingStep>& steps_;
-  bool chained_;
   size_t chunk_;
   std::function<void()> at_mark_;
   size_t mark_;
@@ -121,20 +119,80 @@ class RingTask : public ProgressTask {
   size_t staged_step_ = SIZE_MAX, staged_start_ = 0;
 };
 
+// Bytes [base, base + n) of a larger message, seen by its sink.
+class SliceSink : public RecvSink {
+ public:
+  SliceSink(RecvSink* inner, size_t base) : inner_(inner), base_(base) {}
+  void consume(const uint8_t* data, size_t offset, size_t n) override {
+    inner_->consume(data, base_ + offset, n);
+  }
+  uint8_t* direct(size_t offset, size_t len) override { return inner_->direct(base_ + offset, len); }
+  bool streaming() const override { return inner_->streaming(); }
+
+ private:
+  RecvSink* inner_;
+  size_t base_;
+};
+
+// Piece j of a step: bytes [j * slice, (j + 1) * slice) of its send and of
+// its receive (either may be empty). Chained steps have equal send and
+// previous-receive sizes, so the piece a step sends is the piece the step
+// before it received.
+RingStep slice_of(const RingStep& s, size_t j, size_t slice, std::vector<SliceSink>* sinks) {
+  auto piece = [&](size_t total) { return std::min(slice, total - std::min(total, j * slice)); };
+  RingStep p = s;
+  p.send_bytes = piece(s.send_bytes);
+  p.recv_bytes = piece(s.recv_bytes);
+  if (s.send) p.send = s.send + std::min(s.send_bytes, j * slice);
+  p.src_off = s.src_off + std::min(s.send_bytes, j * slice);
+  if (p.recv_bytes > 0) {
+    sinks->emplace_back(s.sink, j * slice);
+    p.sink = &sinks->back();
+  }
+  p.follows = s.follows && j * slice < s.send_bytes;
+  return p;
+}
+
+// The loop over slices described in ring_pipeline.h; a ring whose steps all
+// fit one slice runs as given.
+std::vector<RingStep> sliced_ring(const std::vector<RingStep>& steps, size_t slice,
+                                  std::vector<SliceSink>* sinks) {
+  size_t largest = 0;
+  for (const auto& s : steps) largest = std::max({largest, s.send_bytes, s.recv_bytes});
+  if (largest <= slice) return steps;
+  const size_t blocks = (largest + slice - 1) / slice;
+  sinks->clear();
+  sinks->reserve(blocks * steps.size());
+  std::vector<RingStep> out;
+  out.reserve(blocks * steps.size());
+  for (size_t j = 0; j < blocks; ++j)
+    for (size_t t = 0; t < steps.size(); ++t) {
+      out.push_back(slice_of(steps[t], j, slice, sinks));
+      if (t == 0) out.back().follows = false;
+    }
+  return out;
+}
+
 }  // namespace
 
 void run_ring(Context& ctx, const std::vector<RingStep>& steps, bool chained,
               const std::string& what, RingPhase phase_at) {
   const int n = ctx.size(), r = ctx.rank();
   if (n == 1 || steps.empty()) return;
-  for (size_t t = 1; chained && t < steps.size(); ++t)
-    RR_CHECK(steps[t].send_bytes == steps[t - 1].recv_bytes, what,
+  std::vector<RingStep> whole = steps;
+  for (size_t t = 1; chained && t < whole.size(); ++t) {
+    RR_CHECK(whole[t].send_bytes == whole[t - 1].recv_bytes, what,
              ": ring step sizes are not chained");
+    whole[t].follows = true;
+  }
+  std::vector<SliceSink> slice_sinks;
+  const std::vector<RingStep> run =
+      chained ? sliced_ring(whole, ctx.options().ring_slice_bytes, &slice_sinks) : whole;
   std::function<void()> mark;
   if (phase_at.name) mark = [&ctx, &phase_at] { ctx.phase(phase_at.name); };
   Link& right = ctx.link((r + 1) % n);
-  RingTask task(&ctx.link((r - 1 + n) % n), &right, steps, chained,
-                ctx.options().shm_slot_bytes, std::move(mark), phase_at.step);
+  RingTask task(&ctx.link((r - 1 + n) % n), &right, run, ctx.options().shm_slot_bytes,
+                std::move(mark), phase_at.step);
   size_t bytes = 0;
   for (const auto& s : steps) bytes += s.send_bytes;
   const uint64_t from = ctx.options().shm_stream_send_bytes;

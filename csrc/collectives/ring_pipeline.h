@@ -9,8 +9,19 @@
 // transport's chunk size; only whole chunks (or a message's tail) are sent,
 // which keeps shm slot framing aligned between sender and receiver.
 //
-// Invariants: messages on each link go strictly in step order; the bytes of
-// step t's send that are released never exceed what step t - 1 received.
+// Slicing: a chained ring whose steps are larger than the ring slice
+// (ContextOptions::ring_slice_bytes) runs as a loop over slices. Block j holds
+// slice j of every step, in step order, so the message sequence on a link is
+// step 0..T-1 of slice 0, then of slice 1, and so on. A received slice is then
+// forwarded by the next step while it is still in cache (one step's slice is
+// well under a core's L2), instead of waiting in memory until the whole
+// previous step has been sent; for an allreduce of a large buffer this turns
+// the allgather's re-read of each reduced segment from DRAM into a cache hit.
+// Ranks must agree on the slice size (the engine checks it at start-up).
+//
+// Invariants: messages on each link go strictly in step order; the bytes of a
+// following step's send that are released never exceed what the step before
+// it received.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +47,7 @@ struct RingStep {
   size_t recv_bytes = 0;
   const Segments* src = nullptr;
   size_t src_off = 0;
+  bool follows = false;  // sends the region the previous step received
 };
 
 // Runs the steps with rank + 1 as right and rank - 1 as left neighbour.

@@ -9,6 +9,8 @@
 #include <cmath>
 
 #include "collectives/collective_util.h"
+#include "collectives/op_header.h"
+#include "common/sha256.h"
 #include "common/env.h"
 #include "common/logging.h"
 #include "transport/shm/doorbell.h"
@@ -64,8 +66,21 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
 // the thread's first act: a difference fails every rank's engine with a
 // MismatchError that shows each rank's values.
 void Engine::agree_on_settings() {
-  barrier(*ctx_, cat("settings RINGREDUCE_CACHE_CAPACITY=", opt_.cache_capacity,
-                     " RINGREDUCE_SMALL_BYTES=", ctx_->options().small_bytes));
+  // Short keys: a header name holds kMaxHeaderName - 1 characters; values too
+  // long for that are compared by digest (still a mismatch, less readable).
+  std::string name = cat("settings RINGREDUCE_* CACHE_CAPACITY=", opt_.cache_capacity,
+                         " SMALL_BYTES=", ctx_->options().small_bytes,
+                         " RING_SLICE_BYTES=", ctx_->options().ring_slice_bytes);
+  if (name.size() >= static_cast<size_t>(kMaxHeaderName)) {
+    const auto d = sha256(name.data(), name.size());
+    name = "settings RINGREDUCE_* digest ";
+    const char* hex = "0123456789abcdef";
+    for (int i = 0; i < 16; ++i) {
+      name += hex[d[i] >> 4];
+      name += hex[d[i] & 15];
+    }
+  }
+  barrier(*ctx_, name);
 }
 
 Engine::~Engine() {

@@ -36,6 +36,8 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
   o.shm_slots = static_cast<uint32_t>(env_int("RINGREDUCE_SHM_SLOTS", o.shm_slots));
   o.shm_slot_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_SHM_SLOT_BYTES",
                                                    static_cast<int64_t>(o.shm_slot_bytes)));
+  o.ring_slice_bytes = static_cast<uint64_t>(env_int(
+      "RINGREDUCE_RING_SLICE_BYTES", static_cast<int64_t>(o.ring_slice_bytes)));
   o.small_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_SMALL_BYTES",
                                                 static_cast<int64_t>(o.small_bytes)));
   o.streaming_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_STREAMING_BYTES",
@@ -51,6 +53,10 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
   if (o.shm_slots < 2 || o.shm_slot_bytes < 4096 || o.shm_slot_bytes % 4096 != 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_SLOTS must be >= 2 and ",
                 "RINGREDUCE_SHM_SLOT_BYTES a multiple of 4096");
+  if (o.ring_slice_bytes < o.shm_slot_bytes || o.ring_slice_bytes % o.shm_slot_bytes != 0)
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_RING_SLICE_BYTES (",
+                o.ring_slice_bytes, ") must be a multiple of RINGREDUCE_SHM_SLOT_BYTES (",
+                o.shm_slot_bytes, ")");
   return o;
 }
 

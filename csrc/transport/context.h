@@ -43,6 +43,9 @@ struct ContextOptions {
   double spin_us = 1000;            // RINGREDUCE_SPIN_US
   uint32_t shm_slots = 8;           // RINGREDUCE_SHM_SLOTS
   uint64_t shm_slot_bytes = 256 << 10;  // RINGREDUCE_SHM_SLOT_BYTES
+  // RINGREDUCE_RING_SLICE_BYTES: chained rings run slice by slice from here
+  // (ring_pipeline.h); a multiple of shm_slot_bytes, equal on all ranks.
+  uint64_t ring_slice_bytes = 1 << 20;
   uint64_t small_bytes = 64 << 10;  // RINGREDUCE_SMALL_BYTES: direct path at or below
   uint64_t streaming_bytes = 8 << 20;  // RINGREDUCE_STREAMING_BYTES: bypass caches from here
   // RINGREDUCE_SHM_STREAM_SEND_BYTES (0 = off): on by default because the

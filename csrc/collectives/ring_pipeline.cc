@@ -81,30 +81,46 @@ class RingTask : public ProgressTask {
   }
 
   // Sends chunk by chunk (the same framing as a contiguous send): a chunk
-  // inside one region goes out in place, one spanning regions is gathered
-  // into staging first. Returns the bytes accepted.
+  // inside one region goes out in place; one spanning regions is gathered
+  // into the link's slot if the link can, else staged here first. Returns the
+  // bytes accepted.
   size_t send_from_segments(const RingStep& s, size_t avail) {
     size_t sent = 0;
     while (sdone_ + sent < avail) {
       const size_t pos = sdone_ + sent, start = pos / chunk_ * chunk_;
       const size_t end = std::min(start + chunk_, avail), len = end - pos;
-      const uint8_t* p = s.src->contiguous(s.src_off + pos, len);
-      if (!p) {
-        if (staged_step_ != st_ || staged_start_ != start) {
-          staging_.resize(chunk_);
-          s.src->for_each(s.src_off + start, end - start, [&](uint8_t* q, size_t rel, size_t n) {
-            std::memcpy(staging_.data() + rel, q, n);
-          });
-          staged_step_ = st_;
-          staged_start_ = start;
-        }
-        p = staging_.data() + (pos - start);
-      }
-      const size_t k = right_->send_piece(p, len, s.send_bytes);
+      size_t k;
+      if (const uint8_t* p = s.src->contiguous(s.src_off + pos, len))
+        k = right_->send_piece(p, len, s.send_bytes);
+      else if (gathers_ && pos == start)
+        k = send_gathered(s, pos, len);
+      else
+        k = right_->send_piece(staged(s, start, end) + (pos - start), len, s.send_bytes);
       sent += k;
       if (k < len) break;
     }
     return sent;
+  }
+
+  size_t send_gathered(const RingStep& s, size_t pos, size_t len) {
+    pieces_.clear();
+    s.src->for_each(s.src_off + pos, len,
+                    [&](uint8_t* q, size_t, size_t n) { pieces_.push_back(IoPiece{q, n}); });
+    return right_->send_gather(pieces_.data(), pieces_.size(), s.send_bytes);
+  }
+
+  // Chunk [start, end) of the current step gathered into staging (kept
+  // while a partial send of it is pending).
+  const uint8_t* staged(const RingStep& s, size_t start, size_t end) {
+    if (staged_step_ != st_ || staged_start_ != start) {
+      staging_.resize(chunk_);
+      s.src->for_each(s.src_off + start, end - start, [&](uint8_t* q, size_t rel, size_t n) {
+        std::memcpy(staging_.data() + rel, q, n);
+      });
+      staged_step_ = st_;
+      staged_start_ = start;
+    }
+    return staging_.data();
   }
 
   Link* left_;
@@ -115,7 +131,9 @@ class RingTask : public ProgressTask {
   size_t mark_;
   size_t rt_ = 0, rdone_ = 0;  // receive step and bytes received in it
   size_t st_ = 0, sdone_ = 0;  // send step and bytes sent in it
-  std::vector<uint8_t> staging_;  // a gathered chunk of a segmented send
+  bool gathers_ = right_->gathers();
+  std::vector<IoPiece> pieces_;   // a chunk of a segmented send, gathered by the link
+  std::vector<uint8_t> staging_;  // the same, staged for links that cannot gather
   size_t staged_step_ = SIZE_MAX, staged_start_ = 0;
 };
 

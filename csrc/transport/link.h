@@ -29,6 +29,12 @@ class RecvSink {
   virtual bool streaming() const { return false; }
 };
 
+// One piece of a gathered send.
+struct IoPiece {
+  const uint8_t* data;
+  size_t len;
+};
+
 // How a link can be waited on when it makes no progress.
 struct WaitHandle {
   int fd = -1;          // pollable socket, or -1
@@ -50,6 +56,16 @@ class Link {
   // chunks). Returns how many bytes were accepted.
   virtual size_t send_piece(const uint8_t* data, size_t len, size_t /*message_bytes*/) {
     return send_some(data, len, 0);
+  }
+  // Whether send_gather is supported.
+  virtual bool gathers() const { return false; }
+  // Sends the next chunk of a message of `message_bytes`, starting on a chunk
+  // boundary, from `count` pieces (at most one chunk in total): all of it, or
+  // nothing (returns 0) when the link is full. Spares the caller staging a
+  // chunk that spans buffers.
+  virtual size_t send_gather(const IoPiece* /*pieces*/, size_t /*count*/,
+                             size_t /*message_bytes*/) {
+    return 0;
   }
   // Delivers more of an incoming message of `n` bytes of which `done` were
   // already delivered. Returns how many new bytes were delivered.

@@ -38,23 +38,46 @@ size_t ShmLink::send_piece(const uint8_t* data, size_t len, size_t message_bytes
   return write_slots(data, len, 0, streaming_allowed_ && message_bytes >= stream_from_);
 }
 
+uint8_t* ShmLink::free_slot(uint32_t tail) const {
+  const uint32_t head = out_->head.load(std::memory_order_acquire);
+  return tail - head >= slots_ ? nullptr : theirs_->slot(out_index_, tail % slots_);
+}
+
+void ShmLink::publish(uint32_t tail) {
+  out_->tail.store(tail);  // seq_cst: pairs with the doorbell protocol
+}
+
 size_t ShmLink::write_slots(const uint8_t* data, size_t n, size_t done, bool stream) {
   size_t start = done;
   uint32_t tail = out_->tail.load(std::memory_order_relaxed);
   while (done < n) {
-    uint32_t head = out_->head.load(std::memory_order_acquire);
-    if (tail - head >= slots_) break;
+    uint8_t* slot = free_slot(tail);
+    if (!slot) break;
     size_t len = std::min(slot_bytes_, n - done);
-    if (stream)
-      stream_copy(theirs_->slot(out_index_, tail % slots_), data + done, len);
-    else
-      std::memcpy(theirs_->slot(out_index_, tail % slots_), data + done, len);
-    ++tail;
-    out_->tail.store(tail);  // seq_cst: pairs with the doorbell protocol
+    stream ? stream_copy(slot, data + done, len) : static_cast<void>(std::memcpy(slot, data + done, len));
+    publish(++tail);
     done += len;
   }
   if (done != start) theirs_->header()->doorbell.ring();
   return done - start;
+}
+
+size_t ShmLink::send_gather(const IoPiece* pieces, size_t count, size_t message_bytes) {
+  uint32_t tail = out_->tail.load(std::memory_order_relaxed);
+  uint8_t* slot = free_slot(tail);
+  if (!slot) return 0;
+  const bool stream = streaming_allowed_ && message_bytes >= stream_from_;
+  size_t off = 0;
+  for (size_t i = 0; i < count; ++i) {
+    RR_CHECK(off + pieces[i].len <= slot_bytes_, "send_gather: more than one slot");
+    uint8_t* dst = slot + off;
+    stream ? stream_copy(dst, pieces[i].data, pieces[i].len)
+           : static_cast<void>(std::memcpy(dst, pieces[i].data, pieces[i].len));
+    off += pieces[i].len;
+  }
+  publish(++tail);
+  theirs_->header()->doorbell.ring();
+  return off;
 }
 
 size_t ShmLink::recv_some(RecvSink& sink, size_t n, size_t done) {

@@ -29,6 +29,8 @@ class ShmLink : public Link {
   const std::string& peer_host() const override { return host_; }
   size_t send_some(const uint8_t* data, size_t n, size_t done) override;
   size_t send_piece(const uint8_t* data, size_t len, size_t message_bytes) override;
+  bool gathers() const override { return true; }
+  size_t send_gather(const IoPiece* pieces, size_t count, size_t message_bytes) override;
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{-1, true}; }
   void check_alive() override;
@@ -48,6 +50,9 @@ class ShmLink : public Link {
   uint32_t slots_;
   size_t slot_bytes_;
   size_t write_slots(const uint8_t* data, size_t n, size_t done, bool stream);
+  // The next free outgoing slot, or nullptr if the ring is full.
+  uint8_t* free_slot(uint32_t tail) const;
+  void publish(uint32_t tail);
   size_t stream_from_;
   bool streaming_allowed_ = true;  // messages at least this large are written with streaming stores
 };

@@ -4,7 +4,7 @@ Run under MPI (mpi4py bootstraps the peers and gathers timings); any rank count 
 
     mpirun -np 2 python benchmarks/train_step.py
     mpirun -np 2 python benchmarks/train_step.py --scale 0.2 --steps 20 --csv step.csv
-    RINGREDUCE_FUSION_THRESHOLD=67108864 mpirun -np 2 python benchmarks/train_step.py
+    RINGREDUCE_FUSION_THRESHOLD=268435456 mpirun -np 2 python benchmarks/train_step.py
 
 The gradients are those of torchvision's ResNet-50 (161 float32 tensors, 25,557,032
 parameters: every conv weight, every BatchNorm weight/bias pair, fc weight and bias), built

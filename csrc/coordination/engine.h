@@ -37,7 +37,7 @@
 namespace rr {
 
 struct EngineOptions {
-  uint64_t fusion_threshold = 64ULL << 20;  // RINGREDUCE_FUSION_THRESHOLD
+  uint64_t fusion_threshold = 256ULL << 20;  // RINGREDUCE_FUSION_THRESHOLD
   double cycle_time_s = 0;                  // RINGREDUCE_CYCLE_TIME_MS
   size_t cache_capacity = 1024;             // RINGREDUCE_CACHE_CAPACITY
   double stall_check_s = 60;                // RINGREDUCE_STALL_CHECK_SECONDS

@@ -30,7 +30,7 @@ class Timeline;
 
 struct NegotiatorOptions {
   int size = 1;
-  uint64_t fusion_threshold = 64 << 20;
+  uint64_t fusion_threshold = 256ULL << 20;
   double stall_check_s = 60;    // 0: never warn
   double stall_shutdown_s = 0;  // 0: never fail
 };

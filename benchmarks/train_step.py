@@ -16,6 +16,10 @@ One step, per implementation, each on its own buffers:
 * ``ringreduce``: ``rr.allreduce_async_(g, op=rr.Sum, name=f"grad.{i}")`` for every tensor in
   backward order (fc first, conv1 last), then ``rr.synchronize`` on every handle;
 * ``mpi-loop``: ``MPI_Allreduce(MPI_IN_PLACE, g)`` for each tensor (off with ``--no-mpi-loop``);
+* with ``--breakdown``, three more ringreduce rows that take a step's costs away one at a
+  time: ``rr-grouped`` (one ``grouped_allreduce_`` of the same separate arrays: no per-tensor
+  submits, one response), ``rr-grouped-views`` (the same, the tensors being views of one
+  array) and ``rr-one-array`` (one ``allreduce_`` of one array of the total size);
 * ``mpi-packed``: one ``MPI_Allreduce(MPI_IN_PLACE, flat)`` of a buffer of the total size,
   packing not counted (the ideal a fusing engine tries to reach).
 
@@ -51,6 +55,10 @@ import ringreduce as rr
 
 COMM = MPI.COMM_WORLD
 RR, LOOP, PACKED = "ringreduce", "mpi-loop", "mpi-packed"
+#: --breakdown: the same bytes through ringreduce without a step's costs, one at a time.
+RR_GROUPED, RR_VIEWS, RR_ONE = "rr-grouped", "rr-grouped-views", "rr-one-array"
+#: Implementations whose buffers are one flat array.
+FLAT = (PACKED, RR_ONE)
 #: Settings that shape the engine's behaviour on this benchmark; always printed (or "unset").
 ENGINE_ENV = (
     "RINGREDUCE_FUSION_THRESHOLD",
@@ -157,6 +165,24 @@ def rr_step(grads: Sequence[np.ndarray]) -> StepFn:
     return step
 
 
+def rr_grouped_step(grads: Sequence[np.ndarray]) -> StepFn:
+    """ringreduce: one ``grouped_allreduce_`` of every tensor (one response, one submit)."""
+
+    def step() -> None:
+        rr.grouped_allreduce_(list(grads), op=rr.Sum, name="grads")
+
+    return step
+
+
+def rr_one_array_step(flat: np.ndarray) -> StepFn:
+    """ringreduce: one ``allreduce_`` of a single array holding every gradient."""
+
+    def step() -> None:
+        rr.allreduce_(flat, op=rr.Sum, name="flat")
+
+    return step
+
+
 def mpi_loop_step(grads: Sequence[np.ndarray]) -> StepFn:
     """One in-place MPI_Allreduce per tensor (forward order, as a naive loop would)."""
 
@@ -177,11 +203,14 @@ def mpi_packed_step(flat: np.ndarray) -> StepFn:
 
 
 def make_buffers(
-    counts: Sequence[int], with_loop: bool
+    counts: Sequence[int], with_loop: bool, breakdown: bool = False
 ) -> tuple[dict[str, StepFn], dict[str, list[np.ndarray]]]:
     """Allocate each implementation's own zeroed buffers and its step function.
 
     Separate buffers keep one implementation from finding the previous one's data in cache.
+    With ``breakdown``, three more ringreduce rows take a step's costs away one at a time:
+    the per-tensor submits (``rr-grouped``), the separate arrays (``rr-grouped-views``: the
+    tensors are views of one array) and the tensor boundaries (``rr-one-array``).
 
     Returns
     -------
@@ -195,6 +224,15 @@ def make_buffers(
     if with_loop:
         buffers[LOOP] = [np.zeros(n, np.float32) for n in counts]
         steps[LOOP] = mpi_loop_step(buffers[LOOP])
+    if breakdown:
+        buffers[RR_GROUPED] = [np.zeros(n, np.float32) for n in counts]
+        steps[RR_GROUPED] = rr_grouped_step(buffers[RR_GROUPED])
+        whole = np.zeros(int(sum(counts)), np.float32)
+        ends = np.cumsum(counts)
+        buffers[RR_VIEWS] = [whole[e - n : e] for n, e in zip(counts, ends)]
+        steps[RR_VIEWS] = rr_grouped_step(buffers[RR_VIEWS])
+        buffers[RR_ONE] = [np.zeros(int(sum(counts)), np.float32)]
+        steps[RR_ONE] = rr_one_array_step(buffers[RR_ONE][0])
     buffers[PACKED] = [np.zeros(int(sum(counts)), np.float32)]
     steps[PACKED] = mpi_packed_step(buffers[PACKED][0])
     return steps, buffers
@@ -225,7 +263,7 @@ def check(steps: dict[str, StepFn], buffers: dict[str, list[np.ndarray]]) -> dic
     ok = {"mpi-reference": all(np.array_equal(x, n * b + n * (n + 1) // 2)
                                for x, b in zip(ref, bases))}
     for name, bufs in buffers.items():
-        if name == PACKED:
+        if name in FLAT:
             np.concatenate(inputs, out=bufs[0])
             steps[name]()
             ok[name] = bool(np.array_equal(bufs[0], np.concatenate(ref)))
@@ -323,12 +361,12 @@ def table(results: Sequence[Summary], nbytes: int) -> list[str]:
     """The results table: one row per implementation."""
     by = {s.impl: s for s in results}
     lines = [
-        f"{'impl':<12} {'median ms':>10} {'p90 ms':>9} {'algbw GB/s':>11} "
+        f"{'impl':<16} {'median ms':>10} {'p90 ms':>9} {'algbw GB/s':>11} "
         f"{'vs ' + LOOP:>12} {'vs ' + PACKED:>14}"
     ]
     for s in results:
         lines.append(
-            f"{s.impl:<12} {s.median * 1e3:>10.2f} {s.p90 * 1e3:>9.2f} "
+            f"{s.impl:<16} {s.median * 1e3:>10.2f} {s.p90 * 1e3:>9.2f} "
             f"{nbytes / s.median / 1e9:>11.2f} {speedup(by.get(LOOP), s):>12} "
             f"{speedup(by[PACKED], s):>14}"
         )
@@ -408,6 +446,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0, help="multiply tensor sizes by this (1)")
     p.add_argument("--idle-seconds", type=float, default=3.0, help="idle measurement (3)")
     p.add_argument("--no-mpi-loop", action="store_true", help="skip the per-tensor MPI loop")
+    p.add_argument("--breakdown", action="store_true",
+                   help="add rr-grouped, rr-grouped-views and rr-one-array rows")
     p.add_argument("--csv", metavar="PATH", help="write one row per implementation here")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.scale <= 0 or args.idle_seconds <= 0:
@@ -437,7 +477,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     counts = [n for _, n in sizes]
     for line in describe(sizes, args.scale):
         say(line, flush=True)
-    steps, buffers = make_buffers(counts, with_loop=not args.no_mpi_loop)
+    steps, buffers = make_buffers(counts, with_loop=not args.no_mpi_loop,
+                                  breakdown=args.breakdown)
     ok = check(steps, buffers)
     say("# check (same inputs, exact): "
         + ", ".join(f"{k} {'OK' if v else 'WRONG'}" for k, v in ok.items()), flush=True)

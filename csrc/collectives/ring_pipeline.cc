@@ -24,9 +24,16 @@ class RingTask : public ProgressTask {
         at_mark_(std::move(at_mark)),
         mark_(mark) {}
 
+  // A chunk at a time: a received chunk that the next step forwards goes out
+  // right after it was reduced or placed, while it is still in L1/L2.
   bool advance(size_t* pending) override {
-    bool moved = advance_recv();
-    moved |= advance_send();
+    bool moved = false;
+    for (;;) {
+      bool m = advance_recv();
+      m |= advance_send();
+      if (!m) break;
+      moved = true;
+    }
     *pending = (steps_.size() - rt_) + (steps_.size() - st_);
     return moved;
   }
@@ -43,9 +50,10 @@ class RingTask : public ProgressTask {
     while (rt_ < steps_.size()) {
       const RingStep& s = steps_[rt_];
       if (rdone_ < s.recv_bytes) {
-        size_t k = left_->recv_some(*s.sink, s.recv_bytes, rdone_);
+        size_t k = left_->recv_some(*s.sink, std::min(s.recv_bytes, rdone_ + chunk_), rdone_);
         rdone_ += k;
         moved |= k > 0;
+        if (k > 0 && rdone_ < s.recv_bytes) break;
       }
       if (rdone_ < s.recv_bytes) break;
       ++rt_;

@@ -25,10 +25,27 @@ void SegmentReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
   });
 }
 
+bool SegmentReduceSink::consume_forward(const uint8_t* data, size_t offset, size_t n,
+                                        uint8_t* out, bool stream) {
+  segs_->for_each(base_ + offset, n, [&](uint8_t* dst, size_t rel, size_t len) {
+    reduce_forward(dst, data + rel, len, out + rel, stream, dtype_, op_, finalize_ranks_,
+                   postscale_);
+  });
+  return true;
+}
+
 void SegmentCopySink::consume(const uint8_t* data, size_t offset, size_t n) {
   segs_->for_each(base_ + offset, n, [&](uint8_t* dst, size_t rel, size_t len) {
-    streaming_ ? stream_copy(dst, data + rel, len) : static_cast<void>(std::memcpy(dst, data + rel, len));
+    copy_to(dst, data + rel, len, streaming_);
   });
+}
+
+bool SegmentCopySink::consume_forward(const uint8_t* data, size_t offset, size_t n,
+                                      uint8_t* out, bool stream) {
+  segs_->for_each(base_ + offset, n, [&](uint8_t* dst, size_t rel, size_t len) {
+    copy_twice(dst, streaming_, out + rel, stream, data + rel, len);
+  });
+  return true;
 }
 
 void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, DType dtype,

@@ -1,6 +1,9 @@
 #include "collectives/collective_util.h"
 
+#include <algorithm>
+
 #include "collectives/reduce_kernels.h"
+#include "common/stream_copy.h"
 #include "common/error.h"
 #include "transport/progress.h"
 
@@ -18,6 +21,24 @@ void ReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
   reduce_into(dst_ + offset, data, count, dtype_, op_);
   if (finalize_ranks_ > 0)
     finalize_reduction(dst_ + offset, count, dtype_, op_, postscale_, finalize_ranks_);
+}
+
+bool ReduceSink::consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                                 bool stream) {
+  reduce_forward(dst_ + offset, data, n, out, stream, dtype_, op_, finalize_ranks_, postscale_);
+  return true;
+}
+
+void reduce_forward(uint8_t* dst, const uint8_t* src, size_t n, uint8_t* out, bool stream,
+                    DType dtype, ReduceOp op, int finalize_ranks, double postscale) {
+  const size_t es = dtype_size(dtype);
+  for (size_t o = 0; o < n; o += kL1Block) {  // kL1Block holds whole elements of any dtype
+    const size_t len = std::min(kL1Block, n - o);
+    reduce_into(dst + o, src + o, len / es, dtype, op);
+    if (finalize_ranks > 0)
+      finalize_reduction(dst + o, len / es, dtype, op, postscale, finalize_ranks);
+    copy_to(out + o, dst + o, len, stream);
+  }
 }
 
 void send_recv(Context& ctx, int to, const void* sbuf, size_t sn, int from, RecvSink* sink,

@@ -33,6 +33,8 @@ class ReduceSink : public RecvSink {
         finalize_ranks_(finalize_ranks),
         postscale_(postscale) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
+  bool consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                       bool stream) override;
 
  private:
   uint8_t* dst_;
@@ -41,6 +43,12 @@ class ReduceSink : public RecvSink {
   int finalize_ranks_;
   double postscale_;
 };
+
+// dst (op)= src over n bytes, finalized if `finalize_ranks` > 0 (as ReduceSink
+// does), and the result copied to `out` too, L1 block by L1 block: the ring's
+// reduce-and-forward, reading each byte once.
+void reduce_forward(uint8_t* dst, const uint8_t* src, size_t n, uint8_t* out, bool stream,
+                    DType dtype, ReduceOp op, int finalize_ranks, double postscale);
 
 // Sends `sn` bytes to rank `to` while receiving `rn` bytes from rank `from`
 // into `sink`; either side may be empty (n == 0 or rank < 0).

@@ -13,6 +13,41 @@ namespace rr {
 
 namespace {
 
+// The sink of a step whose next step sends the same bytes on: once that send
+// has caught up with this receive and the right link has room, the step's
+// sink writes its result straight into the outgoing chunk as well (NCCL's
+// recvReduceCopySend), so the chunk is not read back to be sent.
+class ForwardSink : public RecvSink {
+ public:
+  ForwardSink(RecvSink* inner, Link* right, size_t message_bytes, size_t* sent)
+      : inner_(inner), right_(right), message_bytes_(message_bytes), sent_(sent) {}
+
+  void consume(const uint8_t* data, size_t offset, size_t n) override {
+    bool stream = false;
+    uint8_t* out = offset == *sent_ ? right_->claim_chunk(message_bytes_, &stream) : nullptr;
+    if (out && !stream && inner_->consume_forward(data, offset, n, out, stream)) {
+      right_->publish_chunk();
+      *sent_ += n;
+    } else {
+      inner_->consume(data, offset, n);
+    }
+  }
+  // A chunk that will be forwarded goes through consume(), not the transport.
+  uint8_t* direct(size_t offset, size_t len) override {
+    bool stream = false;
+    if (offset == *sent_ && right_->claim_chunk(message_bytes_, &stream) && !stream)
+      return nullptr;
+    return inner_->direct(offset, len);
+  }
+  bool streaming() const override { return inner_->streaming(); }
+
+ private:
+  RecvSink* inner_;
+  Link* right_;
+  size_t message_bytes_;
+  size_t* sent_;
+};
+
 class RingTask : public ProgressTask {
  public:
   RingTask(Link* left, Link* right, const std::vector<RingStep>& steps, size_t chunk,
@@ -50,7 +85,14 @@ class RingTask : public ProgressTask {
     while (rt_ < steps_.size()) {
       const RingStep& s = steps_[rt_];
       if (rdone_ < s.recv_bytes) {
-        size_t k = left_->recv_some(*s.sink, std::min(s.recv_bytes, rdone_ + chunk_), rdone_);
+        const size_t limit = std::min(s.recv_bytes, rdone_ + chunk_);
+        size_t k;
+        if (forwarding()) {
+          ForwardSink sink(s.sink, right_, steps_[st_].send_bytes, &sdone_);
+          k = left_->recv_some(sink, limit, rdone_);
+        } else {
+          k = left_->recv_some(*s.sink, limit, rdone_);
+        }
         rdone_ += k;
         moved |= k > 0;
         if (k > 0 && rdone_ < s.recv_bytes) break;
@@ -61,6 +103,12 @@ class RingTask : public ProgressTask {
       if (rt_ == mark_ && at_mark_) at_mark_();
     }
     return moved;
+  }
+
+  // Whether the step being received feeds the step being sent (which may
+  // then take chunks straight from the receive, see ForwardSink).
+  bool forwarding() const {
+    return gathers_ && st_ == rt_ + 1 && st_ < steps_.size() && steps_[st_].follows;
   }
 
   // Bytes of the current send step that may go out now.
@@ -154,6 +202,10 @@ class SliceSink : public RecvSink {
   }
   uint8_t* direct(size_t offset, size_t len) override { return inner_->direct(base_ + offset, len); }
   bool streaming() const override { return inner_->streaming(); }
+  bool consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                       bool stream) override {
+    return inner_->consume_forward(data, base_ + offset, n, out, stream);
+  }
 
  private:
   RecvSink* inner_;

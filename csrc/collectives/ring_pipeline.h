@@ -19,6 +19,13 @@
 // the allgather's re-read of each reduced segment from DRAM into a cache hit.
 // Ranks must agree on the slice size (the engine checks it at start-up).
 //
+// Progress goes a chunk at a time (receive one, then send what may go), so a
+// received chunk is forwarded right after it was reduced or placed. On links
+// that can expose their outgoing chunk (shm), a chunk the next step forwards
+// is written there by the receiving sink itself when the send has caught up
+// (reduce into the buffer and copy out, L1 block by L1 block, see
+// RecvSink::consume_forward): NCCL's recvReduceCopySend.
+//
 // Invariants: messages on each link go strictly in step order; the bytes of a
 // following step's send that are released never exceed what the step before
 // it received.

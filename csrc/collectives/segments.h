@@ -64,6 +64,8 @@ class SegmentReduceSink : public RecvSink {
       : segs_(segs), base_(base), dtype_(dtype), op_(op), finalize_ranks_(finalize_ranks),
         postscale_(postscale) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
+  bool consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                       bool stream) override;
 
  private:
   const Segments* segs_;
@@ -82,6 +84,8 @@ class SegmentCopySink : public RecvSink {
   SegmentCopySink(const Segments* segs, size_t base, bool streaming)
       : segs_(segs), base_(base), streaming_(streaming) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
+  bool consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                       bool stream) override;
   uint8_t* direct(size_t offset, size_t len) override {
     return segs_->contiguous(base_ + offset, len);
   }

@@ -38,4 +38,22 @@ void stream_copy(void* dst, const void* src, size_t n) {
 #endif
 }
 
+void copy_to(void* dst, const void* src, size_t n, bool stream) {
+  if (stream)
+    stream_copy(dst, src, n);
+  else
+    std::memcpy(dst, src, n);
+}
+
+void copy_twice(void* a, bool stream_a, void* b, bool stream_b, const void* src, size_t n) {
+  auto* pa = static_cast<uint8_t*>(a);
+  auto* pb = static_cast<uint8_t*>(b);
+  const auto* s = static_cast<const uint8_t*>(src);
+  for (size_t o = 0; o < n; o += kL1Block) {
+    const size_t len = n - o < kL1Block ? n - o : kL1Block;
+    copy_to(pa + o, s + o, len, stream_a);
+    copy_to(pb + o, s + o, len, stream_b);
+  }
+}
+
 }  // namespace rr

@@ -27,6 +27,14 @@ class RecvSink {
   virtual uint8_t* direct(size_t /*offset*/, size_t /*len*/) { return nullptr; }
   // True if direct bytes should bypass the caches (see common/stream_copy.h).
   virtual bool streaming() const { return false; }
+  // Like consume(), and also writes the bytes the sink now holds at
+  // [offset, offset + n) (its result: reduced, finalized) to `out`, with
+  // streaming stores if `stream`; lets a ring forward a chunk without reading
+  // it back. Returns false, having done nothing, if the sink cannot.
+  virtual bool consume_forward(const uint8_t* /*data*/, size_t /*offset*/, size_t /*n*/,
+                               uint8_t* /*out*/, bool /*stream*/) {
+    return false;
+  }
 };
 
 // One piece of a gathered send.
@@ -57,8 +65,13 @@ class Link {
   virtual size_t send_piece(const uint8_t* data, size_t len, size_t /*message_bytes*/) {
     return send_some(data, len, 0);
   }
-  // Whether send_gather is supported.
+  // Whether send_gather and claim_chunk/publish_chunk are supported.
   virtual bool gathers() const { return false; }
+  // Where the next chunk of a message of `message_bytes` may be written in
+  // place (nullptr when the link is full), and whether to use streaming
+  // stores; publish_chunk() sends it. Nothing is sent until then.
+  virtual uint8_t* claim_chunk(size_t /*message_bytes*/, bool* /*stream*/) { return nullptr; }
+  virtual void publish_chunk() {}
   // Sends the next chunk of a message of `message_bytes`, starting on a chunk
   // boundary, from `count` pieces (at most one chunk in total): all of it, or
   // nothing (returns 0) when the link is full. Spares the caller staging a
@@ -90,6 +103,8 @@ class CopySink : public RecvSink {
   explicit CopySink(void* dst, bool streaming = false)
       : dst_(static_cast<uint8_t*>(dst)), streaming_(streaming) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
+  bool consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                       bool stream) override;
   uint8_t* direct(size_t offset, size_t /*len*/) override { return dst_ + offset; }
   bool streaming() const override { return streaming_; }
 

@@ -20,10 +20,13 @@
 namespace rr {
 
 void CopySink::consume(const uint8_t* data, size_t offset, size_t n) {
-  if (streaming_)
-    stream_copy(dst_ + offset, data, n);
-  else
-    std::memcpy(dst_ + offset, data, n);
+  copy_to(dst_ + offset, data, n, streaming_);
+}
+
+bool CopySink::consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                               bool stream) {
+  copy_twice(dst_ + offset, streaming_, out, stream, data, n);
+  return true;
 }
 
 namespace {

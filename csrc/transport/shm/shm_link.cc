@@ -54,12 +54,22 @@ size_t ShmLink::write_slots(const uint8_t* data, size_t n, size_t done, bool str
     uint8_t* slot = free_slot(tail);
     if (!slot) break;
     size_t len = std::min(slot_bytes_, n - done);
-    stream ? stream_copy(slot, data + done, len) : static_cast<void>(std::memcpy(slot, data + done, len));
+    copy_to(slot, data + done, len, stream);
     publish(++tail);
     done += len;
   }
   if (done != start) theirs_->header()->doorbell.ring();
   return done - start;
+}
+
+uint8_t* ShmLink::claim_chunk(size_t message_bytes, bool* stream) {
+  *stream = streaming_allowed_ && message_bytes >= stream_from_;
+  return free_slot(out_->tail.load(std::memory_order_relaxed));
+}
+
+void ShmLink::publish_chunk() {
+  publish(out_->tail.load(std::memory_order_relaxed) + 1);
+  theirs_->header()->doorbell.ring();
 }
 
 size_t ShmLink::send_gather(const IoPiece* pieces, size_t count, size_t message_bytes) {
@@ -70,9 +80,7 @@ size_t ShmLink::send_gather(const IoPiece* pieces, size_t count, size_t message_
   size_t off = 0;
   for (size_t i = 0; i < count; ++i) {
     RR_CHECK(off + pieces[i].len <= slot_bytes_, "send_gather: more than one slot");
-    uint8_t* dst = slot + off;
-    stream ? stream_copy(dst, pieces[i].data, pieces[i].len)
-           : static_cast<void>(std::memcpy(dst, pieces[i].data, pieces[i].len));
+    copy_to(slot + off, pieces[i].data, pieces[i].len, stream);
     off += pieces[i].len;
   }
   publish(++tail);
@@ -89,7 +97,7 @@ size_t ShmLink::recv_some(RecvSink& sink, size_t n, size_t done) {
     size_t len = std::min(slot_bytes_, n - done);
     const uint8_t* src = mine_->slot(in_index_, head % slots_);
     if (uint8_t* dst = sink.direct(done, len))
-      sink.streaming() ? stream_copy(dst, src, len) : static_cast<void>(std::memcpy(dst, src, len));
+      copy_to(dst, src, len, sink.streaming());
     else
       sink.consume(src, done, len);
     ++head;

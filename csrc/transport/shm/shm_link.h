@@ -31,6 +31,8 @@ class ShmLink : public Link {
   size_t send_piece(const uint8_t* data, size_t len, size_t message_bytes) override;
   bool gathers() const override { return true; }
   size_t send_gather(const IoPiece* pieces, size_t count, size_t message_bytes) override;
+  uint8_t* claim_chunk(size_t message_bytes, bool* stream) override;
+  void publish_chunk() override;
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
   WaitHandle wait_handle() const override { return WaitHandle{-1, true}; }
   void check_alive() override;

@@ -142,7 +142,9 @@ class CpuExecutor : public Executor {
   void allreduce_segmented(const Response& r, const std::vector<Entry*>& local) {
     const RequestMeta& m = r.tensors.front();
     Segments segs;
-    phase("COPY_OUT_OF_PLACE_INPUTS");
+    const bool copies = std::any_of(local.begin(), local.end(),
+                                    [](const Entry* e) { return e->out != e->in; });
+    if (copies || m.prescale != 1.0) phase("COPY_OUT_OF_PLACE_INPUTS");
     for (size_t i = 0; i < r.tensors.size(); ++i) {
       Entry* e = local[i];
       const size_t n = r.tensors[i].bytes();

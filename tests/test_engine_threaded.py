@@ -395,3 +395,28 @@ def test_unmatched_join_warns_then_fails_instead_of_hanging(capfd):
     assert "rank 1 neither joined nor submitted anything" in capfd.readouterr().err
     for c in w:
         c.close()
+
+
+def test_two_host_coordinator_wakes_for_a_late_shm_worker():
+    """Rank 0 of a two-host job sleeps in poll() (its worker on the other host is a TCP
+    peer); a late request from its shm worker must wake it through the doorbell watcher
+    (coordination/doorbell_watcher.h), not after poll()'s 100 ms liveness timeout."""
+    w = make_world(3, ["a", "a", "b"])
+    assert w[0].transport_to(1) == "shm" and w[0].transport_to(2) == "tcp"
+
+    def body(c):
+        late = []
+        for i, pause in enumerate((0.25, 0.22, 0.35, 0.24, 0.36)):
+            if c.rank() == 1:
+                time.sleep(pause)  # the others wait; rank 0's engine goes to sleep
+            t0 = time.perf_counter()
+            c.allreduce(np.ones(4), name=f"late{i}")
+            late.append(time.perf_counter() - t0)
+        return late
+
+    try:
+        res = run_threaded(3, body, world=w)
+        assert max(res[1]) < 0.03, f"rank 1's late allreduces took {res[1]} s"
+    finally:
+        for c in w:
+            c.close()

@@ -23,6 +23,7 @@ import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from procs import (
@@ -38,7 +39,15 @@ FAULT = "fault_worker.py"
 VICTIM = 1
 DETECT_S = 5.0  # a survivor must raise this soon after the kill
 NEXT_S = 1.0  # ... and its next collective this soon after that
-TRANSPORTS = {"shm": {}, "tcp": {"RINGREDUCE_TRANSPORT": "tcp"}}
+TRANSPORTS = {"shm": {}, "tcp": {"RINGREDUCE_TRANSPORT": "tcp"}, "two-hosts": {}}
+
+
+def rank_env(transport: str, n: int) -> Optional[list[dict[str, str]]]:
+    """``two-hosts`` (env launches only): ranks 0 and 1 share a fake host, the others
+    another, so rank 0's engine waits on a shm and a TCP worker at once."""
+    if transport != "two-hosts":
+        return None
+    return [{"RINGREDUCE_HOST_ID": "host-a" if r < 2 else "host-b"} for r in range(n)]
 
 
 def random_delay(lo: float = 0.1, hi: float = 1.0) -> float:
@@ -54,8 +63,10 @@ def launch(launcher: str, n: int, scenario: str, transport: str, sync_dir: Path,
             "--linger", linger, *extra]
     if scenario == "during" and "--delay" not in extra:
         args += ["--delay", random_delay(0.02, 1.0)]  # from the first negotiation on
-    run = run_mpi if launcher == "mpirun" else run_env_launch
-    return run(n, FAULT, args, env=TRANSPORTS[transport], timeout=timeout)
+    if launcher == "mpirun":
+        return run_mpi(n, FAULT, args, env=TRANSPORTS[transport], timeout=timeout)
+    return run_env_launch(n, FAULT, args, env=TRANSPORTS[transport], timeout=timeout,
+                          rank_env=rank_env(transport, n))
 
 
 def kill_time(job: Job, victim: int = VICTIM) -> float:
@@ -104,7 +115,7 @@ def check_survivors_noticed(job: Job, n: int, op: str = "allreduce",
 # ---------------------------------------------------------------- SIGKILL
 @pytest.mark.parametrize("scenario, transport", [
     ("during", "shm"), ("during", "tcp"), ("idle", "shm"), ("idle", "tcp"), ("init", "shm"),
-    ("init", "tcp"),
+    ("init", "tcp"), ("idle", "two-hosts"),
 ])
 def test_kill_one_rank_env_launch(scenario, transport, tmp_path, record_property):
     """(a) during 64 MB allreduces, at a random point, (b) while the others wait,
@@ -174,7 +185,7 @@ def test_kill_during_negotiation(victim, transport, tmp_path, record_property):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "two-hosts"])
 @VICTIMS
 def test_kill_while_engines_idle(victim, transport, tmp_path, record_property):
     """Nobody calls anything when the victim dies: the engines must notice by themselves.

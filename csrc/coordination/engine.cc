@@ -203,6 +203,7 @@ void Engine::shutdown() {
   }
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
+  watcher_.reset();  // before the Context (and its doorbell) can go away
   fail_all(ErrorKind::kInternal,
            cat("rank ", rank_, ": ringreduce was shut down before this collective completed"));
   ctx_->set_phase_observer(nullptr);
@@ -293,16 +294,28 @@ void Engine::block(int64_t timeout_ns) {
     bell->set_sleeping(false);
     return;
   }
-  int64_t ms = (timeout_ns + 999999) / 1000000;
-  if (any_shm) ms = std::min<int64_t>(ms, 1);
+  // Sockets, and shm peers too: the watcher turns a doorbell ring into an
+  // eventfd write (protocol in doorbell_watcher.h).
+  const bool watch = any_shm && bell;
+  if (watch) {
+    if (!watcher_) watcher_ = std::make_unique<DoorbellWatcher>(bell, wake_fd_);
+    const uint32_t seen = bell->snapshot();
+    bell->set_sleeping(true);
+    watcher_->arm(seen);
+  }
   polling_.store(true);
-  if (!stop_.load() && !ready_to_start() &&
-      ::poll(fds.data(), fds.size(), static_cast<int>(ms)) > 0 && (fds[0].revents & POLLIN)) {
+  const int ms = static_cast<int>((timeout_ns + 999999) / 1000000);
+  if (!stop_.load() && !ready_to_start() && ::poll(fds.data(), fds.size(), ms) > 0 &&
+      (fds[0].revents & POLLIN)) {
     uint64_t v;
     ssize_t ignored = ::read(wake_fd_, &v, sizeof v);
     (void)ignored;
   }
   polling_.store(false);
+  if (watch) {
+    watcher_->disarm();
+    bell->set_sleeping(false);
+  }
 }
 
 // -------------------------------------------------------------- failures

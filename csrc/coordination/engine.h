@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "coordination/control.h"
+#include "coordination/doorbell_watcher.h"
 #include "coordination/executor.h"
 #include "coordination/handle.h"
 #include "coordination/negotiator.h"
@@ -120,6 +121,7 @@ class Engine {
   uint64_t round_ = 0;
   double last_round_ = -1e9;
   int wake_fd_ = -1;
+  std::unique_ptr<DoorbellWatcher> watcher_;  // made on the first mixed shm + TCP sleep
   std::chrono::steady_clock::time_point t0_;
   std::thread thread_;
 };

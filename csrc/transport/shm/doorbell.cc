@@ -1,6 +1,7 @@
 #include "transport/shm/doorbell.h"
 
 #include <linux/futex.h>
+#include <climits>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -17,7 +18,8 @@ void Doorbell::wait(uint32_t seen, int64_t timeout_ns) {
 }
 
 void Doorbell::wake() {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
+          0);
 }
 
 }  // namespace rr

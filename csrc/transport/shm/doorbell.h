@@ -5,7 +5,9 @@
 // All accesses are sequentially consistent, so either the waiter's re-check
 // sees the published data, or the notifier sees sleeping == 1 and wakes it, or
 // seq has changed before futex_wait and the kernel returns at once.
-// Only the owning rank's single communication thread ever waits on its bell.
+// Waiters are the owning rank's communication thread and, in a multi-host job,
+// rank 0's DoorbellWatcher helper (coordination/doorbell_watcher.h), so a
+// wake-up wakes every waiter.
 #pragma once
 
 #include <atomic>
@@ -23,6 +25,11 @@ class Doorbell {
   void ring() {
     seq_.fetch_add(1);
     if (sleeping_.load()) wake();
+  }
+  // Rings and wakes every waiter whether or not one announced itself.
+  void ring_and_wake() {
+    seq_.fetch_add(1);
+    wake();
   }
   // Sleeps until rung or `timeout_ns` passes, unless seq already differs from
   // `seen`. The caller sets the sleeping flag and re-checks first.

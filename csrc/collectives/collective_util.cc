@@ -45,7 +45,8 @@ void send_recv(Context& ctx, int to, const void* sbuf, size_t sn, int from, Recv
                size_t rn, const std::string& what) {
   std::vector<SendOp> sends;
   std::vector<RecvOp> recvs;
-  if (to >= 0 && sn > 0) sends.push_back(SendOp{&ctx.link(to), static_cast<const uint8_t*>(sbuf), sn});
+  if (to >= 0 && sn > 0)
+    sends.push_back(SendOp{&ctx.link(to), static_cast<const uint8_t*>(sbuf), sn});
   if (from >= 0 && rn > 0) recvs.push_back(RecvOp{&ctx.link(from), sink, rn});
   run_transfers(ctx.progress(), sends, recvs, [&what] { return what; });
 }

@@ -200,7 +200,9 @@ class SliceSink : public RecvSink {
   void consume(const uint8_t* data, size_t offset, size_t n) override {
     inner_->consume(data, base_ + offset, n);
   }
-  uint8_t* direct(size_t offset, size_t len) override { return inner_->direct(base_ + offset, len); }
+  uint8_t* direct(size_t offset, size_t len) override {
+    return inner_->direct(base_ + offset, len);
+  }
   bool streaming() const override { return inner_->streaming(); }
   bool consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
                        bool stream) override {

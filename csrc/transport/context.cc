@@ -131,7 +131,8 @@ void Context::compute_topology() {
     }
   }
   cross_size_ = static_cast<int>(hosts.size());
-  cross_rank_ = static_cast<int>(std::find(hosts.begin(), hosts.end(), opt_.host_id) - hosts.begin());
+  cross_rank_ =
+      static_cast<int>(std::find(hosts.begin(), hosts.end(), opt_.host_id) - hosts.begin());
 }
 
 bool Context::use_shm_with(int peer) const {

@@ -101,7 +101,8 @@ void block_once(const ProgressSettings& st, ProgressTask& task, const std::vecto
   fds->clear();
   for (const auto& p : io) {
     WaitHandle w = p.link->wait_handle();
-    if (w.fd >= 0) fds->push_back(pollfd{w.fd, static_cast<short>(p.sending ? POLLOUT : POLLIN), 0});
+    const short events = p.sending ? POLLOUT : POLLIN;
+    if (w.fd >= 0) fds->push_back(pollfd{w.fd, events, 0});
     any_shm |= w.doorbell;
   }
   Doorbell* bell = st.doorbell;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -74,7 +75,7 @@ class Communicator:
         self._ctx = context
         self._engine = _core.Engine(context)
         self._lock = threading.Lock()
-        self._in_flight: list[Handle] = []  # keeps buffers alive until complete
+        self._in_flight: deque[Handle] = deque()  # keeps buffers alive until complete
         self._prune_at = 64
         self._groups = 0
         self._close_lock = threading.Lock()
@@ -123,12 +124,18 @@ class Communicator:
 
     # ------------------------------------------------------------------ helpers
     def _track(self, core: Any, finish: Callable[[Any], Any], keep: tuple) -> Handle:
+        # Appends need no lock (deque.append is atomic); only the left end is
+        # pruned, under the lock, every 64 appends: handles finish roughly in
+        # submission order, and one still in flight keeps the ones behind it
+        # until it finishes. A handle already waited on needs no engine call.
         h = Handle(core, finish, keep)
-        with self._lock:
-            if len(self._in_flight) >= self._prune_at:  # amortized O(1) per call
-                self._in_flight = [x for x in self._in_flight if not x.done()]
-                self._prune_at = max(64, 2 * len(self._in_flight))
-            self._in_flight.append(h)
+        q = self._in_flight
+        q.append(h)
+        if len(q) >= self._prune_at:
+            with self._lock:
+                while q and (q[0]._finish is None or q[0].done()):
+                    q.popleft()
+                self._prune_at = len(q) + 64
         return h
 
     @staticmethod

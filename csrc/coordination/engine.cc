@@ -131,10 +131,11 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
     throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": cannot start ",
                 coll_name(entries[0].meta.kind), " '", entries[0].meta.name,
                 "': ringreduce has been shut down; call init() again");
-  std::unordered_set<std::string> batch;
+  std::unordered_set<std::string> batch;  // names within this call (a group)
+  const bool group = entries.size() > 1;
   for (const Entry& e : entries) {
     const std::string& n = e.meta.name;
-    if (!n.empty() && (in_flight_.count(n) || !batch.insert(n).second))
+    if (!n.empty() && (in_flight_.count(n) || (group && !batch.insert(n).second)))
       throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(e.meta.kind), " '",
                   n, "': a tensor of this name is already in flight on this rank; synchronize() ",
                   "it before submitting the name again, or give each tensor its own name");

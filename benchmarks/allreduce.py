@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+from bench_common import init_ringreduce
 from mpi4py import MPI
 
 import ringreduce as rr
@@ -481,11 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         Process exit status: 0, or 1 when any implementation returned a wrong sum.
     """
     args = parse_args(argv)
-    rr.init()
-    if rr.size() != COMM.Get_size():
-        raise RuntimeError(f"ringreduce size {rr.size()} != MPI size {COMM.Get_size()}")
-    root = COMM.Get_rank() == 0
-    say = print if root else (lambda *a, **k: None)
+    root, say = init_ringreduce(COMM)
     start = time.perf_counter()
 
     impls, notes = implementations(args.peers)

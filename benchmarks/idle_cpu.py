@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
+from bench_common import init_ringreduce
 from mpi4py import MPI
 from train_step import idle_cpu_percent
 
@@ -43,15 +44,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n, r = comm.Get_size(), comm.Get_rank()
     if args.hosts > 1:
         os.environ["RINGREDUCE_HOST_ID"] = f"fake-host-{r * args.hosts // n}"
-    rr.init()
+    root, say = init_ringreduce(comm)
     rr.allreduce(np.ones(4))  # the engine has started and run a round
     links = ", ".join(f"{p}:{rr._comm().transport_to(p)}" for p in range(n) if p != r)
     idle = idle_cpu_percent(args.seconds)
     lines = comm.gather(f"rank {r} (links {links or 'none'}): idle CPU {idle[r][0]:.2f}% of "
                         f"one core, {idle[r][1]} threads")
-    if r == 0:
-        print(f"# {n} ranks on {args.hosts} fake host(s), {args.seconds:g} s asleep")
-        print("\n".join(lines))
+    if root:
+        say(f"# {n} ranks on {args.hosts} fake host(s), {args.seconds:g} s asleep")
+        say("\n".join(lines))
     rr.shutdown()
     return 0
 

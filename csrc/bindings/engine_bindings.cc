@@ -71,7 +71,14 @@ py::array output_array(HandleState& h, size_t i) {
 
 void bind_handle(py::module_& m) {
   py::class_<HandleState, std::shared_ptr<HandleState>>(m, "Handle")
-      .def("wait", &HandleState::wait, py::call_guard<py::gil_scoped_release>())
+      .def("wait",
+           [](HandleState& h) {
+             // A completed handle (the common case in a synchronize loop
+             // after the last one) needs no GIL hand-off.
+             if (h.done()) return h.rethrow();
+             py::gil_scoped_release nogil;
+             h.wait();
+           })
       .def("done", &HandleState::done)
       .def("output", &output_array)
       .def("output_shape", [](HandleState& h, size_t i) { return h.outputs.at(i).shape; })

@@ -146,7 +146,8 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   // at the same point get a mismatch error naming both calls.
   uint64_t counter = noname_;
   for (Entry& e : entries) {
-    if (e.meta.name.empty() && !e.join) e.meta.name = cat("noname.", counter++);
+    if (!e.meta.name.empty() || e.join) continue;  // validated by submit()
+    e.meta.name = cat("noname.", counter++);
     validate(e);
   }
   noname_ = counter;
@@ -162,6 +163,10 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
 std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   RR_CHECK(!entries.empty(), "rank ", rank_, ": submit of no tensors");
   auto h = std::make_shared<HandleState>(entries.size());
+  // Named entries are checked before taking the lock, which submitting
+  // threads and the engine contend for; unnamed ones need their name first.
+  for (Entry& e : entries)
+    if (!e.meta.name.empty() || e.join) validate(e);
   // notify() under the lock: shutdown() sets stopping_ under it before the
   // Context (and its doorbell) can go away.
   std::lock_guard<std::mutex> lock(mu_);

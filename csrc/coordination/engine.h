@@ -76,6 +76,7 @@ class Engine {
   void coordinator_round();
   void worker_round();
   std::vector<Entry> drain();
+  void release_names(const std::vector<std::string>& names);  // from in_flight_
   void record_local(std::vector<Entry>& fresh);
   std::vector<uint8_t> encode_requests(const std::vector<Entry>& fresh, bool join);
   void decode_requests(int rank, const std::vector<uint8_t>& payload, double now);

@@ -18,13 +18,23 @@ void expect(const CtrlMessage& m, CtrlType type, uint64_t round, int rank) {
 
 }  // namespace
 
+// The lock is held only for a swap: submitting threads contend for it, and a
+// contended mutex costs both sides a futex system call.
 std::vector<Entry> Engine::drain() {
+  std::deque<Entry> taken;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    taken.swap(queue_);
+    has_work_.store(false);
+  }
+  return std::vector<Entry>(std::make_move_iterator(taken.begin()),
+                            std::make_move_iterator(taken.end()));
+}
+
+void Engine::release_names(const std::vector<std::string>& names) {
+  if (names.empty()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<Entry> out(std::make_move_iterator(queue_.begin()),
-                         std::make_move_iterator(queue_.end()));
-  queue_.clear();
-  has_work_.store(false);
-  return out;
+  for (const std::string& n : names) in_flight_.erase(n);
 }
 
 // Fresh entries wait for their response in the pending table (looked up by
@@ -212,32 +222,33 @@ void Engine::execute(const Response& r) {
     fail_entries(r, e.kind(), e.what());
     return;
   }
+  // Names are released (one lock for the response) before handles resolve:
+  // a caller that saw its handle complete may submit the name again at once.
+  std::vector<std::shared_ptr<HandleState>> done;
+  std::vector<std::string> names;
   for (Entry* e : local) {
     if (!e) continue;
-    auto handle = e->handle;
-    std::string name = e->meta.name;
-    pending_.erase(name);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      in_flight_.erase(name);
-    }
-    handle->resolve_one();
+    done.push_back(std::move(e->handle));
+    names.push_back(e->meta.name);
   }
+  for (const std::string& n : names) pending_.erase(n);
+  release_names(names);
+  for (auto& h : done) h->resolve_one();
 }
 
 void Engine::fail_entries(const Response& r, ErrorKind kind, const std::string& msg) {
   const std::string text = msg.rfind("rank ", 0) == 0 ? msg : cat("rank ", rank_, ": ", msg);
+  std::vector<std::shared_ptr<HandleState>> failed;
+  std::vector<std::string> names;
   for (const RequestMeta& m : r.tensors) {
     auto it = pending_.find(m.name);
     if (it == pending_.end()) continue;
-    auto handle = it->second.handle;
+    failed.push_back(std::move(it->second.handle));
+    names.push_back(m.name);
     pending_.erase(it);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      in_flight_.erase(m.name);
-    }
-    handle->fail_one(kind, text);
   }
+  release_names(names);
+  for (auto& h : failed) h->fail_one(kind, text);
 }
 
 }  // namespace rr

@@ -45,4 +45,9 @@ void HandleState::wait() {
   if (failed_) throw Error(kind_, message_);
 }
 
+void HandleState::rethrow() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_) throw Error(kind_, message_);
+}
+
 }  // namespace rr

@@ -39,6 +39,8 @@ class HandleState {
   // a core with the engine threads doing the work (2 ranks x 2 threads on
   // 2 cores).
   void wait();
+  // Once done(): throws the failure if any (what wait() would throw).
+  void rethrow() const;
 
   std::vector<OwnedBuffer> outputs;       // by entry, for engine-allocated results
   std::vector<int64_t> received_splits;   // alltoall

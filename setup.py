@@ -3,8 +3,11 @@
 import glob
 import os
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Compile the sources in parallel (NPY_NUM_BUILD_JOBS, default: every core).
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -35,12 +35,18 @@ def dtype_code(dtype: np.dtype, op: str, name: Optional[str] = None) -> int:
     code = _BY_DTYPE.get(dtype)
     if code is not None:
         return code
-    code = _BY_NAME.get(np.dtype(dtype).name)
+    dtype = np.dtype(dtype)
+    if not dtype.isnative:
+        raise InvalidInputError(
+            f"{call_label(op, name)}: dtype {dtype.str} is not in this machine's byte order; "
+            "convert first, e.g. x.astype(x.dtype.newbyteorder('='))"
+        )
+    code = _BY_NAME.get(dtype.name)
     if code is not None:
         _BY_DTYPE[dtype] = code
     else:
         raise InvalidInputError(
-            f"{call_label(op, name)}: dtype {np.dtype(dtype).name} is not supported; "
+            f"{call_label(op, name)}: dtype {dtype.name} is not supported; "
             f"supported dtypes are {SUPPORTED} (convert first, e.g. x.astype(np.int32))"
         )
     return code

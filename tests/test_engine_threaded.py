@@ -94,12 +94,22 @@ def rr_grouped(c, xs):
 
 
 def test_duplicate_name_in_flight_is_refused_until_synchronized():
+    # Rank 1 submits only once rank 0 has checked: until then 'dup' cannot complete
+    # (were rank 1 first, rank 0's call could finish before its second submit).
+    checked = threading.Event()
+
     def body(c):
         x = np.ones(10, np.float32)
+        if c.rank() == 1:
+            assert checked.wait(60)
         h = c.allreduce_async(x, name="dup")
-        with pytest.raises(rr.InvalidInputError, match="'dup': a tensor of this name is "
-                                                       "already in flight"):
-            c.allreduce_async(x, name="dup")
+        if c.rank() == 0:
+            try:
+                with pytest.raises(rr.InvalidInputError, match="'dup': a tensor of this name "
+                                                               "is already in flight"):
+                    c.allreduce_async(x, name="dup")
+            finally:
+                checked.set()
         h.wait()
         return c.allreduce(x, name="dup", op=rr.Sum)  # free again once synchronized
 

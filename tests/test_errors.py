@@ -62,6 +62,51 @@ def test_in_place_needs_contiguous_writable(pair):
         pair[0].broadcast_(ro, root_rank=0)
 
 
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_", "allreduce_async_"])
+def test_byte_order_must_be_native(pair, call):
+    # A big-endian float32 must not be summed as if it were little-endian.
+    with pytest.raises(rr.InvalidInputError, match="byte order"):
+        getattr(pair[0], call)(np.arange(3, dtype=np.dtype(np.float32).newbyteorder()))
+
+
+def test_in_place_async_hot_path_checks(pair):
+    # allreduce_async_ checks plain arrays in C++; anything off takes the general path,
+    # which raises the same errors as the blocking form.
+    c = pair[0]
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(rr.InvalidInputError, match="read-only"):
+        c.allreduce_async_(ro)
+    with pytest.raises(rr.InvalidInputError, match="C-contiguous"):
+        c.allreduce_async_(np.zeros((4, 4), np.float32)[:, 1])
+    with pytest.raises(rr.InvalidInputError, match="op must be one of"):
+        c.allreduce_async_(np.zeros(3, np.float32), op=17)
+    with pytest.raises(rr.InvalidInputError, match="int16 is not supported"):
+        c.allreduce_async_(np.zeros(3, np.int16))
+    with pytest.raises(rr.InvalidInputError, match="not supported for dtype bool"):
+        c.allreduce_async_(np.zeros(3, bool), op=rr.Average)
+
+
+class Tagged(np.ndarray):
+    """An ndarray subclass (as frameworks and np.memmap make them)."""
+
+
+def test_in_place_async_takes_every_plain_input(pair):
+    def body(c):
+        r = c.rank()
+        xs = [np.full(3, r + 1, np.float32).view(Tagged), np.full((2, 2), r + 1, np.int64),
+              np.full(2, r + 1, np.float16), np.full(1, r + 1, np.uint8)]
+        # Names need not be strings (they become str(name)), and may be absent.
+        hs = [c.allreduce_async_(x, op=rr.Sum, name=i if i % 2 else None)
+              for i, x in enumerate(xs)]
+        return [rr.synchronize(h) for h in hs], xs
+
+    for out, xs in both(pair, body):
+        for got, x in zip(out, xs):
+            assert got is x
+            np.testing.assert_array_equal(x, np.full(x.shape, 3))
+
+
 def test_local_argument_errors(pair):
     c = pair[0]
     with pytest.raises(rr.InvalidInputError, match="root_rank must be an int in"):

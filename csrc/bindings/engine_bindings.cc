@@ -59,6 +59,44 @@ std::shared_ptr<HandleState> submit_one(Engine& eng, Entry e) {
   return eng.submit(std::move(v));
 }
 
+// The core's code for a numpy dtype that every path handles alike, or -1
+// (extension and non-native dtypes: the general path decides and words it).
+int32_t plain_dtype_code(const py::dtype& dt) {
+  struct Plain {
+    char kind;
+    py::ssize_t size;
+    DType dtype;
+  };
+  static constexpr Plain kPlain[] = {
+      {'f', 2, DType::kFloat16}, {'f', 4, DType::kFloat32}, {'f', 8, DType::kFloat64},
+      {'i', 1, DType::kInt8},    {'i', 4, DType::kInt32},   {'i', 8, DType::kInt64},
+      {'u', 1, DType::kUInt8},   {'b', 1, DType::kBool}};
+  if (dt.byteorder() != '=' && dt.byteorder() != '|') return -1;
+  const char kind = dt.kind();
+  const py::ssize_t size = dt.itemsize();
+  for (const Plain& p : kPlain)
+    if (p.kind == kind && p.size == size) return static_cast<int32_t>(p.dtype);
+  return -1;
+}
+
+// allreduce_async(_) of a plain numpy array, with the Python-side checks done
+// here (the hot path: one call per gradient). Returns None when the array or
+// an argument needs the general path, which converts or raises with context.
+py::object allreduce_array(Engine& eng, py::handle x, py::handle out, int32_t op,
+                           py::handle name, double pre, double post) {
+  if (!py::isinstance<py::array>(x) || !reduce_op_is_valid(op) ||
+      !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
+    return py::none();
+  const auto arr = py::reinterpret_borrow<py::array>(x);
+  if (!(arr.flags() & py::array::c_style) || (out.is(x) && !arr.writeable())) return py::none();
+  const int32_t code = plain_dtype_code(arr.dtype());
+  if (code < 0) return py::none();
+  Entry e = entry(CollKind::kAllreduce, x, out,
+                  std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code,
+                  name.is_none() ? std::string() : name.cast<std::string>());
+  return py::cast(submit_one(eng, std::move(reducing(e, op, pre, post))));
+}
+
 // The engine-allocated result as a flat uint8 array that owns the memory.
 py::array output_array(HandleState& h, size_t i) {
   if (i >= h.outputs.size() || !h.outputs[i].data)
@@ -98,6 +136,7 @@ void bind_engine_class(py::module_& m) {
                              std::move(name));
              return submit_one(eng, std::move(reducing(e, op, pre, post)));
            })
+      .def("allreduce_array", &allreduce_array)
       .def("grouped_allreduce",
            [](Engine& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,
               std::vector<std::vector<int64_t>> shapes, std::vector<int32_t> dtypes,
@@ -148,6 +187,15 @@ void bind_engine_class(py::module_& m) {
              e.meta.dtype = DType::kUInt8;
              e.meta.name = std::move(name);
              return submit_one(eng, std::move(e));
+           })
+      .def("stats",
+           [](const Engine& eng) {
+             const EngineStats s = eng.stats();
+             py::dict d;
+             d["rounds"] = s.rounds;
+             d["responses"] = s.responses;
+             d["tensors"] = s.tensors;
+             return d;
            })
       .def("join", &Engine::join, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());

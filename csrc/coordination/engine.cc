@@ -24,14 +24,16 @@ EngineOptions engine_options_from_env() {
   const int64_t cache = env_int("RINGREDUCE_CACHE_CAPACITY",
                                 static_cast<int64_t>(o.cache_capacity));
   o.cycle_time_s = env_double("RINGREDUCE_CYCLE_TIME_MS", 0) * 1e-3;
+  o.batch_gap_s = env_double("RINGREDUCE_BATCH_US", o.batch_gap_s * 1e6) * 1e-6;
+  o.batch_max_s = env_double("RINGREDUCE_BATCH_MAX_US", o.batch_max_s * 1e6) * 1e-6;
   o.stall_check_s = env_double("RINGREDUCE_STALL_CHECK_SECONDS", o.stall_check_s);
   o.stall_shutdown_s = env_double("RINGREDUCE_STALL_SHUTDOWN_SECONDS", o.stall_shutdown_s);
   o.timeline_path = env_str("RINGREDUCE_TIMELINE", "");
   if (fusion < 0 || cache < 0 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
-      o.stall_shutdown_s < 0)
+      o.stall_shutdown_s < 0 || o.batch_gap_s < 0 || o.batch_max_s < 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_FUSION_THRESHOLD, ",
-                "RINGREDUCE_CACHE_CAPACITY, RINGREDUCE_CYCLE_TIME_MS and ",
-                "RINGREDUCE_STALL_*_SECONDS must not be negative");
+                "RINGREDUCE_CACHE_CAPACITY, RINGREDUCE_CYCLE_TIME_MS, RINGREDUCE_BATCH_*_US ",
+                "and RINGREDUCE_STALL_*_SECONDS must not be negative");
   o.fusion_threshold = static_cast<uint64_t>(fusion);
   o.cache_capacity = static_cast<size_t>(cache);
   return o;
@@ -44,6 +46,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
       size_(ctx_->size()),
       cache_(opt_.cache_capacity),
       ctrl_(*ctx_),
+      batch_(opt_.batch_gap_s, opt_.batch_max_s),
       t0_(std::chrono::steady_clock::now()) {
   ctx_->check_usable();
   if (rank_ == 0 && !opt_.timeline_path.empty())
@@ -151,6 +154,7 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
     validate(e);
   }
   noname_ = counter;
+  batch_.submitted(queue_.empty());
   for (size_t i = 0; i < entries.size(); ++i) {
     entries[i].handle = h;
     entries[i].index = i;
@@ -162,7 +166,7 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
 
 std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   RR_CHECK(!entries.empty(), "rank ", rank_, ": submit of no tensors");
-  auto h = std::make_shared<HandleState>(entries.size());
+  auto h = std::make_shared<HandleState>(entries.size(), batch_.signal());
   // Named entries are checked before taking the lock, which submitting
   // threads and the engine contend for; unnamed ones need their name first.
   for (Entry& e : entries)
@@ -217,6 +221,14 @@ void Engine::shutdown() {
 }
 
 
+EngineStats Engine::stats() const {
+  EngineStats s;
+  s.rounds = rounds_done_.load();
+  s.responses = executed_responses_.load();
+  s.tensors = executed_tensors_.load();
+  return s;
+}
+
 // ------------------------------------------------------------ the thread
 void Engine::loop() {
   try {
@@ -227,6 +239,7 @@ void Engine::loop() {
         coordinator_round();
       else
         worker_round();
+      rounds_done_.fetch_add(1, std::memory_order_relaxed);
       if (timeline_) timeline_->flush();
     }
   } catch (const Error& e) {
@@ -250,6 +263,7 @@ Engine::Wake Engine::idle_wait() {
   double last_check = start;
   for (;;) {
     if (stop_.load()) return Wake::kStop;
+    if (has_work_.load() && batch_.hold()) continue;
     try {
       if (ready_to_start()) return Wake::kWork;
     } catch (const Error& e) {

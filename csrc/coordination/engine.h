@@ -11,7 +11,8 @@
 //           future call raises the error, naming the rank and operation)
 //   any   --shutdown()-->  STOPPED (pending calls raise "shut down")
 // IDLE spins for the spin time, then sleeps on the shm doorbell or poll(),
-// waking every 100 ms to check that peers are alive.
+// waking every 100 ms to check that peers are alive. Local work waits in IDLE
+// while the caller is still submitting (BatchWindow, batch_window.h).
 #pragma once
 
 #include <atomic>
@@ -26,6 +27,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "coordination/batch_window.h"
 #include "coordination/control.h"
 #include "coordination/doorbell_watcher.h"
 #include "coordination/executor.h"
@@ -40,6 +42,8 @@ namespace rr {
 struct EngineOptions {
   uint64_t fusion_threshold = 256ULL << 20;  // RINGREDUCE_FUSION_THRESHOLD
   double cycle_time_s = 0;                  // RINGREDUCE_CYCLE_TIME_MS
+  double batch_gap_s = 50e-6;               // RINGREDUCE_BATCH_US (batch_window.h)
+  double batch_max_s = 2e-3;                // RINGREDUCE_BATCH_MAX_US
   size_t cache_capacity = 1024;             // RINGREDUCE_CACHE_CAPACITY
   double stall_check_s = 60;                // RINGREDUCE_STALL_CHECK_SECONDS
   double stall_shutdown_s = 0;              // RINGREDUCE_STALL_SHUTDOWN_SECONDS
@@ -47,6 +51,14 @@ struct EngineOptions {
 };
 
 EngineOptions engine_options_from_env();
+
+// What the engine thread has done so far (read from any thread): how often it
+// negotiated, and how many responses and tensors it has begun to execute.
+struct EngineStats {
+  uint64_t rounds = 0;
+  uint64_t responses = 0;
+  uint64_t tensors = 0;
+};
 
 class Engine {
  public:
@@ -61,6 +73,7 @@ class Engine {
   std::shared_ptr<HandleState> join();
   // Stops the thread; calls still pending fail. Idempotent.
   void shutdown();
+  EngineStats stats() const;
   Context& context() { return *ctx_; }
 
  private:
@@ -100,6 +113,7 @@ class Engine {
   ResponseCache cache_;
   ControlChannel ctrl_;
   std::unique_ptr<Executor> cpu_;
+  BatchWindow batch_;
 
   std::mutex shutdown_mu_;
   // Shared with submitting threads, under mu_.
@@ -120,6 +134,9 @@ class Engine {
   std::vector<Entry> joins_;
   bool joined_ = false;
   uint64_t round_ = 0;
+  std::atomic<uint64_t> executed_responses_{0};
+  std::atomic<uint64_t> executed_tensors_{0};
+  std::atomic<uint64_t> rounds_done_{0};
   double last_round_ = -1e9;
   int wake_fd_ = -1;
   std::unique_ptr<DoorbellWatcher> watcher_;  // made on the first mixed shm + TCP sleep

@@ -188,6 +188,9 @@ void Engine::process(const std::vector<Response>& rs) {
   for (const Response& r : rs) {
     switch (r.type) {
       case RespType::kExec:
+        // Counted first: a caller woken by the handles may read the stats.
+        executed_responses_.fetch_add(1, std::memory_order_relaxed);
+        executed_tensors_.fetch_add(r.tensors.size(), std::memory_order_relaxed);
         execute(r);
         for (const RequestMeta& m : r.tensors) cache_.put(m);
         break;

@@ -1,5 +1,11 @@
 #include "coordination/handle.h"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
 #include <cstdlib>
 
 namespace rr {
@@ -16,6 +22,28 @@ OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype) {
                 " bytes for a collective's result");
   b.data = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { std::free(q); });
   return b;
+}
+
+// Private futexes: the word is only shared by threads of this process.
+void WaitSignal::begin_wait() {
+  waiting_.fetch_add(1);
+  seq_.fetch_add(1);
+  if (sleeping_.load())
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+            nullptr, 0);
+}
+
+void WaitSignal::sleep(int64_t timeout_ns) {
+  const uint32_t seen = seq_.load();
+  sleeping_.store(1);
+  if (!waiting()) {
+    struct timespec ts;
+    ts.tv_sec = timeout_ns / 1000000000;
+    ts.tv_nsec = timeout_ns % 1000000000;
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAIT_PRIVATE, seen, &ts, nullptr,
+            0);
+  }
+  sleeping_.store(0);
 }
 
 void HandleState::finish_locked() {
@@ -40,9 +68,16 @@ void HandleState::fail_one(ErrorKind kind, const std::string& message) {
 }
 
 void HandleState::wait() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire); });
-  if (failed_) throw Error(kind_, message_);
+  if (!done() && signal_) {
+    signal_->begin_wait();
+    struct EndWait {
+      WaitSignal* s;
+      ~EndWait() { s->end_wait(); }
+    } end{signal_.get()};
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire); });
+  }
+  rethrow();
 }
 
 void HandleState::rethrow() const {

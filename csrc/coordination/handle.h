@@ -18,6 +18,26 @@
 
 namespace rr {
 
+// Tells the engine that some caller is blocked in HandleState::wait(), and
+// wakes it from BatchWindow::hold(). Protocol (sequentially consistent, no
+// lost wake-up): the sleeper reads seq, sets sleeping, re-checks waiting and
+// only then sleeps on seq; a caller increments waiting, then seq, then wakes
+// the futex if sleeping is set. Shared by the engine and its handles, so a
+// handle outliving its engine never touches freed memory.
+class WaitSignal {
+ public:
+  bool waiting() const { return waiting_.load() > 0; }
+  void begin_wait();
+  void end_wait() { waiting_.fetch_sub(1); }
+  // Sleeps until a caller begins to wait or `timeout_ns` passes.
+  void sleep(int64_t timeout_ns);
+
+ private:
+  std::atomic<uint32_t> waiting_{0};
+  std::atomic<uint32_t> seq_{0};
+  std::atomic<uint32_t> sleeping_{0};
+};
+
 // A buffer the engine allocated for a result whose size only the
 // collective decides (allgather, reducescatter, alltoall).
 struct OwnedBuffer {
@@ -29,12 +49,14 @@ OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype);
 
 class HandleState {
  public:
-  explicit HandleState(size_t entries) : outputs(entries), remaining_(entries) {}
+  HandleState(size_t entries, std::shared_ptr<WaitSignal> signal)
+      : outputs(entries), signal_(std::move(signal)), remaining_(entries) {}
 
   void resolve_one();
   void fail_one(ErrorKind kind, const std::string& message);
   bool done() const { return done_.load(std::memory_order_acquire); }
-  // Blocks until done; throws the failure if any. It does not poll first:
+  // Blocks until done (telling the engine, through the WaitSignal, that
+  // this caller waits); throws the failure if any. It does not poll first:
   // measured, polling gained nothing here, and a polling caller competes for
   // a core with the engine threads doing the work (2 ranks x 2 threads on
   // 2 cores).
@@ -48,6 +70,7 @@ class HandleState {
 
  private:
   void finish_locked();
+  std::shared_ptr<WaitSignal> signal_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> done_{false};

@@ -125,7 +125,11 @@ class RingTask : public ProgressTask {
       const RingStep& s = steps_[st_];
       size_t avail = sendable();
       if (sdone_ < avail) {
-        size_t k = s.src ? send_from_segments(s, avail) : right_->send_some(s.send, avail, sdone_);
+        // Streaming stores follow the step's message size, as for a
+        // segmented send and for the forwarding sink (not the part of it
+        // released so far), so StreamChoice compares like with like.
+        size_t k = s.src ? send_from_segments(s, avail)
+                         : right_->send_piece(s.send + sdone_, avail - sdone_, s.send_bytes);
         sdone_ += k;
         moved |= k > 0;
       }

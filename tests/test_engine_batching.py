@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from conftest import env
 
 import ringreduce as rr
@@ -137,3 +138,14 @@ def test_the_window_is_capped_for_a_caller_that_never_pauses():
     finally:
         close(w)
     assert all(took < 10 for took in results), results
+
+
+def test_shutdown_ends_an_open_window():
+    w = world(2, RINGREDUCE_BATCH_US=30_000_000, RINGREDUCE_BATCH_MAX_US=30_000_000)
+    hs = [c.allreduce_async(np.ones(2, np.float32), name="held") for c in w]  # nobody waits
+    t0 = time.perf_counter()
+    close(w)
+    assert time.perf_counter() - t0 < 5, "shutdown waited for the batching window"
+    for h in hs:
+        with pytest.raises(rr.RingReduceError, match="shut down"):
+            h.wait()

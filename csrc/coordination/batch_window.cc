@@ -31,7 +31,7 @@ void BatchWindow::submitted(bool first) {
 }
 
 bool BatchWindow::hold() {
-  if (gap_ns_ <= 0 || signal_->waiting()) return false;
+  if (gap_ns_ <= 0 || signal_->waiting() || signal_->closed()) return false;
   const int64_t last = last_ns_.load(std::memory_order_relaxed);
   const int64_t first = first_ns_.load(std::memory_order_relaxed);
   const int64_t until = std::min(last + gap_ns_, first + max_ns_);

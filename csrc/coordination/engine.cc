@@ -212,6 +212,7 @@ void Engine::shutdown() {
     notify();
   }
   stop_.store(true);
+  batch_.signal()->close();  // a thread holding a batch back sleeps on it
   if (thread_.joinable()) thread_.join();
   watcher_.reset();  // before the Context (and its doorbell) can go away
   fail_all(ErrorKind::kInternal,

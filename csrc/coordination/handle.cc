@@ -33,10 +33,17 @@ void WaitSignal::begin_wait() {
             nullptr, 0);
 }
 
+void WaitSignal::close() {
+  closed_.store(1);
+  seq_.fetch_add(1);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+
 void WaitSignal::sleep(int64_t timeout_ns) {
   const uint32_t seen = seq_.load();
   sleeping_.store(1);
-  if (!waiting()) {
+  if (!waiting() && !closed()) {
     struct timespec ts;
     ts.tv_sec = timeout_ns / 1000000000;
     ts.tv_nsec = timeout_ns % 1000000000;
@@ -68,12 +75,16 @@ void HandleState::fail_one(ErrorKind kind, const std::string& message) {
 }
 
 void HandleState::wait() {
-  if (!done() && signal_) {
-    signal_->begin_wait();
-    struct EndWait {
+  if (!done()) {
+    struct Waiting {  // tells the engine for as long as this caller waits
       WaitSignal* s;
-      ~EndWait() { s->end_wait(); }
-    } end{signal_.get()};
+      explicit Waiting(WaitSignal* signal) : s(signal) {
+        if (s) s->begin_wait();
+      }
+      ~Waiting() {
+        if (s) s->end_wait();
+      }
+    } waiting(signal_.get());
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire); });
   }

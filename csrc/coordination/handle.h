@@ -21,21 +21,25 @@ namespace rr {
 // Tells the engine that some caller is blocked in HandleState::wait(), and
 // wakes it from BatchWindow::hold(). Protocol (sequentially consistent, no
 // lost wake-up): the sleeper reads seq, sets sleeping, re-checks waiting and
-// only then sleeps on seq; a caller increments waiting, then seq, then wakes
-// the futex if sleeping is set. Shared by the engine and its handles, so a
+// closed and only then sleeps on seq; a caller increments waiting (close()
+// sets closed), then seq, then wakes the futex (if sleeping is set). Shared by the engine and its handles, so a
 // handle outliving its engine never touches freed memory.
 class WaitSignal {
  public:
   bool waiting() const { return waiting_.load() > 0; }
   void begin_wait();
   void end_wait() { waiting_.fetch_sub(1); }
-  // Sleeps until a caller begins to wait or `timeout_ns` passes.
+  // Sleeps until a caller begins to wait, close() or `timeout_ns` passes.
   void sleep(int64_t timeout_ns);
+  // Ends the current sleep and every later one (the engine is stopping).
+  void close();
+  bool closed() const { return closed_.load() != 0; }
 
  private:
   std::atomic<uint32_t> waiting_{0};
   std::atomic<uint32_t> seq_{0};
   std::atomic<uint32_t> sleeping_{0};
+  std::atomic<uint32_t> closed_{0};
 };
 
 // A buffer the engine allocated for a result whose size only the

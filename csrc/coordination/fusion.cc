@@ -21,36 +21,30 @@ bool fusable(const Response& r) {
          r.tensors[0].kind == CollKind::kAllreduce;
 }
 
-uint64_t total_bytes(const Response& r) {
-  uint64_t b = 0;
-  for (const auto& t : r.tensors) b += t.bytes();
-  return b;
-}
-
 }  // namespace
 
 std::vector<Response> plan_fusion(const std::vector<Response>& ready, uint64_t threshold) {
   std::vector<Response> out;
   std::map<FuseKey, size_t> open;  // key -> index in `out` still taking tensors
+  std::vector<uint64_t> bytes;     // per response in `out`, what its tensors hold so far
   for (const Response& r : ready) {
-    if (!fusable(r)) {
+    const uint64_t n = r.tensors.empty() ? 0 : r.tensors[0].bytes();
+    const bool grouped = fusable(r) && !r.tensors[0].group.empty();
+    if (!fusable(r) || (!grouped && n >= threshold)) {
       out.push_back(r);
-      continue;
-    }
-    const RequestMeta& m = r.tensors[0];
-    const bool grouped = !m.group.empty();
-    if (!grouped && m.bytes() >= threshold) {
-      out.push_back(r);
+      bytes.push_back(n);
       continue;
     }
     FuseKey key = key_of(r);
     auto it = open.find(key);
-    if (it != open.end() && (grouped || total_bytes(out[it->second]) + m.bytes() <= threshold)) {
-      out[it->second].tensors.push_back(m);
+    if (it != open.end() && (grouped || bytes[it->second] + n <= threshold)) {
+      out[it->second].tensors.push_back(r.tensors[0]);
+      bytes[it->second] += n;
       continue;
     }
     open[key] = out.size();
     out.push_back(r);
+    bytes.push_back(n);
   }
   return out;
 }

@@ -147,7 +147,8 @@ class Communicator:
                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
         """Start an in-place allreduce of ``x``; ``synchronize(handle)`` returns ``x``."""
         # The per-gradient hot path: a plain numpy array is checked in C++.
-        core = self._engine.allreduce_array(x, x, op, name, prescale_factor, postscale_factor)
+        core = self._engine.allreduce_array(x, x, op, name, float(prescale_factor),
+                                            float(postscale_factor))
         if core is not None:
             return self._track(core, lambda _: x, (x,))
         arr = for_writing(x, "allreduce_", name)

@@ -60,8 +60,8 @@ void bind_coordination_testing(py::module_& parent) {
              return std::make_unique<Negotiator>(
                  NegotiatorOptions{size, fusion, stall_check, stall_shutdown});
            }),
-           py::arg("size"), py::arg("fusion_threshold") = 64 << 20,
-           py::arg("stall_check") = 60.0, py::arg("stall_shutdown") = 0.0)
+           py::arg("size"), py::arg("fusion_threshold") = 64 << 20, py::arg("stall_check") = 60.0,
+           py::arg("stall_shutdown") = 0.0)
       .def("submit", [](Negotiator& n, int rank, const py::dict& meta,
                         double now) { n.submit(rank, meta_from(meta), now); })
       .def("join", &Negotiator::join, py::arg("rank"), py::arg("now") = 0.0)
@@ -81,7 +81,8 @@ void bind_coordination_testing(py::module_& parent) {
   py::class_<ResponseCache>(m, "ResponseCache")
       .def(py::init<size_t>())
       .def("put", [](ResponseCache& c, const py::dict& d) { c.put(meta_from(d)); })
-      .def("lookup", [](const ResponseCache& c, const py::dict& d) { return c.lookup(meta_from(d)); })
+      .def("lookup",
+           [](const ResponseCache& c, const py::dict& d) { return c.lookup(meta_from(d)); })
       .def("lru_order", &ResponseCache::lru_order)
       .def_property_readonly("slots", &ResponseCache::slots);
 }

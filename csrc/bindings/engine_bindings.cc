@@ -32,8 +32,8 @@ ReduceOp op_arg(int32_t code) {
   return static_cast<ReduceOp>(code);
 }
 
-Entry entry(CollKind kind, py::handle in, py::handle out, std::vector<int64_t> shape,
-            int32_t dtype, std::string name) {
+Entry entry(CollKind kind, py::handle in, py::handle out, std::vector<int64_t> shape, int32_t dtype,
+            std::string name) {
   Entry e;
   e.meta.kind = kind;
   e.meta.dtype = dtype_arg(dtype);
@@ -67,10 +67,10 @@ int32_t plain_dtype_code(const py::dtype& dt) {
     py::ssize_t size;
     DType dtype;
   };
-  static constexpr Plain kPlain[] = {
-      {'f', 2, DType::kFloat16}, {'f', 4, DType::kFloat32}, {'f', 8, DType::kFloat64},
-      {'i', 1, DType::kInt8},    {'i', 4, DType::kInt32},   {'i', 8, DType::kInt64},
-      {'u', 1, DType::kUInt8},   {'b', 1, DType::kBool}};
+  static constexpr Plain kPlain[] = {{'f', 2, DType::kFloat16}, {'f', 4, DType::kFloat32},
+                                     {'f', 8, DType::kFloat64}, {'i', 1, DType::kInt8},
+                                     {'i', 4, DType::kInt32},   {'i', 8, DType::kInt64},
+                                     {'u', 1, DType::kUInt8},   {'b', 1, DType::kBool}};
   if (dt.byteorder() != '=' && dt.byteorder() != '|') return -1;
   const char kind = dt.kind();
   const py::ssize_t size = dt.itemsize();
@@ -82,8 +82,8 @@ int32_t plain_dtype_code(const py::dtype& dt) {
 // allreduce_async(_) of a plain numpy array, with the Python-side checks done
 // here (the hot path: one call per gradient). Returns None when the array or
 // an argument needs the general path, which converts or raises with context.
-py::object allreduce_array(Engine& eng, py::handle x, py::handle out, int32_t op,
-                           py::handle name, double pre, double post) {
+py::object allreduce_array(Engine& eng, py::handle x, py::handle out, int32_t op, py::handle name,
+                           double pre, double post) {
   if (!py::isinstance<py::array>(x) || !reduce_op_is_valid(op) ||
       !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
     return py::none();
@@ -130,10 +130,10 @@ void bind_engine_class(py::module_& m) {
         return std::make_shared<Engine>(std::move(ctx), engine_options_from_env());
       }))
       .def("allreduce",
-           [](Engine& eng, py::handle in, py::handle out, std::vector<int64_t> shape,
-              int32_t dtype, int32_t op, double pre, double post, std::string name) {
-             Entry e = entry(CollKind::kAllreduce, in, out, std::move(shape), dtype,
-                             std::move(name));
+           [](Engine& eng, py::handle in, py::handle out, std::vector<int64_t> shape, int32_t dtype,
+              int32_t op, double pre, double post, std::string name) {
+             Entry e =
+                 entry(CollKind::kAllreduce, in, out, std::move(shape), dtype, std::move(name));
              return submit_one(eng, std::move(reducing(e, op, pre, post)));
            })
       .def("allreduce_array", &allreduce_array)
@@ -160,8 +160,8 @@ void bind_engine_class(py::module_& m) {
       .def("broadcast",
            [](Engine& eng, py::handle buf, std::vector<int64_t> shape, int32_t dtype, int root,
               std::string name) {
-             Entry e = entry(CollKind::kBroadcast, buf, buf, std::move(shape), dtype,
-                             std::move(name));
+             Entry e =
+                 entry(CollKind::kBroadcast, buf, buf, std::move(shape), dtype, std::move(name));
              e.meta.root = root;
              return submit_one(eng, std::move(e));
            })

@@ -18,11 +18,16 @@ namespace {
 
 const char* exception_name(ErrorKind k) {
   switch (k) {
-    case ErrorKind::kInvalidArgument: return "InvalidInputError";
-    case ErrorKind::kMismatch: return "MismatchError";
-    case ErrorKind::kPeerLost: return "PeerLostError";
-    case ErrorKind::kTimeout: return "RingReduceTimeoutError";
-    case ErrorKind::kInternal: return "RingReduceError";
+    case ErrorKind::kInvalidArgument:
+      return "InvalidInputError";
+    case ErrorKind::kMismatch:
+      return "MismatchError";
+    case ErrorKind::kPeerLost:
+      return "PeerLostError";
+    case ErrorKind::kTimeout:
+      return "RingReduceTimeoutError";
+    case ErrorKind::kInternal:
+      return "RingReduceError";
   }
   return "RingReduceError";
 }
@@ -47,7 +52,8 @@ void bind_context(py::module_& m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("secret"), py::arg("host_id"))
       .def("local_info", [](const Context& c) { return py::bytes(c.local_info()); })
-      .def("connect", [](Context& c, const std::vector<std::string>& infos) {
+      .def("connect",
+           [](Context& c, const std::vector<std::string>& infos) {
              py::gil_scoped_release nogil;
              c.connect(infos);
            })

@@ -17,7 +17,9 @@ namespace {
 
 // Values cross the boundary as bytes, never str: rendezvous payloads are
 // binary (packed addresses, MACs) and must not be re-encoded.
-std::string bytes_arg(const py::bytes& b) { return static_cast<std::string>(b); }
+std::string bytes_arg(const py::bytes& b) {
+  return static_cast<std::string>(b);
+}
 
 void bind_stores(py::module_& m) {
   // shared_ptr holders let C++ code that joins a job keep the store alive
@@ -58,8 +60,7 @@ void bind_stores(py::module_& m) {
             for (const auto& v : all) out.append(py::bytes(v));
             return out;
           },
-          py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("value"),
-          py::arg("timeout"),
+          py::arg("prefix"), py::arg("rank"), py::arg("size"), py::arg("value"), py::arg("timeout"),
           "Publish value as <prefix>/<rank> and return every rank's value, indexed by rank. "
           "Use each prefix for one allgather only.");
 
@@ -83,14 +84,13 @@ void bind_server(py::module_& m) {
       .def_property_readonly("port", &TcpStoreServer::port)
       .def("close", &TcpStoreServer::close, py::call_guard<py::gil_scoped_release>(),
            "Stop serving and drop every client connection. Idempotent.")
-      .def("__enter__", [](TcpStoreServer& s) -> TcpStoreServer& { return s; },
-           py::return_value_policy::reference_internal)
       .def(
-          "__exit__",
-          [](TcpStoreServer& s, const py::args&) {
-            py::gil_scoped_release nogil;
-            s.close();
-          });
+          "__enter__", [](TcpStoreServer& s) -> TcpStoreServer& { return s; },
+          py::return_value_policy::reference_internal)
+      .def("__exit__", [](TcpStoreServer& s, const py::args&) {
+        py::gil_scoped_release nogil;
+        s.close();
+      });
 }
 
 }  // namespace

@@ -25,8 +25,8 @@ void SegmentReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
   });
 }
 
-bool SegmentReduceSink::consume_forward(const uint8_t* data, size_t offset, size_t n,
-                                        uint8_t* out, bool stream) {
+bool SegmentReduceSink::consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                                        bool stream) {
   segs_->for_each(base_ + offset, n, [&](uint8_t* dst, size_t rel, size_t len) {
     reduce_forward(dst, data + rel, len, out + rel, stream, dtype_, op_, finalize_ranks_,
                    postscale_);
@@ -40,8 +40,8 @@ void SegmentCopySink::consume(const uint8_t* data, size_t offset, size_t n) {
   });
 }
 
-bool SegmentCopySink::consume_forward(const uint8_t* data, size_t offset, size_t n,
-                                      uint8_t* out, bool stream) {
+bool SegmentCopySink::consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
+                                      bool stream) {
   segs_->for_each(base_ + offset, n, [&](uint8_t* dst, size_t rel, size_t len) {
     copy_twice(dst, streaming_, out + rel, stream, data + rel, len);
   });
@@ -81,8 +81,8 @@ void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceO
                         double postscale, const std::string& name) {
   guarded(ctx, [&] {
     const size_t es = dtype_size(dtype), count = segs.bytes() / es;
-    OpDesc d{CollKind::kAllreduce, dtype, op, -1, {static_cast<int64_t>(count)}, 1.0, postscale,
-             name};
+    OpDesc d{CollKind::kAllreduce,          dtype, op,        -1,
+             {static_cast<int64_t>(count)}, 1.0,   postscale, name};
     const uint64_t seq = ctx.next_seq();
     RR_CHECK(segs.bytes() > ctx.options().small_bytes || ctx.size() == 1, describe_op(d, seq),
              ": segmented allreduce below the small-message size");

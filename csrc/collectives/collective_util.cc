@@ -3,8 +3,8 @@
 #include <algorithm>
 
 #include "collectives/reduce_kernels.h"
-#include "common/stream_copy.h"
 #include "common/error.h"
+#include "common/stream_copy.h"
 #include "transport/progress.h"
 
 namespace rr {
@@ -64,7 +64,6 @@ void finalize_reduction(void* buf, size_t count, DType dtype, ReduceOp op, doubl
   if (factor != 1.0) scale_inplace(buf, count, dtype, factor);
 }
 
-
 void check_shape(const Context& ctx, const Tensor& t, const char* op) {
   for (int64_t d : t.shape)
     if (d < 0)
@@ -75,10 +74,10 @@ void check_shape(const Context& ctx, const Tensor& t, const char* op) {
 void check_reduce(const Context& ctx, const Tensor& t, ReduceOp op, const char* what) {
   check_shape(ctx, t, what);
   if (!reduce_supported(t.dtype, op))
-    throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": ", what, " '", t.name,
-                "': op ", reduce_op_name(op), " is not supported for dtype ", dtype_name(t.dtype),
-                bool(t.dtype == DType::kBool) ? " (use Sum/Max for 'any', Min/Product for 'all')"
-                                              : "");
+    throw_error(
+        ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": ", what, " '", t.name, "': op ",
+        reduce_op_name(op), " is not supported for dtype ", dtype_name(t.dtype),
+        bool(t.dtype == DType::kBool) ? " (use Sum/Max for 'any', Min/Product for 'all')" : "");
 }
 
 size_t row_bytes(const Tensor& t) {

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "common/dtype.h"
-#include "common/error.h"
 #include "collectives/collectives.h"
 #include "collectives/op_header.h"
+#include "common/dtype.h"
+#include "common/error.h"
 #include "transport/context.h"
 #include "transport/link.h"
 

@@ -13,7 +13,6 @@
 
 namespace rr {
 
-
 void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double prescale,
                double postscale) {
   guarded(ctx, [&] {
@@ -79,7 +78,8 @@ void broadcast(Context& ctx, void* buf, const Tensor& desc, int root) {
       throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": broadcast '", desc.name,
                   "': root_rank ", root, " is not in [0, ", ctx.size(), ")");
     const size_t bytes = static_cast<size_t>(num_elements(desc.shape)) * dtype_size(desc.dtype);
-    OpDesc d{CollKind::kBroadcast, desc.dtype, ReduceOp::kSum, root, desc.shape, 1.0, 1.0, desc.name};
+    OpDesc d{
+        CollKind::kBroadcast, desc.dtype, ReduceOp::kSum, root, desc.shape, 1.0, 1.0, desc.name};
     uint64_t seq = ctx.next_seq();
     const bool small = bytes <= ctx.options().small_bytes;
     const bool send_extra = small && ctx.rank() == root;

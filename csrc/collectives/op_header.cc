@@ -58,8 +58,8 @@ std::string agreement_key(const OpHeader& h) {
   switch (kind) {
     case CollKind::kAllreduce:
     case CollKind::kReducescatter:
-      return cat(s, " ", shape_text(h, false), "#", h.dims_hash, " op=",
-                 reduce_op_name(static_cast<ReduceOp>(h.op)), " prescale=", h.prescale,
+      return cat(s, " ", shape_text(h, false), "#", h.dims_hash,
+                 " op=", reduce_op_name(static_cast<ReduceOp>(h.op)), " prescale=", h.prescale,
                  " postscale=", h.postscale);
     case CollKind::kBroadcast:
       return cat(s, " ", shape_text(h, false), "#", h.dims_hash, " root=", h.root);
@@ -128,12 +128,18 @@ void check_agreement(const Context& ctx, const OpDesc& d, uint64_t seq,
 
 const char* coll_name(CollKind k) {
   switch (k) {
-    case CollKind::kAllreduce: return "allreduce";
-    case CollKind::kAllgather: return "allgather";
-    case CollKind::kBroadcast: return "broadcast";
-    case CollKind::kReducescatter: return "reducescatter";
-    case CollKind::kAlltoall: return "alltoall";
-    case CollKind::kBarrier: return "barrier";
+    case CollKind::kAllreduce:
+      return "allreduce";
+    case CollKind::kAllgather:
+      return "allgather";
+    case CollKind::kBroadcast:
+      return "broadcast";
+    case CollKind::kReducescatter:
+      return "reducescatter";
+    case CollKind::kAlltoall:
+      return "alltoall";
+    case CollKind::kBarrier:
+      return "barrier";
   }
   return "unknown collective";
 }

@@ -69,7 +69,7 @@ struct OpDesc {
 std::string describe_op(const OpDesc& d, uint64_t seq);
 
 struct HeaderExchange {
-  std::vector<OpHeader> headers;        // by rank, ours included
+  std::vector<OpHeader> headers;             // by rank, ours included
   std::vector<std::vector<uint8_t>> extras;  // by rank, ours included
 };
 

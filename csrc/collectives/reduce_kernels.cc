@@ -88,7 +88,7 @@ struct Half {
   static float load(uint16_t h) {
     const uint32_t em = h & 0x7fffu;
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t normal = (em << 13) + 0x38000000u;   // rebias exponent 15 -> 127
+    const uint32_t normal = (em << 13) + 0x38000000u;  // rebias exponent 15 -> 127
     const uint32_t quiet = static_cast<uint32_t>(em > 0x7c00u) << 22;
     const uint32_t special = (em << 13) | 0x7f800000u | quiet;  // inf and NaN
     // Subnormals: em * 2^-24 is exact in float32 and a normal float.
@@ -207,8 +207,7 @@ RR_KERNEL_CLONES void combine(typename C::Storage* dst, const typename C::Storag
 }
 
 template <class C>
-RR_KERNEL_CLONES void scale_float(typename C::Storage* buf, size_t n,
-                                  typename C::Compute factor) {
+RR_KERNEL_CLONES void scale_float(typename C::Storage* buf, size_t n, typename C::Compute factor) {
   for (size_t i = 0; i < n; ++i) {
     const auto x = C::load(buf[i]);
     buf[i] = C::store(nan_from_a(x, x * factor));
@@ -295,9 +294,9 @@ inline T round_saturate(double y) {
   constexpr double kLo = static_cast<double>(kMin);
   constexpr double kHi = static_cast<double>(kMax);  // 2^63 for int64, not convertible
   constexpr double kTop = sizeof(T) < 8 ? kHi : 0x1.fffffffffffffp62;  // largest convertible
-  double c = select(y > kLo, y, kLo);  // NaN -> kLo, fixed below
+  double c = select(y > kLo, y, kLo);                                  // NaN -> kLo, fixed below
   c = select(c < kTop, c, kTop);
-  W t = static_cast<W>(c);                          // truncates
+  W t = static_cast<W>(c);                         // truncates
   const double frac = c - static_cast<double>(t);  // exact
   t += static_cast<W>(frac >= 0.5) - static_cast<W>(frac <= -0.5);
   t = select(y >= kHi, kMax, t);
@@ -369,15 +368,24 @@ void combine_any(void* dst, const void* a, const void* b, size_t n, DType dtype,
   check_supported(dtype, op);
   if (n == 0) return;
   switch (dtype) {
-    case DType::kUInt8: return combine_op<Plain<uint8_t>>(dst, a, b, n, op);
-    case DType::kInt8: return combine_op<Plain<int8_t>>(dst, a, b, n, op);
-    case DType::kInt32: return combine_op<Plain<int32_t>>(dst, a, b, n, op);
-    case DType::kInt64: return combine_op<Plain<int64_t>>(dst, a, b, n, op);
-    case DType::kFloat16: return combine_op<Half>(dst, a, b, n, op);
-    case DType::kBFloat16: return combine_op<BHalf>(dst, a, b, n, op);
-    case DType::kFloat32: return combine_op<Plain<float>>(dst, a, b, n, op);
-    case DType::kFloat64: return combine_op<Plain<double>>(dst, a, b, n, op);
-    case DType::kBool: return combine_op<Bool>(dst, a, b, n, op);
+    case DType::kUInt8:
+      return combine_op<Plain<uint8_t>>(dst, a, b, n, op);
+    case DType::kInt8:
+      return combine_op<Plain<int8_t>>(dst, a, b, n, op);
+    case DType::kInt32:
+      return combine_op<Plain<int32_t>>(dst, a, b, n, op);
+    case DType::kInt64:
+      return combine_op<Plain<int64_t>>(dst, a, b, n, op);
+    case DType::kFloat16:
+      return combine_op<Half>(dst, a, b, n, op);
+    case DType::kBFloat16:
+      return combine_op<BHalf>(dst, a, b, n, op);
+    case DType::kFloat32:
+      return combine_op<Plain<float>>(dst, a, b, n, op);
+    case DType::kFloat64:
+      return combine_op<Plain<double>>(dst, a, b, n, op);
+    case DType::kBool:
+      return combine_op<Bool>(dst, a, b, n, op);
   }
 }
 
@@ -412,16 +420,24 @@ void reduce_to(void* dst, const void* a, const void* b, size_t count, DType dtyp
 void scale_inplace(void* buf, size_t count, DType dtype, double factor) {
   const auto f32 = static_cast<float>(factor);
   switch (dtype) {
-    case DType::kUInt8: return scale_int(static_cast<uint8_t*>(buf), count, factor);
-    case DType::kInt8: return scale_int(static_cast<int8_t*>(buf), count, factor);
-    case DType::kInt32: return scale_int(static_cast<int32_t*>(buf), count, factor);
-    case DType::kInt64: return scale_int(static_cast<int64_t*>(buf), count, factor);
-    case DType::kFloat16: return scale_half(static_cast<uint16_t*>(buf), count, f32);
-    case DType::kBFloat16: return scale_float<BHalf>(static_cast<uint16_t*>(buf), count, f32);
-    case DType::kFloat32: return scale_float<Plain<float>>(static_cast<float*>(buf), count, f32);
+    case DType::kUInt8:
+      return scale_int(static_cast<uint8_t*>(buf), count, factor);
+    case DType::kInt8:
+      return scale_int(static_cast<int8_t*>(buf), count, factor);
+    case DType::kInt32:
+      return scale_int(static_cast<int32_t*>(buf), count, factor);
+    case DType::kInt64:
+      return scale_int(static_cast<int64_t*>(buf), count, factor);
+    case DType::kFloat16:
+      return scale_half(static_cast<uint16_t*>(buf), count, f32);
+    case DType::kBFloat16:
+      return scale_float<BHalf>(static_cast<uint16_t*>(buf), count, f32);
+    case DType::kFloat32:
+      return scale_float<Plain<float>>(static_cast<float*>(buf), count, f32);
     case DType::kFloat64:
       return scale_float<Plain<double>>(static_cast<double*>(buf), count, factor);
-    case DType::kBool: break;
+    case DType::kBool:
+      break;
   }
   throw_bad_dtype("scale_inplace", dtype);
 }
@@ -431,11 +447,16 @@ void divide_integers(void* buf, size_t count, DType dtype, int64_t divisor) {
   if (!integer || dtype == DType::kBool) throw_bad_dtype("divide_integers", dtype);
   if (divisor == 0) throw_error(ErrorKind::kInvalidArgument, "divide_integers: divisor is 0");
   switch (dtype) {
-    case DType::kUInt8: return divide_typed<uint8_t>(buf, count, divisor);
-    case DType::kInt8: return divide_typed<int8_t>(buf, count, divisor);
-    case DType::kInt32: return divide_typed<int32_t>(buf, count, divisor);
-    case DType::kInt64: return divide_typed<int64_t>(buf, count, divisor);
-    default: break;
+    case DType::kUInt8:
+      return divide_typed<uint8_t>(buf, count, divisor);
+    case DType::kInt8:
+      return divide_typed<int8_t>(buf, count, divisor);
+    case DType::kInt32:
+      return divide_typed<int32_t>(buf, count, divisor);
+    case DType::kInt64:
+      return divide_typed<int64_t>(buf, count, divisor);
+    default:
+      break;
   }
   throw_bad_dtype("divide_integers", dtype);
 }

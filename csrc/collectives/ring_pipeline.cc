@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "collectives/segments.h"
-
 #include "common/error.h"
 #include "transport/progress.h"
 
@@ -35,8 +34,7 @@ class ForwardSink : public RecvSink {
   // A chunk that will be forwarded goes through consume(), not the transport.
   uint8_t* direct(size_t offset, size_t len) override {
     bool stream = false;
-    if (offset == *sent_ && right_->claim_chunk(message_bytes_, &stream) && !stream)
-      return nullptr;
+    if (offset == *sent_ && right_->claim_chunk(message_bytes_, &stream) && !stream) return nullptr;
     return inner_->direct(offset, len);
   }
   bool streaming() const override { return inner_->streaming(); }

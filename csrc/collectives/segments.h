@@ -61,7 +61,11 @@ class SegmentReduceSink : public RecvSink {
  public:
   SegmentReduceSink(const Segments* segs, size_t base, DType dtype, ReduceOp op, int finalize_ranks,
                     double postscale)
-      : segs_(segs), base_(base), dtype_(dtype), op_(op), finalize_ranks_(finalize_ranks),
+      : segs_(segs),
+        base_(base),
+        dtype_(dtype),
+        op_(op),
+        finalize_ranks_(finalize_ranks),
         postscale_(postscale) {}
   void consume(const uint8_t* data, size_t offset, size_t n) override;
   bool consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,

@@ -8,7 +8,7 @@
 namespace rr {
 
 std::string env_str(const char* name, const std::string& dflt);
-int64_t env_int(const char* name, int64_t dflt);    // throws kInvalidArgument on garbage
+int64_t env_int(const char* name, int64_t dflt);   // throws kInvalidArgument on garbage
 double env_double(const char* name, double dflt);  // throws kInvalidArgument on garbage
 
 }  // namespace rr

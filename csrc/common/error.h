@@ -44,7 +44,7 @@ std::string errno_string(int err);
 
 }  // namespace rr
 
-#define RR_CHECK(cond, ...)                                                   \
-  do {                                                                        \
+#define RR_CHECK(cond, ...)                                                  \
+  do {                                                                       \
     if (!(cond)) ::rr::throw_error(::rr::ErrorKind::kInternal, __VA_ARGS__); \
   } while (0)

@@ -39,8 +39,7 @@ bool BatchWindow::hold() {
   if (t >= until) return false;
   if (last == first) {  // one submit so far: perhaps a blocking call
     const int64_t watch_end = std::min(until, t + kWatchNs);
-    while (t < watch_end && !signal_->waiting() &&
-           last_ns_.load(std::memory_order_relaxed) == last)
+    while (t < watch_end && !signal_->waiting() && last_ns_.load(std::memory_order_relaxed) == last)
       t = now_ns();
     if (signal_->waiting()) return false;
     if (t >= until) return true;

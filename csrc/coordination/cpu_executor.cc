@@ -46,11 +46,21 @@ class CpuExecutor : public Executor {
         else
           allreduce_fused(r, local);
         break;
-      case CollKind::kAllgather: gather(m, local[0]); break;
-      case CollKind::kBroadcast: bcast(m, local[0]); break;
-      case CollKind::kReducescatter: scatter(m, local[0]); break;
-      case CollKind::kAlltoall: exchange(m, local[0]); break;
-      case CollKind::kBarrier: barrier(ctx_, m.name); break;
+      case CollKind::kAllgather:
+        gather(m, local[0]);
+        break;
+      case CollKind::kBroadcast:
+        bcast(m, local[0]);
+        break;
+      case CollKind::kReducescatter:
+        scatter(m, local[0]);
+        break;
+      case CollKind::kAlltoall:
+        exchange(m, local[0]);
+        break;
+      case CollKind::kBarrier:
+        barrier(ctx_, m.name);
+        break;
     }
     if (timeline_) end_activity(r);
   }
@@ -87,8 +97,7 @@ class CpuExecutor : public Executor {
       apply_prescale(out, count, m.dtype, m.prescale);
       in = out;
     }
-    allreduce(ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, 1.0,
-              p.postscale);
+    allreduce(ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, 1.0, p.postscale);
     finish(r, p, out, count);
   }
 
@@ -110,8 +119,11 @@ class CpuExecutor : public Executor {
       }
     }
     const size_t count = off.back() / es;
-    allreduce(ctx_, Tensor{buf, {static_cast<int64_t>(count)}, m.dtype,
-                           cat(m.name, "+", r.tensors.size() - 1, " fused")},
+    allreduce(ctx_,
+              Tensor{buf,
+                     {static_cast<int64_t>(count)},
+                     m.dtype,
+                     cat(m.name, "+", r.tensors.size() - 1, " fused")},
               buf, p.op, 1.0, p.postscale);
     finish(r, p, buf, count);
     phase("MEMCPY_OUT_FUSION_BUFFER");
@@ -142,8 +154,8 @@ class CpuExecutor : public Executor {
   void allreduce_segmented(const Response& r, const std::vector<Entry*>& local) {
     const RequestMeta& m = r.tensors.front();
     Segments segs;
-    const bool copies = std::any_of(local.begin(), local.end(),
-                                    [](const Entry* e) { return e->out != e->in; });
+    const bool copies =
+        std::any_of(local.begin(), local.end(), [](const Entry* e) { return e->out != e->in; });
     if (copies || m.prescale != 1.0) phase("COPY_OUT_OF_PLACE_INPUTS");
     for (size_t i = 0; i < r.tensors.size(); ++i) {
       Entry* e = local[i];
@@ -190,12 +202,11 @@ class CpuExecutor : public Executor {
 
   void exchange(const RequestMeta& m, Entry* e) {
     OwnedBuffer result;
-    e->handle->received_splits =
-        alltoall(ctx_, Tensor{e->in, e->meta.shape, m.dtype, m.name}, e->splits,
-                 [&](const std::vector<int64_t>& s) {
-                   result = allocate_owned(s, m.dtype);
-                   return static_cast<void*>(result.data.get());
-                 });
+    e->handle->received_splits = alltoall(ctx_, Tensor{e->in, e->meta.shape, m.dtype, m.name},
+                                          e->splits, [&](const std::vector<int64_t>& s) {
+                                            result = allocate_owned(s, m.dtype);
+                                            return static_cast<void*>(result.data.get());
+                                          });
     e->handle->outputs[e->index] = std::move(result);
   }
 
@@ -239,9 +250,15 @@ void fill_identity(void* buf, size_t count, DType dtype, ReduceOp op) {
   }
   const int which = op == ReduceOp::kProduct ? 0 : (op == ReduceOp::kMin ? 1 : 2);
   switch (dtype) {
-    case DType::kUInt8: fill<uint8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 255 : 0)); break;
-    case DType::kInt8: fill<int8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 127 : -128)); break;
-    case DType::kBool: fill<uint8_t>(buf, count, which == 2 ? 0 : 1); break;
+    case DType::kUInt8:
+      fill<uint8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 255 : 0));
+      break;
+    case DType::kInt8:
+      fill<int8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 127 : -128));
+      break;
+    case DType::kBool:
+      fill<uint8_t>(buf, count, which == 2 ? 0 : 1);
+      break;
     case DType::kInt32:
       fill<int32_t>(buf, count, which == 0 ? 1 : (which == 1 ? INT32_MAX : INT32_MIN));
       break;

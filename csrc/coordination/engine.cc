@@ -10,19 +10,19 @@
 
 #include "collectives/collective_util.h"
 #include "collectives/op_header.h"
-#include "common/sha256.h"
 #include "common/env.h"
 #include "common/logging.h"
+#include "common/sha256.h"
 #include "transport/shm/doorbell.h"
 
 namespace rr {
 
 EngineOptions engine_options_from_env() {
   EngineOptions o;
-  const int64_t fusion = env_int("RINGREDUCE_FUSION_THRESHOLD",
-                                 static_cast<int64_t>(o.fusion_threshold));
-  const int64_t cache = env_int("RINGREDUCE_CACHE_CAPACITY",
-                                static_cast<int64_t>(o.cache_capacity));
+  const int64_t fusion =
+      env_int("RINGREDUCE_FUSION_THRESHOLD", static_cast<int64_t>(o.fusion_threshold));
+  const int64_t cache =
+      env_int("RINGREDUCE_CACHE_CAPACITY", static_cast<int64_t>(o.cache_capacity));
   o.cycle_time_s = env_double("RINGREDUCE_CYCLE_TIME_MS", 0) * 1e-3;
   o.batch_gap_s = env_double("RINGREDUCE_BATCH_US", o.batch_gap_s * 1e6) * 1e-6;
   o.batch_max_s = env_double("RINGREDUCE_BATCH_MAX_US", o.batch_max_s * 1e6) * 1e-6;
@@ -54,8 +54,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   for (int w = 1; rank_ == 0 && w < size_; ++w) workers_.push_back(w);
   if (rank_ == 0)
     negotiator_ = std::make_unique<Negotiator>(
-        NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s,
-                          opt_.stall_shutdown_s},
+        NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s, opt_.stall_shutdown_s},
         timeline_.get());
   cpu_ = make_cpu_executor(*ctx_, timeline_.get());
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -111,7 +110,9 @@ void Engine::validate(Entry& e) {
       check_scales(*ctx_, t, m.prescale, m.postscale, what);
       if (m.kind == CollKind::kReducescatter) check_has_rows(*ctx_, t, what);
       break;
-    case CollKind::kAllgather: check_has_rows(*ctx_, t, what); break;
+    case CollKind::kAllgather:
+      check_has_rows(*ctx_, t, what);
+      break;
     case CollKind::kAlltoall:
       check_has_rows(*ctx_, t, what);
       check_splits(*ctx_, t, e.splits);
@@ -121,7 +122,8 @@ void Engine::validate(Entry& e) {
         throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": broadcast '", m.name,
                     "': root_rank ", m.root, " is not in [0, ", size_, ")");
       break;
-    case CollKind::kBarrier: break;
+    case CollKind::kBarrier:
+      break;
   }
 }
 
@@ -220,7 +222,6 @@ void Engine::shutdown() {
   ctx_->set_phase_observer(nullptr);
   if (timeline_) timeline_->close();
 }
-
 
 EngineStats Engine::stats() const {
   EngineStats s;

@@ -41,13 +41,13 @@ namespace rr {
 
 struct EngineOptions {
   uint64_t fusion_threshold = 256ULL << 20;  // RINGREDUCE_FUSION_THRESHOLD
-  double cycle_time_s = 0;                  // RINGREDUCE_CYCLE_TIME_MS
-  double batch_gap_s = 50e-6;               // RINGREDUCE_BATCH_US (batch_window.h)
-  double batch_max_s = 2e-3;                // RINGREDUCE_BATCH_MAX_US
-  size_t cache_capacity = 1024;             // RINGREDUCE_CACHE_CAPACITY
-  double stall_check_s = 60;                // RINGREDUCE_STALL_CHECK_SECONDS
-  double stall_shutdown_s = 0;              // RINGREDUCE_STALL_SHUTDOWN_SECONDS
-  std::string timeline_path;                // RINGREDUCE_TIMELINE (rank 0 writes it)
+  double cycle_time_s = 0;                   // RINGREDUCE_CYCLE_TIME_MS
+  double batch_gap_s = 50e-6;                // RINGREDUCE_BATCH_US (batch_window.h)
+  double batch_max_s = 2e-3;                 // RINGREDUCE_BATCH_MAX_US
+  size_t cache_capacity = 1024;              // RINGREDUCE_CACHE_CAPACITY
+  double stall_check_s = 60;                 // RINGREDUCE_STALL_CHECK_SECONDS
+  double stall_shutdown_s = 0;               // RINGREDUCE_STALL_SHUTDOWN_SECONDS
+  std::string timeline_path;                 // RINGREDUCE_TIMELINE (rank 0 writes it)
 };
 
 EngineOptions engine_options_from_env();

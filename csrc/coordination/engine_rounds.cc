@@ -59,8 +59,10 @@ void Engine::coordinator_round() {
   const double t = now();
   bool join = false;
   for (const Entry& e : fresh) {
-    if (e.join) join = true;
-    else negotiator_->submit(0, e.meta, t);
+    if (e.join)
+      join = true;
+    else
+      negotiator_->submit(0, e.meta, t);
   }
   if (join) negotiator_->join(0, t);
   record_local(fresh);
@@ -159,8 +161,8 @@ std::vector<Response> Engine::decode_responses(const std::vector<uint8_t>& paylo
   try {
     return decode_responses_from(payload);
   } catch (const Error& e) {
-    throw Error(e.kind(), cat("rank ", rank_, ": responses of rank 0 in negotiation round ",
-                              round_, ": ", e.what()));
+    throw Error(e.kind(), cat("rank ", rank_, ": responses of rank 0 in negotiation round ", round_,
+                              ": ", e.what()));
   }
 }
 
@@ -194,7 +196,9 @@ void Engine::process(const std::vector<Response>& rs) {
         execute(r);
         for (const RequestMeta& m : r.tensors) cache_.put(m);
         break;
-      case RespType::kError: fail_entries(r, r.error_kind, r.message); break;
+      case RespType::kError:
+        fail_entries(r, r.error_kind, r.message);
+        break;
       case RespType::kJoinDone:
         for (Entry& j : joins_) {
           j.handle->join_result = r.last_joined;
@@ -203,8 +207,11 @@ void Engine::process(const std::vector<Response>& rs) {
         joins_.clear();
         joined_ = false;
         break;
-      case RespType::kStallWarning: log(LogLevel::kWarning, rank_, r.message); break;
-      case RespType::kFatal: throw Error(r.error_kind, cat("rank ", rank_, ": ", r.message));
+      case RespType::kStallWarning:
+        log(LogLevel::kWarning, rank_, r.message);
+        break;
+      case RespType::kFatal:
+        throw Error(r.error_kind, cat("rank ", rank_, ": ", r.message));
     }
   }
 }

@@ -12,8 +12,13 @@ using FuseKey = std::tuple<int, int, double, double, int, int, std::string>;
 
 FuseKey key_of(const Response& r) {
   const RequestMeta& m = r.tensors.front();
-  return {static_cast<int>(m.dtype), static_cast<int>(m.op), m.prescale, m.postscale, m.device,
-          r.contributors, m.group};
+  return {static_cast<int>(m.dtype),
+          static_cast<int>(m.op),
+          m.prescale,
+          m.postscale,
+          m.device,
+          r.contributors,
+          m.group};
 }
 
 bool fusable(const Response& r) {

@@ -4,9 +4,9 @@
 // response of at most `threshold` bytes, reduced in one fusion buffer. A
 // tensor of `threshold` bytes or more runs alone, in place (no copies).
 // Members of one grouped_allreduce run as one response whatever their size
-// (unless they differ in dtype or a member fails negotiation). Fusion never changes which elements are combined, only how many
-// tensors share one ring pass. A response's position is that of its first
-// tensor, so the order stays deterministic.
+// (unless they differ in dtype or a member fails negotiation). Fusion never changes which elements
+// are combined, only how many tensors share one ring pass. A response's position is that of its
+// first tensor, so the order stays deterministic.
 #pragma once
 
 #include <cstdint>

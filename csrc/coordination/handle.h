@@ -22,8 +22,9 @@ namespace rr {
 // wakes it from BatchWindow::hold(). Protocol (sequentially consistent, no
 // lost wake-up): the sleeper reads seq, sets sleeping, re-checks waiting and
 // closed and only then sleeps on seq; a caller increments waiting (close()
-// sets closed), then seq, then wakes the futex (if sleeping is set). Shared by the engine and its handles, so a
-// handle outliving its engine never touches freed memory.
+// sets closed), then seq, then wakes the futex (if sleeping is set).
+// Shared by the engine and its handles, so a handle outliving its engine
+// never touches freed memory.
 class WaitSignal {
  public:
   bool waiting() const { return waiting_.load() > 0; }
@@ -68,9 +69,9 @@ class HandleState {
   // Once done(): throws the failure if any (what wait() would throw).
   void rethrow() const;
 
-  std::vector<OwnedBuffer> outputs;       // by entry, for engine-allocated results
-  std::vector<int64_t> received_splits;   // alltoall
-  int join_result = -1;                   // join
+  std::vector<OwnedBuffer> outputs;      // by entry, for engine-allocated results
+  std::vector<int64_t> received_splits;  // alltoall
+  int join_result = -1;                  // join
 
  private:
   void finish_locked();
@@ -88,11 +89,11 @@ class HandleState {
 struct Entry {
   RequestMeta meta;
   const void* in = nullptr;
-  void* out = nullptr;           // allreduce / broadcast: the caller's result buffer
-  std::vector<int64_t> splits;   // alltoall
-  bool join = false;             // a join() marker rather than a tensor
+  void* out = nullptr;          // allreduce / broadcast: the caller's result buffer
+  std::vector<int64_t> splits;  // alltoall
+  bool join = false;            // a join() marker rather than a tensor
   std::shared_ptr<HandleState> handle;
-  size_t index = 0;              // which of the handle's entries
+  size_t index = 0;  // which of the handle's entries
 };
 
 }  // namespace rr

@@ -66,8 +66,10 @@ std::string Negotiator::mismatch(const Pending& p) const {
   bool differ = false;
   for (int r = 0; r < opt_.size; ++r) {
     if (!p.submitted[r]) continue;
-    if (!first) first = &p.metas[r];
-    else differ |= !compatible(*first, p.metas[r]);
+    if (!first)
+      first = &p.metas[r];
+    else
+      differ |= !compatible(*first, p.metas[r]);
   }
   if (!differ) return "";
   std::map<std::string, std::vector<int>> groups;
@@ -171,8 +173,9 @@ void Negotiator::stall_report(double now, std::vector<Response>* out) {
   Response r;
   r.type = fatal ? RespType::kFatal : RespType::kStallWarning;
   r.error_kind = ErrorKind::kTimeout;
-  r.message = "stalled tensors (some ranks submitted them, others did not; every rank must "
-              "submit the same tensors, and a rank that ran out of data should call join()): ";
+  r.message =
+      "stalled tensors (some ranks submitted them, others did not; every rank must "
+      "submit the same tensors, and a rank that ran out of data should call join()): ";
   for (size_t i = 0; i < lines.size(); ++i) r.message += cat(i ? "; " : "", lines[i].second);
   if (fatal)
     r.message += cat(". Stopping: RINGREDUCE_STALL_SHUTDOWN_SECONDS=", opt_.stall_shutdown_s);
@@ -190,8 +193,8 @@ bool Negotiator::join_stall(double now, std::vector<std::pair<uint64_t, std::str
   if (!join_stalled()) return false;
   const double idle = now - last_activity_;
   const bool fail = opt_.stall_shutdown_s > 0 && idle >= opt_.stall_shutdown_s;
-  const bool warn = opt_.stall_check_s > 0 &&
-                    now - std::max(last_activity_, join_warned_) >= opt_.stall_check_s;
+  const bool warn =
+      opt_.stall_check_s > 0 && now - std::max(last_activity_, join_warned_) >= opt_.stall_check_s;
   if (!fail && !warn) return false;
   join_warned_ = now;
   std::vector<int> in, out;
@@ -205,8 +208,7 @@ bool Negotiator::join_stall(double now, std::vector<std::pair<uint64_t, std::str
 double Negotiator::next_deadline() const {
   double t = std::numeric_limits<double>::infinity();
   if (join_stalled()) {
-    if (opt_.stall_check_s > 0)
-      t = std::max(last_activity_, join_warned_) + opt_.stall_check_s;
+    if (opt_.stall_check_s > 0) t = std::max(last_activity_, join_warned_) + opt_.stall_check_s;
     if (opt_.stall_shutdown_s > 0) t = std::min(t, last_activity_ + opt_.stall_shutdown_s);
   }
   for (const auto& [name, p] : table_) {

@@ -44,7 +44,9 @@ std::string dims_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-bool reduces(CollKind k) { return k == CollKind::kAllreduce || k == CollKind::kReducescatter; }
+bool reduces(CollKind k) {
+  return k == CollKind::kAllreduce || k == CollKind::kReducescatter;
+}
 
 }  // namespace
 
@@ -81,11 +83,16 @@ bool compatible(const RequestMeta& a, const RequestMeta& b) {
 
 const char* resp_type_name(RespType t) {
   switch (t) {
-    case RespType::kExec: return "exec";
-    case RespType::kError: return "error";
-    case RespType::kJoinDone: return "join-done";
-    case RespType::kStallWarning: return "stall-warning";
-    case RespType::kFatal: return "fatal";
+    case RespType::kExec:
+      return "exec";
+    case RespType::kError:
+      return "error";
+    case RespType::kJoinDone:
+      return "join-done";
+    case RespType::kStallWarning:
+      return "stall-warning";
+    case RespType::kFatal:
+      return "fatal";
   }
   return "unknown";
 }

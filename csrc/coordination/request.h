@@ -34,7 +34,9 @@ struct RequestMeta {
 };
 
 bool operator==(const RequestMeta& a, const RequestMeta& b);
-inline bool operator!=(const RequestMeta& a, const RequestMeta& b) { return !(a == b); }
+inline bool operator!=(const RequestMeta& a, const RequestMeta& b) {
+  return !(a == b);
+}
 
 // True if ranks submitting `a` and `b` under one name may run together: kind,
 // dtype, op, root, scales, device and group agree, and the shape does (all

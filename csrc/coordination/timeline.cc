@@ -30,12 +30,15 @@ Timeline::Timeline(const std::string& path) : start_(std::chrono::steady_clock::
   if (!file_)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_TIMELINE: cannot write '", path,
                 "': ", errno_string(errno));
-  std::fputs("[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":"
-             "\"ringreduce\"}}",
-             file_);
+  std::fputs(
+      "[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":"
+      "\"ringreduce\"}}",
+      file_);
 }
 
-Timeline::~Timeline() { close(); }
+Timeline::~Timeline() {
+  close();
+}
 
 int Timeline::row(const std::string& tensor) {
   auto it = rows_.find(tensor);
@@ -49,8 +52,8 @@ int Timeline::row(const std::string& tensor) {
 
 void Timeline::event(const char* ph, int tid, const std::string& name) {
   auto us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start_);
-  buf_ += cat(",\n{\"name\":\"", json_escape(name), "\",\"ph\":\"", ph, "\",\"pid\":0,\"tid\":",
-              tid, ",\"ts\":", static_cast<int64_t>(us.count()));
+  buf_ += cat(",\n{\"name\":\"", json_escape(name), "\",\"ph\":\"", ph,
+              "\",\"pid\":0,\"tid\":", tid, ",\"ts\":", static_cast<int64_t>(us.count()));
   buf_ += ph[0] == 'i' ? ",\"s\":\"t\"}" : "}";
 }
 
@@ -74,7 +77,9 @@ void Timeline::begin(const std::string& tensor, const std::string& activity) {
   event("B", row(tensor), activity);
 }
 
-void Timeline::end(const std::string& tensor) { event("E", row(tensor), ""); }
+void Timeline::end(const std::string& tensor) {
+  event("E", row(tensor), "");
+}
 
 void Timeline::set_current(const std::vector<std::string>& tensors) {
   phase_end();

@@ -389,8 +389,8 @@ void TcpStoreServer::Loop::reply(Conn& c, const std::string& bytes) {
 
 void TcpStoreServer::Loop::flush(Conn& c) {
   while (c.out_sent < c.out.size()) {
-    ssize_t r = ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent,
-                       MSG_NOSIGNAL);
+    ssize_t r =
+        ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL);
     if (r < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
@@ -436,8 +436,8 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port) {
   hints.ai_flags = AI_PASSIVE;
   addrinfo* res = nullptr;
   const bool any = bind_host.empty() || bind_host == "0.0.0.0";
-  int gai = ::getaddrinfo(any ? nullptr : bind_host.c_str(), std::to_string(port).c_str(),
-                          &hints, &res);
+  int gai =
+      ::getaddrinfo(any ? nullptr : bind_host.c_str(), std::to_string(port).c_str(), &hints, &res);
   if (gai != 0) {
     throw_error(ErrorKind::kInvalidArgument, "TCP store server cannot resolve bind host '",
                 bind_host, "': ", ::gai_strerror(gai));
@@ -470,7 +470,9 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port) {
   thread_ = std::thread([this] { loop_->run(); });
 }
 
-TcpStoreServer::~TcpStoreServer() { close(); }
+TcpStoreServer::~TcpStoreServer() {
+  close();
+}
 
 void TcpStoreServer::close() {
   std::lock_guard<std::mutex> lock(close_mu_);
@@ -552,8 +554,8 @@ bool is_self_connected(int fd) {
 // One attempt over every resolved address; returns a connected non-blocking
 // socket, or -1 with *error describing the last failure and *refused set if
 // some address actively refused the connection.
-int connect_once(const std::string& host, int port, Clock::time_point deadline,
-                 std::string* error, bool* refused) {
+int connect_once(const std::string& host, int port, Clock::time_point deadline, std::string* error,
+                 bool* refused) {
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
@@ -601,9 +603,13 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, double connect
   connect_until(deadline_after(connect_timeout_s), nullptr);
 }
 
-TcpStoreClient::~TcpStoreClient() { disconnect(); }
+TcpStoreClient::~TcpStoreClient() {
+  disconnect();
+}
 
-std::string TcpStoreClient::endpoint() const { return cat(host_, ":", port_); }
+std::string TcpStoreClient::endpoint() const {
+  return cat(host_, ":", port_);
+}
 
 void TcpStoreClient::disconnect() {
   if (fd_ >= 0) ::close(fd_);
@@ -681,8 +687,8 @@ std::string TcpStoreClient::get(const std::string& key, double timeout_s) {
                 " bytes) exceeds the limit of ", kMaxKeyBytes, " bytes");
   }
   const auto deadline = deadline_after(timeout_s);
-  const std::string what = cat("waiting up to ", timeout_s, "s for key '", key,
-                               "' from the store at ", endpoint());
+  const std::string what =
+      cat("waiting up to ", timeout_s, "s for key '", key, "' from the store at ", endpoint());
   std::lock_guard<std::mutex> lock(mu_);
   ensure_connected(what);
   try {

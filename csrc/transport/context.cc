@@ -24,8 +24,10 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
   o.size = size;
   o.secret = secret;
   std::string mode = env_str("RINGREDUCE_TRANSPORT", "auto");
-  if (mode == "tcp") o.mode = TransportMode::kTcp;
-  else if (mode == "shm") o.mode = TransportMode::kShm;
+  if (mode == "tcp")
+    o.mode = TransportMode::kTcp;
+  else if (mode == "shm")
+    o.mode = TransportMode::kShm;
   else if (mode != "auto")
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_TRANSPORT='", mode,
                 "' is not one of auto, shm, tcp");
@@ -34,19 +36,21 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
   o.timeout_s = env_double("RINGREDUCE_TIMEOUT_SECONDS", o.timeout_s);
   o.spin_us = env_double("RINGREDUCE_SPIN_US", o.spin_us);
   o.shm_slots = static_cast<uint32_t>(env_int("RINGREDUCE_SHM_SLOTS", o.shm_slots));
-  o.shm_slot_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_SHM_SLOT_BYTES",
-                                                   static_cast<int64_t>(o.shm_slot_bytes)));
-  o.ring_slice_bytes = static_cast<uint64_t>(env_int(
-      "RINGREDUCE_RING_SLICE_BYTES", static_cast<int64_t>(o.ring_slice_bytes)));
-  o.small_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_SMALL_BYTES",
-                                                static_cast<int64_t>(o.small_bytes)));
-  o.streaming_bytes = static_cast<uint64_t>(env_int("RINGREDUCE_STREAMING_BYTES",
-                                                    static_cast<int64_t>(o.streaming_bytes)));
-  o.shm_stream_send_bytes = static_cast<uint64_t>(env_int(
-      "RINGREDUCE_SHM_STREAM_SEND_BYTES", static_cast<int64_t>(o.shm_stream_send_bytes)));
+  o.shm_slot_bytes = static_cast<uint64_t>(
+      env_int("RINGREDUCE_SHM_SLOT_BYTES", static_cast<int64_t>(o.shm_slot_bytes)));
+  o.ring_slice_bytes = static_cast<uint64_t>(
+      env_int("RINGREDUCE_RING_SLICE_BYTES", static_cast<int64_t>(o.ring_slice_bytes)));
+  o.small_bytes =
+      static_cast<uint64_t>(env_int("RINGREDUCE_SMALL_BYTES", static_cast<int64_t>(o.small_bytes)));
+  o.streaming_bytes = static_cast<uint64_t>(
+      env_int("RINGREDUCE_STREAMING_BYTES", static_cast<int64_t>(o.streaming_bytes)));
+  o.shm_stream_send_bytes = static_cast<uint64_t>(
+      env_int("RINGREDUCE_SHM_STREAM_SEND_BYTES", static_cast<int64_t>(o.shm_stream_send_bytes)));
   const std::string stream = env_str("RINGREDUCE_SHM_STREAM_SEND", "auto");
-  if (stream == "always") o.shm_stream_mode = StreamMode::kAlways;
-  else if (stream == "never") o.shm_stream_mode = StreamMode::kNever;
+  if (stream == "always")
+    o.shm_stream_mode = StreamMode::kAlways;
+  else if (stream == "never")
+    o.shm_stream_mode = StreamMode::kNever;
   else if (stream != "auto")
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_STREAM_SEND='", stream,
                 "' is not one of auto, always, never");
@@ -54,9 +58,8 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_SLOTS must be >= 2 and ",
                 "RINGREDUCE_SHM_SLOT_BYTES a multiple of 4096");
   if (o.ring_slice_bytes < o.shm_slot_bytes || o.ring_slice_bytes % o.shm_slot_bytes != 0)
-    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_RING_SLICE_BYTES (",
-                o.ring_slice_bytes, ") must be a multiple of RINGREDUCE_SHM_SLOT_BYTES (",
-                o.shm_slot_bytes, ")");
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_RING_SLICE_BYTES (", o.ring_slice_bytes,
+                ") must be a multiple of RINGREDUCE_SHM_SLOT_BYTES (", o.shm_slot_bytes, ")");
   return o;
 }
 
@@ -76,7 +79,9 @@ Context::Context(ContextOptions options)
   }
 }
 
-Context::~Context() { close(); }
+Context::~Context() {
+  close();
+}
 
 void Context::close() {
   leave(cat("rank ", opt_.rank, " shut down"));
@@ -102,11 +107,16 @@ static PeerInfo parse_info(const std::string& text) {
     size_t eq = line.find('=');
     if (eq == std::string::npos) continue;
     std::string k = line.substr(0, eq), v = line.substr(eq + 1);
-    if (k == "rank") p.rank = std::stoi(v);
-    else if (k == "pid") p.pid = std::stoi(v);
-    else if (k == "host") p.host_id = v;
-    else if (k == "addr") p.addr = v;
-    else if (k == "port") p.port = std::stoi(v);
+    if (k == "rank")
+      p.rank = std::stoi(v);
+    else if (k == "pid")
+      p.pid = std::stoi(v);
+    else if (k == "host")
+      p.host_id = v;
+    else if (k == "addr")
+      p.addr = v;
+    else if (k == "port")
+      p.port = std::stoi(v);
   }
   return p;
 }
@@ -179,13 +189,12 @@ void Context::connect_shm() {
   const std::string prefix = "/ringreduce-" + hex64(job_id()) + "-";
   segments_.clear();
   segments_.resize(local_size_);
-  segments_[local_rank_] = std::make_unique<ShmSegment>(ShmSegment::create(
-      prefix + std::to_string(opt_.rank), opt_.rank, static_cast<uint32_t>(local_size_),
-      opt_.shm_slots, opt_.shm_slot_bytes));
+  segments_[local_rank_] = std::make_unique<ShmSegment>(
+      ShmSegment::create(prefix + std::to_string(opt_.rank), opt_.rank,
+                         static_cast<uint32_t>(local_size_), opt_.shm_slots, opt_.shm_slot_bytes));
   for (int r : local)
     segments_[local_index_[r]] = std::make_unique<ShmSegment>(
-        ShmSegment::open(prefix + std::to_string(r), r, peers_[r].pid,
-                         opt_.connect_timeout_s));
+        ShmSegment::open(prefix + std::to_string(r), r, peers_[r].pid, opt_.connect_timeout_s));
   ShmSegment* mine = segments_[local_rank_].get();
   progress_.doorbell = &mine->header()->doorbell;
   // Unlink as soon as every local peer has mapped us: from here on a crash
@@ -202,11 +211,10 @@ void Context::connect_shm() {
   }
   mine->unlink();
   for (int r : local) {
-    links_[r] = std::make_unique<ShmLink>(r, peers_[r].host_id, peers_[r].pid, mine,
-                                          segments_[local_index_[r]].get(),
-                                          static_cast<uint32_t>(local_rank_),
-                                          static_cast<uint32_t>(local_index_[r]),
-                                          opt_.shm_stream_send_bytes);
+    links_[r] = std::make_unique<ShmLink>(
+        r, peers_[r].host_id, peers_[r].pid, mine, segments_[local_index_[r]].get(),
+        static_cast<uint32_t>(local_rank_), static_cast<uint32_t>(local_index_[r]),
+        opt_.shm_stream_send_bytes);
   }
 }
 

@@ -34,19 +34,19 @@ class PhaseObserver {
 struct ContextOptions {
   int rank = 0;
   int size = 1;
-  std::string secret;               // shared by all ranks of the job (random per job)
-  std::string host_id;              // ranks with equal host_id share memory
+  std::string secret;   // shared by all ranks of the job (random per job)
+  std::string host_id;  // ranks with equal host_id share memory
   TransportMode mode = TransportMode::kAuto;
   std::string bind_addr = "0.0.0.0";
-  double connect_timeout_s = 60;    // RINGREDUCE_CONNECT_TIMEOUT_SECONDS
-  double timeout_s = 1800;          // RINGREDUCE_TIMEOUT_SECONDS
-  double spin_us = 1000;            // RINGREDUCE_SPIN_US
-  uint32_t shm_slots = 8;           // RINGREDUCE_SHM_SLOTS
+  double connect_timeout_s = 60;        // RINGREDUCE_CONNECT_TIMEOUT_SECONDS
+  double timeout_s = 1800;              // RINGREDUCE_TIMEOUT_SECONDS
+  double spin_us = 1000;                // RINGREDUCE_SPIN_US
+  uint32_t shm_slots = 8;               // RINGREDUCE_SHM_SLOTS
   uint64_t shm_slot_bytes = 256 << 10;  // RINGREDUCE_SHM_SLOT_BYTES
   // RINGREDUCE_RING_SLICE_BYTES: chained rings run slice by slice from here
   // (ring_pipeline.h); a multiple of shm_slot_bytes, equal on all ranks.
   uint64_t ring_slice_bytes = 1 << 20;
-  uint64_t small_bytes = 64 << 10;  // RINGREDUCE_SMALL_BYTES: direct path at or below
+  uint64_t small_bytes = 64 << 10;     // RINGREDUCE_SMALL_BYTES: direct path at or below
   uint64_t streaming_bytes = 8 << 20;  // RINGREDUCE_STREAMING_BYTES: bypass caches from here
   // RINGREDUCE_SHM_STREAM_SEND_BYTES (0 = off): on by default because the
   // VMs we measured on spend long stretches in a mode where cache-to-cache

@@ -45,7 +45,7 @@ struct IoPiece {
 
 // How a link can be waited on when it makes no progress.
 struct WaitHandle {
-  int fd = -1;          // pollable socket, or -1
+  int fd = -1;            // pollable socket, or -1
   bool doorbell = false;  // woken by this rank's shared-memory doorbell
 };
 

@@ -117,7 +117,7 @@ void block_once(const ProgressSettings& st, ProgressTask& task, const std::vecto
   // Sockets only: poll for the whole slice. Mixed: short slices, since shm
   // peers cannot wake poll().
   if (any_shm) {
-    struct timespec ts {0, 200000};
+    struct timespec ts{0, 200000};
     ppoll(fds->data(), fds->size(), &ts, nullptr);
   } else {
     poll(fds->data(), fds->size(), static_cast<int>(slice_ns / 1000000));

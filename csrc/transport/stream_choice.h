@@ -43,12 +43,13 @@ class StreamChoice {
   static constexpr uint64_t kKeep = 4;
   double best_rate(int k) const {
     double best = 0;
-    for (uint64_t i = 0; i < kKeep && i < count_[k]; ++i) best = rates_[k][i] > best ? rates_[k][i] : best;
+    for (uint64_t i = 0; i < kKeep && i < count_[k]; ++i)
+      best = rates_[k][i] > best ? rates_[k][i] : best;
     return best;
   }
   StreamMode mode_;
   uint64_t picks_ = 0;
-  uint64_t count_[2] = {0, 0};    // rings measured without / with streaming
+  uint64_t count_[2] = {0, 0};   // rings measured without / with streaming
   double rates_[2][kKeep] = {};  // bytes/s of the most recent ones
 };
 

@@ -1,10 +1,11 @@
 #include "transport/shm/doorbell.h"
 
 #include <linux/futex.h>
-#include <climits>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <climits>
 
 namespace rr {
 
@@ -18,8 +19,7 @@ void Doorbell::wait(uint32_t seen, int64_t timeout_ns) {
 }
 
 void Doorbell::wake() {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
-          0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 }  // namespace rr

@@ -10,8 +10,7 @@
 namespace rr {
 
 ShmLink::ShmLink(int peer, std::string host, int peer_pid, ShmSegment* mine, ShmSegment* theirs,
-                 uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine,
-                 size_t stream_send_bytes)
+                 uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine, size_t stream_send_bytes)
     : peer_(peer),
       host_(std::move(host)),
       peer_pid_(peer_pid),
@@ -117,6 +116,5 @@ void ShmLink::check_alive() {
     throw_error(ErrorKind::kPeerLost, "rank ", peer_, " (pid ", peer_pid_, " on host ", host_,
                 ") has exited");
 }
-
 
 }  // namespace rr

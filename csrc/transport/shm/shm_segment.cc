@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <new>
 #include <thread>
@@ -22,8 +22,12 @@ namespace {
 constexpr uint64_t kMagic = 0x52494e47524544ULL;  // "RINGRED"
 constexpr size_t kPage = 4096;
 
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-size_t rings_offset() { return round_up(sizeof(SegmentHeader), kPage); }
+size_t round_up(size_t x, size_t a) {
+  return (x + a - 1) / a * a;
+}
+size_t rings_offset() {
+  return round_up(sizeof(SegmentHeader), kPage);
+}
 size_t data_offset(uint32_t nrings) {
   return rings_offset() + round_up(nrings * sizeof(RingHeader), kPage);
 }
@@ -91,15 +95,15 @@ ShmSegment ShmSegment::open(const std::string& name, int owner_rank, int owner_p
                             double timeout_s) {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   int fd = -1;
-  struct stat st {};
+  struct stat st{};
   // The owner may not have created (or sized) the segment yet: retry.
   while (true) {
     fd = shm_open(name.c_str(), O_RDWR, 0600);
     if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size >= static_cast<off_t>(kPage)) break;
     if (fd >= 0) ::close(fd);
     if (fd < 0 && errno != ENOENT)
-      throw_error(ErrorKind::kInternal, "cannot open shared memory ", name, " of rank ",
-                  owner_rank, ": ", errno_string(errno));
+      throw_error(ErrorKind::kInternal, "cannot open shared memory ", name, " of rank ", owner_rank,
+                  ": ", errno_string(errno));
     if (!process_alive(owner_pid))
       throw_error(ErrorKind::kPeerLost, "rank ", owner_rank, " (pid ", owner_pid,
                   ") exited during initialisation");
@@ -153,7 +157,8 @@ RingHeader* ShmSegment::ring(uint32_t i) const {
 
 uint8_t* ShmSegment::slot(uint32_t ring, uint32_t index) const {
   const SegmentHeader* h = header();
-  size_t off = data_offset(h->nrings) + (static_cast<size_t>(ring) * h->slots + index) * h->slot_bytes;
+  size_t off =
+      data_offset(h->nrings) + (static_cast<size_t>(ring) * h->slots + index) * h->slot_bytes;
   return static_cast<uint8_t*>(base_) + off;
 }
 

@@ -50,8 +50,7 @@ class ShmSegment {
                            uint64_t slot_bytes);
   // Maps a peer's segment, waiting up to `timeout_s` for it to appear and
   // failing early if the owner process (`owner_pid`) dies meanwhile.
-  static ShmSegment open(const std::string& name, int owner_rank, int owner_pid,
-                         double timeout_s);
+  static ShmSegment open(const std::string& name, int owner_rank, int owner_pid, double timeout_s);
 
   ShmSegment() = default;
   ShmSegment(ShmSegment&& o) noexcept { *this = std::move(o); }

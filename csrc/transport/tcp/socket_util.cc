@@ -20,8 +20,8 @@
 namespace rr {
 
 Deadline deadline_in(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(seconds));
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 static int ms_left(Deadline d) {
@@ -49,7 +49,8 @@ static sockaddr_in resolve(const std::string& host, int port) {
   addrinfo* res = nullptr;
   int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
   if (rc != 0 || !res)
-    throw_error(ErrorKind::kInvalidArgument, "cannot resolve host '", host, "': ", gai_strerror(rc));
+    throw_error(ErrorKind::kInvalidArgument, "cannot resolve host '", host,
+                "': ", gai_strerror(rc));
   sockaddr_in addr = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
   freeaddrinfo(res);
   addr.sin_port = htons(static_cast<uint16_t>(port));
@@ -65,7 +66,8 @@ Fd listen_tcp(const std::string& bind_addr, int port, int* bound_port) {
   if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
     throw_error(ErrorKind::kInvalidArgument, "cannot bind ", bind_addr, ":", port,
                 " (RINGREDUCE_BIND_ADDR): ", errno_string(errno));
-  if (listen(fd.get(), 1024) != 0) throw_error(ErrorKind::kInternal, "listen(): ", errno_string(errno));
+  if (listen(fd.get(), 1024) != 0)
+    throw_error(ErrorKind::kInternal, "listen(): ", errno_string(errno));
   set_nonblocking(fd.get());  // accept() after poll() must not block if the client left
   socklen_t len = sizeof(addr);
   getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
@@ -78,7 +80,8 @@ Fd accept_until(int listen_fd, Deadline deadline, std::string* peer_addr) {
     pollfd p{listen_fd, POLLIN, 0};
     int rc = poll(&p, 1, ms_left(deadline));
     if (rc == 0) return Fd();
-    if (rc < 0 && errno != EINTR) throw_error(ErrorKind::kInternal, "poll(): ", errno_string(errno));
+    if (rc < 0 && errno != EINTR)
+      throw_error(ErrorKind::kInternal, "poll(): ", errno_string(errno));
     sockaddr_in addr{};
     socklen_t len = sizeof(addr);
     int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
@@ -138,7 +141,9 @@ void read_full(int fd, void* data, size_t n, Deadline deadline, const std::strin
   }
 }
 
-void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+void set_nonblocking(int fd) {
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
 
 void tune_data_socket(int fd) {
   int one = 1;

@@ -86,10 +86,9 @@ void TcpLink::fail(const char* what, int err) {
     throw_error(ErrorKind::kPeerLost, "rank ", peer_, " on host ", host_,
                 " closed its connection (it exited, crashed, shut down or failed)");
   }
-  throw_error(ErrorKind::kPeerLost, what, " rank ", peer_, " on host ", host_, " failed: ",
-              errno_string(err));
+  throw_error(ErrorKind::kPeerLost, what, " rank ", peer_, " on host ", host_,
+              " failed: ", errno_string(err));
 }
-
 
 size_t TcpLink::send_some(const uint8_t* data, size_t n, size_t done) {
   size_t start = done;

@@ -42,7 +42,7 @@ class TcpLink : public Link {
   std::string host_;
   Fd fd_;
   std::vector<uint8_t> staging_;
-  size_t staged_ = 0;  // bytes of the current chunk already in staging_
+  size_t staged_ = 0;          // bytes of the current chunk already in staging_
   std::vector<uint8_t> tail_;  // the last bytes received, for last words
   bool aborted_ = false;
 };

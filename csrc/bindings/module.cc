@@ -18,16 +18,11 @@ namespace {
 
 const char* exception_name(ErrorKind k) {
   switch (k) {
-    case ErrorKind::kInvalidArgument:
-      return "InvalidInputError";
-    case ErrorKind::kMismatch:
-      return "MismatchError";
-    case ErrorKind::kPeerLost:
-      return "PeerLostError";
-    case ErrorKind::kTimeout:
-      return "RingReduceTimeoutError";
-    case ErrorKind::kInternal:
-      return "RingReduceError";
+    case ErrorKind::kInvalidArgument: return "InvalidInputError";
+    case ErrorKind::kMismatch: return "MismatchError";
+    case ErrorKind::kPeerLost: return "PeerLostError";
+    case ErrorKind::kTimeout: return "RingReduceTimeoutError";
+    case ErrorKind::kInternal: return "RingReduceError";
   }
   return "RingReduceError";
 }

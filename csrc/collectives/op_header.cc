@@ -64,10 +64,8 @@ std::string agreement_key(const OpHeader& h) {
     case CollKind::kBroadcast:
       return cat(s, " ", shape_text(h, false), "#", h.dims_hash, " root=", h.root);
     case CollKind::kAllgather:
-    case CollKind::kAlltoall:
-      return cat(s, " ", shape_text(h, true), " ndim=", h.ndim);
-    case CollKind::kBarrier:
-      return s;
+    case CollKind::kAlltoall: return cat(s, " ", shape_text(h, true), " ndim=", h.ndim);
+    case CollKind::kBarrier: return s;
   }
   return s;
 }
@@ -128,18 +126,12 @@ void check_agreement(const Context& ctx, const OpDesc& d, uint64_t seq,
 
 const char* coll_name(CollKind k) {
   switch (k) {
-    case CollKind::kAllreduce:
-      return "allreduce";
-    case CollKind::kAllgather:
-      return "allgather";
-    case CollKind::kBroadcast:
-      return "broadcast";
-    case CollKind::kReducescatter:
-      return "reducescatter";
-    case CollKind::kAlltoall:
-      return "alltoall";
-    case CollKind::kBarrier:
-      return "barrier";
+    case CollKind::kAllreduce: return "allreduce";
+    case CollKind::kAllgather: return "allgather";
+    case CollKind::kBroadcast: return "broadcast";
+    case CollKind::kReducescatter: return "reducescatter";
+    case CollKind::kAlltoall: return "alltoall";
+    case CollKind::kBarrier: return "barrier";
   }
   return "unknown collective";
 }

@@ -345,14 +345,10 @@ void combine_op(void* dst, const void* a, const void* b, size_t n, ReduceOp op) 
   const auto* y = static_cast<const S*>(b);
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAverage:
-      return run_combine<C, OpSum>(d, x, y, n);
-    case ReduceOp::kMin:
-      return run_combine<C, OpMin>(d, x, y, n);
-    case ReduceOp::kMax:
-      return run_combine<C, OpMax>(d, x, y, n);
-    case ReduceOp::kProduct:
-      return run_combine<C, OpProduct>(d, x, y, n);
+    case ReduceOp::kAverage: return run_combine<C, OpSum>(d, x, y, n);
+    case ReduceOp::kMin: return run_combine<C, OpMin>(d, x, y, n);
+    case ReduceOp::kMax: return run_combine<C, OpMax>(d, x, y, n);
+    case ReduceOp::kProduct: return run_combine<C, OpProduct>(d, x, y, n);
   }
 }
 
@@ -368,24 +364,15 @@ void combine_any(void* dst, const void* a, const void* b, size_t n, DType dtype,
   check_supported(dtype, op);
   if (n == 0) return;
   switch (dtype) {
-    case DType::kUInt8:
-      return combine_op<Plain<uint8_t>>(dst, a, b, n, op);
-    case DType::kInt8:
-      return combine_op<Plain<int8_t>>(dst, a, b, n, op);
-    case DType::kInt32:
-      return combine_op<Plain<int32_t>>(dst, a, b, n, op);
-    case DType::kInt64:
-      return combine_op<Plain<int64_t>>(dst, a, b, n, op);
-    case DType::kFloat16:
-      return combine_op<Half>(dst, a, b, n, op);
-    case DType::kBFloat16:
-      return combine_op<BHalf>(dst, a, b, n, op);
-    case DType::kFloat32:
-      return combine_op<Plain<float>>(dst, a, b, n, op);
-    case DType::kFloat64:
-      return combine_op<Plain<double>>(dst, a, b, n, op);
-    case DType::kBool:
-      return combine_op<Bool>(dst, a, b, n, op);
+    case DType::kUInt8: return combine_op<Plain<uint8_t>>(dst, a, b, n, op);
+    case DType::kInt8: return combine_op<Plain<int8_t>>(dst, a, b, n, op);
+    case DType::kInt32: return combine_op<Plain<int32_t>>(dst, a, b, n, op);
+    case DType::kInt64: return combine_op<Plain<int64_t>>(dst, a, b, n, op);
+    case DType::kFloat16: return combine_op<Half>(dst, a, b, n, op);
+    case DType::kBFloat16: return combine_op<BHalf>(dst, a, b, n, op);
+    case DType::kFloat32: return combine_op<Plain<float>>(dst, a, b, n, op);
+    case DType::kFloat64: return combine_op<Plain<double>>(dst, a, b, n, op);
+    case DType::kBool: return combine_op<Bool>(dst, a, b, n, op);
   }
 }
 
@@ -420,24 +407,16 @@ void reduce_to(void* dst, const void* a, const void* b, size_t count, DType dtyp
 void scale_inplace(void* buf, size_t count, DType dtype, double factor) {
   const auto f32 = static_cast<float>(factor);
   switch (dtype) {
-    case DType::kUInt8:
-      return scale_int(static_cast<uint8_t*>(buf), count, factor);
-    case DType::kInt8:
-      return scale_int(static_cast<int8_t*>(buf), count, factor);
-    case DType::kInt32:
-      return scale_int(static_cast<int32_t*>(buf), count, factor);
-    case DType::kInt64:
-      return scale_int(static_cast<int64_t*>(buf), count, factor);
-    case DType::kFloat16:
-      return scale_half(static_cast<uint16_t*>(buf), count, f32);
-    case DType::kBFloat16:
-      return scale_float<BHalf>(static_cast<uint16_t*>(buf), count, f32);
-    case DType::kFloat32:
-      return scale_float<Plain<float>>(static_cast<float*>(buf), count, f32);
+    case DType::kUInt8: return scale_int(static_cast<uint8_t*>(buf), count, factor);
+    case DType::kInt8: return scale_int(static_cast<int8_t*>(buf), count, factor);
+    case DType::kInt32: return scale_int(static_cast<int32_t*>(buf), count, factor);
+    case DType::kInt64: return scale_int(static_cast<int64_t*>(buf), count, factor);
+    case DType::kFloat16: return scale_half(static_cast<uint16_t*>(buf), count, f32);
+    case DType::kBFloat16: return scale_float<BHalf>(static_cast<uint16_t*>(buf), count, f32);
+    case DType::kFloat32: return scale_float<Plain<float>>(static_cast<float*>(buf), count, f32);
     case DType::kFloat64:
       return scale_float<Plain<double>>(static_cast<double*>(buf), count, factor);
-    case DType::kBool:
-      break;
+    case DType::kBool: break;
   }
   throw_bad_dtype("scale_inplace", dtype);
 }
@@ -447,16 +426,11 @@ void divide_integers(void* buf, size_t count, DType dtype, int64_t divisor) {
   if (!integer || dtype == DType::kBool) throw_bad_dtype("divide_integers", dtype);
   if (divisor == 0) throw_error(ErrorKind::kInvalidArgument, "divide_integers: divisor is 0");
   switch (dtype) {
-    case DType::kUInt8:
-      return divide_typed<uint8_t>(buf, count, divisor);
-    case DType::kInt8:
-      return divide_typed<int8_t>(buf, count, divisor);
-    case DType::kInt32:
-      return divide_typed<int32_t>(buf, count, divisor);
-    case DType::kInt64:
-      return divide_typed<int64_t>(buf, count, divisor);
-    default:
-      break;
+    case DType::kUInt8: return divide_typed<uint8_t>(buf, count, divisor);
+    case DType::kInt8: return divide_typed<int8_t>(buf, count, divisor);
+    case DType::kInt32: return divide_typed<int32_t>(buf, count, divisor);
+    case DType::kInt64: return divide_typed<int64_t>(buf, count, divisor);
+    default: break;
   }
   throw_bad_dtype("divide_integers", dtype);
 }

@@ -17,14 +17,10 @@ LogLevel parse_level() {
 }
 const char* level_name(LogLevel l) {
   switch (l) {
-    case LogLevel::kError:
-      return "ERROR";
-    case LogLevel::kWarning:
-      return "WARNING";
-    case LogLevel::kInfo:
-      return "INFO";
-    case LogLevel::kDebug:
-      return "DEBUG";
+    case LogLevel::kError: return "ERROR";
+    case LogLevel::kWarning: return "WARNING";
+    case LogLevel::kInfo: return "INFO";
+    case LogLevel::kDebug: return "DEBUG";
   }
   return "?";
 }

@@ -46,21 +46,11 @@ class CpuExecutor : public Executor {
         else
           allreduce_fused(r, local);
         break;
-      case CollKind::kAllgather:
-        gather(m, local[0]);
-        break;
-      case CollKind::kBroadcast:
-        bcast(m, local[0]);
-        break;
-      case CollKind::kReducescatter:
-        scatter(m, local[0]);
-        break;
-      case CollKind::kAlltoall:
-        exchange(m, local[0]);
-        break;
-      case CollKind::kBarrier:
-        barrier(ctx_, m.name);
-        break;
+      case CollKind::kAllgather: gather(m, local[0]); break;
+      case CollKind::kBroadcast: bcast(m, local[0]); break;
+      case CollKind::kReducescatter: scatter(m, local[0]); break;
+      case CollKind::kAlltoall: exchange(m, local[0]); break;
+      case CollKind::kBarrier: barrier(ctx_, m.name); break;
     }
     if (timeline_) end_activity(r);
   }
@@ -250,15 +240,9 @@ void fill_identity(void* buf, size_t count, DType dtype, ReduceOp op) {
   }
   const int which = op == ReduceOp::kProduct ? 0 : (op == ReduceOp::kMin ? 1 : 2);
   switch (dtype) {
-    case DType::kUInt8:
-      fill<uint8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 255 : 0));
-      break;
-    case DType::kInt8:
-      fill<int8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 127 : -128));
-      break;
-    case DType::kBool:
-      fill<uint8_t>(buf, count, which == 2 ? 0 : 1);
-      break;
+    case DType::kUInt8: fill<uint8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 255 : 0)); break;
+    case DType::kInt8: fill<int8_t>(buf, count, which == 0 ? 1 : (which == 1 ? 127 : -128)); break;
+    case DType::kBool: fill<uint8_t>(buf, count, which == 2 ? 0 : 1); break;
     case DType::kInt32:
       fill<int32_t>(buf, count, which == 0 ? 1 : (which == 1 ? INT32_MAX : INT32_MIN));
       break;

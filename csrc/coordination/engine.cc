@@ -110,9 +110,7 @@ void Engine::validate(Entry& e) {
       check_scales(*ctx_, t, m.prescale, m.postscale, what);
       if (m.kind == CollKind::kReducescatter) check_has_rows(*ctx_, t, what);
       break;
-    case CollKind::kAllgather:
-      check_has_rows(*ctx_, t, what);
-      break;
+    case CollKind::kAllgather: check_has_rows(*ctx_, t, what); break;
     case CollKind::kAlltoall:
       check_has_rows(*ctx_, t, what);
       check_splits(*ctx_, t, e.splits);
@@ -122,8 +120,7 @@ void Engine::validate(Entry& e) {
         throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": broadcast '", m.name,
                     "': root_rank ", m.root, " is not in [0, ", size_, ")");
       break;
-    case CollKind::kBarrier:
-      break;
+    case CollKind::kBarrier: break;
   }
 }
 

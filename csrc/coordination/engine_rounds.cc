@@ -196,9 +196,7 @@ void Engine::process(const std::vector<Response>& rs) {
         execute(r);
         for (const RequestMeta& m : r.tensors) cache_.put(m);
         break;
-      case RespType::kError:
-        fail_entries(r, r.error_kind, r.message);
-        break;
+      case RespType::kError: fail_entries(r, r.error_kind, r.message); break;
       case RespType::kJoinDone:
         for (Entry& j : joins_) {
           j.handle->join_result = r.last_joined;
@@ -207,11 +205,8 @@ void Engine::process(const std::vector<Response>& rs) {
         joins_.clear();
         joined_ = false;
         break;
-      case RespType::kStallWarning:
-        log(LogLevel::kWarning, rank_, r.message);
-        break;
-      case RespType::kFatal:
-        throw Error(r.error_kind, cat("rank ", rank_, ": ", r.message));
+      case RespType::kStallWarning: log(LogLevel::kWarning, rank_, r.message); break;
+      case RespType::kFatal: throw Error(r.error_kind, cat("rank ", rank_, ": ", r.message));
     }
   }
 }

@@ -83,16 +83,11 @@ bool compatible(const RequestMeta& a, const RequestMeta& b) {
 
 const char* resp_type_name(RespType t) {
   switch (t) {
-    case RespType::kExec:
-      return "exec";
-    case RespType::kError:
-      return "error";
-    case RespType::kJoinDone:
-      return "join-done";
-    case RespType::kStallWarning:
-      return "stall-warning";
-    case RespType::kFatal:
-      return "fatal";
+    case RespType::kExec: return "exec";
+    case RespType::kError: return "error";
+    case RespType::kJoinDone: return "join-done";
+    case RespType::kStallWarning: return "stall-warning";
+    case RespType::kFatal: return "fatal";
   }
   return "unknown";
 }

@@ -33,9 +33,10 @@ std::vector<Response> plan_fusion(const std::vector<Response>& ready, uint64_t t
   std::map<FuseKey, size_t> open;  // key -> index in `out` still taking tensors
   std::vector<uint64_t> bytes;     // per response in `out`, what its tensors hold so far
   for (const Response& r : ready) {
-    const uint64_t n = r.tensors.empty() ? 0 : r.tensors[0].bytes();
-    const bool grouped = fusable(r) && !r.tensors[0].group.empty();
-    if (!fusable(r) || (!grouped && n >= threshold)) {
+    const bool fuse = fusable(r);
+    const uint64_t n = fuse ? r.tensors[0].bytes() : 0;  // only fused responses are counted
+    const bool grouped = fuse && !r.tensors[0].group.empty();
+    if (!fuse || (!grouped && n >= threshold)) {
       out.push_back(r);
       bytes.push_back(n);
       continue;

@@ -1,12 +1,8 @@
 #include "coordination/handle.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <climits>
 #include <cstdlib>
+
+#include "common/futex.h"
 
 namespace rr {
 
@@ -24,32 +20,22 @@ OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype) {
   return b;
 }
 
-// Private futexes: the word is only shared by threads of this process.
 void WaitSignal::begin_wait() {
   waiting_.fetch_add(1);
   seq_.fetch_add(1);
-  if (sleeping_.load())
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
-            nullptr, 0);
+  if (sleeping_.load()) futex_wake_all(&seq_, FutexScope::kProcess);
 }
 
 void WaitSignal::close() {
   closed_.store(1);
   seq_.fetch_add(1);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
-          nullptr, 0);
+  futex_wake_all(&seq_, FutexScope::kProcess);
 }
 
 void WaitSignal::sleep(int64_t timeout_ns) {
   const uint32_t seen = seq_.load();
   sleeping_.store(1);
-  if (!waiting() && !closed()) {
-    struct timespec ts;
-    ts.tv_sec = timeout_ns / 1000000000;
-    ts.tv_nsec = timeout_ns % 1000000000;
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), FUTEX_WAIT_PRIVATE, seen, &ts, nullptr,
-            0);
-  }
+  if (!waiting() && !closed()) futex_wait(&seq_, seen, timeout_ns, FutexScope::kProcess);
   sleeping_.store(0);
 }
 

@@ -42,6 +42,4 @@ class Doorbell {
   alignas(64) std::atomic<uint32_t> sleeping_;
 };
 
-static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words are 32-bit");
-
 }  // namespace rr

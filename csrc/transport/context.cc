@@ -192,10 +192,17 @@ void Context::connect_shm() {
   segments_[local_rank_] = std::make_unique<ShmSegment>(
       ShmSegment::create(prefix + std::to_string(opt_.rank), opt_.rank,
                          static_cast<uint32_t>(local_size_), opt_.shm_slots, opt_.shm_slot_bytes));
+  ShmSegment* mine = segments_[local_rank_].get();
+  // Unlinked however this function ends: a rank that fails here (a peer died
+  // during initialisation) may exit without destructors, and its segment
+  // must not outlive it in /dev/shm (unlink() is idempotent).
+  struct UnlinkAtExit {
+    ShmSegment* s;
+    ~UnlinkAtExit() { s->unlink(); }
+  } unlink_mine{mine};
   for (int r : local)
     segments_[local_index_[r]] = std::make_unique<ShmSegment>(
         ShmSegment::open(prefix + std::to_string(r), r, peers_[r].pid, opt_.connect_timeout_s));
-  ShmSegment* mine = segments_[local_rank_].get();
   progress_.doorbell = &mine->header()->doorbell;
   // Unlink as soon as every local peer has mapped us: from here on a crash
   // cannot leave anything behind in /dev/shm.

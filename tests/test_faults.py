@@ -218,6 +218,28 @@ def test_kill_while_engines_idle(victim, transport, tmp_path, record_property):
             f"({calling['t'] - t_kill:.2f} s after the kill): {raised['msg']}\n{job.describe()}")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_kill_while_engines_hold_a_batch(transport, tmp_path, record_property):
+    """The engines hold their work back for a batching window far longer than the test.
+
+    Each survivor has one async allreduce submitted and only polls it (a caller
+    that waits would end the hold), under ``RINGREDUCE_BATCH_US`` and
+    ``RINGREDUCE_BATCH_MAX_US`` of 60 s. The victim dies 0.1-1 s in; the held
+    allreduce must still fail within DETECT_S, naming the victim and the tensor:
+    the engine checks its peers between its bounded sleeps of the hold.
+    """
+    before = shm_entries()
+    settings = {**TRANSPORTS[transport], "RINGREDUCE_BATCH_US": 60_000_000,
+                "RINGREDUCE_BATCH_MAX_US": 60_000_000}
+    args = ["--scenario", "held", "--victim", VICTIM, "--sync-dir", tmp_path, "--linger", 8,
+            "--delay", random_delay(), "--idle", 2 * DETECT_S]
+    job = run_env_launch(3, FAULT, args, env=settings, timeout=30)
+    check_no_traces(job, before)
+    assert job.procs[VICTIM].returncode == -9, job.describe()
+    record_property("raise_after_kill_s", check_survivors_noticed(job, 3, op="'held'"))
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_kill_during_ring_allreduce_reaches_every_rank(transport, tmp_path, record_property):
     """In a 4-rank ring, rank 3 talks only to ranks 2 and 0; it must still learn of rank 1.

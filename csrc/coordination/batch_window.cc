@@ -44,7 +44,7 @@ bool BatchWindow::hold() {
     if (signal_->waiting()) return false;
     if (t >= until) return true;
   }
-  signal_->sleep(until - t);
+  signal_->sleep(std::min(until - t, kMaxSleepNs));
   return true;
 }
 

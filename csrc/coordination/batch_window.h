@@ -39,7 +39,10 @@ class BatchWindow {
   void submitted(bool first);
   // Engine thread, when it has local work and no round is running: returns
   // true after waiting in an open window (ask again), false to go ahead.
+  // One call sleeps at most kMaxSleepNs, so the engine still checks its
+  // peers' liveness while it holds work back under a long window.
   bool hold();
+  static constexpr int64_t kMaxSleepNs = 100'000'000;
 
  private:
   int64_t gap_ns_;

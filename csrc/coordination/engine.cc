@@ -262,7 +262,10 @@ Engine::Wake Engine::idle_wait() {
   double last_check = start;
   for (;;) {
     if (stop_.load()) return Wake::kStop;
-    if (has_work_.load() && batch_.hold()) continue;
+    if (has_work_.load() && batch_.hold()) {  // sleeps at most BatchWindow::kMaxSleepNs
+      check_peers(last_check);
+      continue;
+    }
     try {
       if (ready_to_start()) return Wake::kWork;
     } catch (const Error& e) {
@@ -276,20 +279,27 @@ Engine::Wake Engine::idle_wait() {
       sched_yield();
       continue;
     }
-    if (t - last_check >= 0.1) {
-      try {
-        for (int p = 0; p < size_; ++p)
-          if (p != rank_) ctx_->link(p).check_alive();
-      } catch (const Error& e) {
-        throw Error(e.kind(), cat("rank ", rank_, ": while idle: ", e.what()));
-      }
-      last_check = t;
-    }
+    check_peers(last_check);
     double timeout = 0.1;
     if (has_work_.load()) timeout = std::min(timeout, last_round_ + opt_.cycle_time_s - t);
     if (rank_ == 0) timeout = std::min(timeout, negotiator_->next_deadline() - t);
     block(static_cast<int64_t>(std::max(timeout, 0.0) * 1e9));
   }
+}
+
+// Every 100 ms of idling (asleep, or holding a batch back) the thread checks
+// that its peers are alive: a dead one otherwise goes unnoticed until the
+// next round needs it.
+void Engine::check_peers(double& last_check) {
+  const double t = now();
+  if (t - last_check < 0.1) return;
+  try {
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_) ctx_->link(p).check_alive();
+  } catch (const Error& e) {
+    throw Error(e.kind(), cat("rank ", rank_, ": while idle: ", e.what()));
+  }
+  last_check = t;
 }
 
 // Sleeps until a peer may have sent something, a caller submitted work, or

@@ -85,6 +85,7 @@ class Engine {
   void loop();
   Wake idle_wait();
   bool ready_to_start();
+  void check_peers(double& last_check);
   void block(int64_t timeout_ns);
   void coordinator_round();
   void worker_round();

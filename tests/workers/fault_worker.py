@@ -20,6 +20,11 @@ Scenarios for the victim:
   calls anything: the victim SIGKILLs itself after ``--delay`` s, the
   survivors sleep ``--idle`` s (their engines must notice by themselves) and
   then call an allreduce (``calling``, then ``raised``);
+* ``held``: after a warm-up the victim SIGKILLs itself after ``--delay`` s while
+  each survivor has one async allreduce submitted and only polls it, under a
+  batching window (``RINGREDUCE_BATCH_US``, set by the test) far longer than
+  the test: the engines hold that work back and must still notice the death
+  (``polling``, then ``raised``);
 * ``raise``: raise a Python exception after init() and exit the normal way
   (interpreter teardown, atexit handlers, mpi4py's MPI_Finalize).
 
@@ -52,7 +57,7 @@ from workerlib import error_event, event, run, say, set_rank, watch_job
 
 import ringreduce as rr
 
-KILLS = ("during", "idle", "init", "negotiation", "engine-idle")
+KILLS = ("during", "idle", "init", "negotiation", "engine-idle", "held")
 
 
 def die(**fields: object) -> None:
@@ -151,6 +156,28 @@ def engine_idle(args: argparse.Namespace) -> None:
     event("calling")
     try:
         rr.allreduce(np.ones(4, np.float32), name="after-idle")
+        event("no-error")
+    except Exception as err:
+        error_event("raised", err)
+    after_failure(args)
+
+
+def held(args: argparse.Namespace) -> None:
+    """One async allreduce that the engine holds back; the caller polls, never waits."""
+    r, n = rr.rank(), rr.size()
+    rr.barrier(name="start")
+    out = rr.allreduce(np.full(4, r + 1.0, np.float32), op=rr.Sum, name="warm")
+    assert (out == n * (n + 1) / 2).all(), f"warm-up allreduce gave {out}"
+    if r == args.victim:
+        time.sleep(args.delay)
+        die(delay=args.delay)
+    h = rr.allreduce_async(np.ones(4, np.float32), name="held")
+    event("polling")
+    deadline = time.monotonic() + args.idle
+    while not rr.poll(h) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        rr.synchronize(h)  # done by now unless the engine never noticed
         event("no-error")
     except Exception as err:
         error_event("raised", err)
@@ -259,6 +286,8 @@ def main(args: argparse.Namespace) -> None:
         mismatch(args)
     elif args.scenario == "engine-idle":
         engine_idle(args)
+    elif args.scenario == "held":
+        held(args)
     elif args.scenario == "negotiation":
         (negotiation_victim if rank == args.victim else negotiation_survivor)(args)
     elif rank == args.victim:
@@ -285,7 +314,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gap", type=float, default=0.0,
                    help="seconds between the victim's submissions in 'negotiation'")
     p.add_argument("--idle", type=float, default=2.0,
-                   help="seconds the survivors sleep in 'engine-idle'")
+                   help="seconds the survivors sleep in 'engine-idle' (poll in 'held')")
     return p.parse_args(argv)
 
 

@@ -56,6 +56,8 @@ import ringreduce as rr
 
 COMM = MPI.COMM_WORLD
 RR, LOOP, PACKED = "ringreduce", "mpi-loop", "mpi-packed"
+#: ringreduce's step with the gradients laid out in one shared buffer (``rr.shared_zeros``).
+RR_SHARED = "rr-shared-grads"
 #: --breakdown: the same bytes through ringreduce without a step's costs, one at a time.
 RR_GROUPED, RR_VIEWS, RR_ONE = "rr-grouped", "rr-grouped-views", "rr-one-array"
 #: Implementations whose buffers are one flat array.
@@ -222,6 +224,9 @@ def make_buffers(
     """
     buffers = {RR: [np.zeros(n, np.float32) for n in counts]}
     steps = {RR: rr_step(buffers[RR])}
+    shared = rr.shared_zeros(int(sum(counts)), np.float32)
+    buffers[RR_SHARED] = [shared[e - n : e] for n, e in zip(counts, np.cumsum(counts))]
+    steps[RR_SHARED] = rr_step(buffers[RR_SHARED])
     if with_loop:
         buffers[LOOP] = [np.zeros(n, np.float32) for n in counts]
         steps[LOOP] = mpi_loop_step(buffers[LOOP])

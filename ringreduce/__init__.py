@@ -42,7 +42,7 @@ __all__ = [
     "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
-    "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
+    "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size", "synchronize",
     "use_communicator",
 ]
 
@@ -190,6 +190,11 @@ def reducescatter(x: Any, op: int = Average, name: Optional[str] = None,
 def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
     """Exchange rows of ``x`` between all ranks. See ``Communicator.alltoall``."""
     return _comm().alltoall(x, splits, name)
+
+
+def shared_zeros(shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    """A zero-filled array every rank maps; see ``Communicator.shared_zeros`` (collective)."""
+    return _comm().shared_zeros(shape, dtype)
 
 
 def barrier(name: Optional[str] = None) -> None:

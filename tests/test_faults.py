@@ -131,6 +131,17 @@ def test_kill_one_rank_env_launch(scenario, transport, tmp_path, record_property
     assert not job.events("linger-timeout"), job.describe()
 
 
+def test_kill_during_shared_buffer_allreduce(tmp_path, record_property):
+    """The survivors read the victim's memory directly (rr.shared_zeros): it stays mapped
+    after the victim dies, and the phase barriers notice the death."""
+    before = shm_entries()
+    job = launch("env", 3, "during", "shm", tmp_path, extra=["--shared"])
+    check_no_traces(job, before)
+    assert job.procs[VICTIM].returncode == -9, job.describe()
+    record_property("raise_after_kill_s", check_survivors_noticed(job, 3))
+    assert not job.events("linger-timeout"), job.describe()
+
+
 # Kills at random points of the engine's life, on 3 ranks: the victim is a
 # worker (rank 1; rank 2 only exchanges control messages with rank 0) or the
 # coordinator itself (rank 0).

@@ -124,6 +124,18 @@ void bind_handle(py::module_& m) {
       .def_readonly("join_result", &HandleState::join_result);
 }
 
+// A shared buffer as a flat writable byte buffer; numpy views of it keep it
+// (and so every rank's mapping of it) alive.
+void bind_shared_buffer(py::module_& m) {
+  py::class_<SharedRegion, std::shared_ptr<SharedRegion>>(m, "SharedBuffer", py::buffer_protocol())
+      .def_buffer([](SharedRegion& r) {
+        return py::buffer_info(r.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(r.bytes())}, {1}, false);
+      })
+      .def_property_readonly("id", &SharedRegion::id)
+      .def_property_readonly("nbytes", &SharedRegion::bytes);
+}
+
 void bind_engine_class(py::module_& m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](std::shared_ptr<Context> ctx) {
@@ -195,7 +207,17 @@ void bind_engine_class(py::module_& m) {
              d["rounds"] = s.rounds;
              d["responses"] = s.responses;
              d["tensors"] = s.tensors;
+             d["shared_allreduces"] = s.shared_allreduces;
              return d;
+           })
+      .def("create_shared",
+           [](Engine& eng, size_t bytes) -> py::object {
+             std::shared_ptr<SharedRegion> r;
+             {
+               py::gil_scoped_release nogil;  // waits for the other ranks
+               r = eng.create_shared(bytes);
+             }
+             return r ? py::cast(r) : py::none();
            })
       .def("join", &Engine::join, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
@@ -205,6 +227,7 @@ void bind_engine_class(py::module_& m) {
 
 void bind_engine(py::module_& m) {
   bind_handle(m);
+  bind_shared_buffer(m);
   bind_engine_class(m);
 }
 

@@ -86,15 +86,19 @@ void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceO
     const uint64_t seq = ctx.next_seq();
     RR_CHECK(segs.bytes() > ctx.options().small_bytes || ctx.size() == 1, describe_op(d, seq),
              ": segmented allreduce below the small-message size");
+    const SharedKey key = shared_key(ctx, segs);
     ctx.phase("AGREE");
-    exchange_headers(ctx, d, seq, nullptr, 0);
+    HeaderExchange x = exchange_headers(ctx, d, seq, &key, sizeof key);
     if (ctx.size() == 1) {
       segs.for_each(0, segs.bytes(), [&](uint8_t* p, size_t, size_t len) {
         finalize_reduction(p, len / es, dtype, op, postscale, 1);
       });
       return;
     }
-    allreduce_ring_segments(ctx, segs, count, dtype, op, postscale, describe_op(d, seq));
+    if (shared_agreed(x))
+      allreduce_shared(ctx, segs, dtype, op, postscale, describe_op(d, seq));
+    else
+      allreduce_ring_segments(ctx, segs, count, dtype, op, postscale, describe_op(d, seq));
   });
 }
 

@@ -9,6 +9,7 @@
 #include "collectives/collective_util.h"
 #include "collectives/op_header.h"
 #include "collectives/reduce_kernels.h"
+#include "collectives/segments.h"
 #include "common/error.h"
 
 namespace rr {
@@ -26,13 +27,19 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     OpDesc d{CollKind::kAllreduce, in.dtype, op, -1, in.shape, prescale, postscale, in.name};
     uint64_t seq = ctx.next_seq();
     const bool small = bytes <= ctx.options().small_bytes;
+    Segments whole;
+    whole.add(buf, bytes);
+    const SharedKey key = small ? SharedKey{} : shared_key(ctx, whole);
     ctx.phase("AGREE");
-    HeaderExchange x = exchange_headers(ctx, d, seq, buf, small ? bytes : 0);
+    HeaderExchange x = small ? exchange_headers(ctx, d, seq, buf, bytes)
+                             : exchange_headers(ctx, d, seq, &key, sizeof key);
     if (small && ctx.size() > 1) ctx.phase("DIRECT");
     if (ctx.size() == 1)
       finalize_reduction(buf, count, in.dtype, op, postscale, 1);
     else if (small)
       allreduce_direct(ctx, buf, count, in.dtype, op, postscale, x.extras);
+    else if (shared_agreed(x))
+      allreduce_shared(ctx, whole, in.dtype, op, postscale, describe_op(d, seq));
     else
       allreduce_ring(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq));
   });

@@ -51,11 +51,24 @@ class Segments;
 void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
                         double postscale, const std::string& name);
 
+// Shared buffers (allreduce_shared.cc). A rank's SharedKey names the shared
+// region its data lies in (0: none) and digests where; it rides in the
+// allreduce header, and allreduce_shared runs when every rank's is equal.
+struct SharedKey {
+  uint64_t region = 0;
+  uint64_t layout = 0;
+};
+struct HeaderExchange;
+SharedKey shared_key(const Context& ctx, const Segments& segs);
+bool shared_agreed(const HeaderExchange& x);
+
 // --- algorithms (one file each) ---
 void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                     double postscale, const std::string& what);
 void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, DType dtype,
                              ReduceOp op, double postscale, const std::string& what);
+void allreduce_shared(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
+                      double postscale, const std::string& what);
 void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                       double postscale, const std::vector<std::vector<uint8_t>>& contributions);
 // Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r.

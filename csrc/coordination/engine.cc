@@ -178,6 +178,19 @@ std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   return h;
 }
 
+std::shared_ptr<SharedRegion> Engine::create_shared(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_)
+      throw Error(fail_kind_, cat("rank ", rank_, ": cannot allocate a shared buffer: ringreduce ",
+                                  "stopped after an earlier failure: ", fail_message_));
+    if (stopping_)
+      throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": cannot allocate a shared ",
+                  "buffer: ringreduce has been shut down; call init() again");
+  }
+  return ctx_->create_shared(bytes);
+}
+
 std::shared_ptr<HandleState> Engine::join() {
   Entry e;
   e.join = true;
@@ -225,6 +238,7 @@ EngineStats Engine::stats() const {
   s.rounds = rounds_done_.load();
   s.responses = executed_responses_.load();
   s.tensors = executed_tensors_.load();
+  s.shared_allreduces = ctx_->shared_allreduces();
   return s;
 }
 

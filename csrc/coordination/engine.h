@@ -58,6 +58,7 @@ struct EngineStats {
   uint64_t rounds = 0;
   uint64_t responses = 0;
   uint64_t tensors = 0;
+  uint64_t shared_allreduces = 0;  // over shared buffers (allreduce_shared.cc)
 };
 
 class Engine {
@@ -71,6 +72,9 @@ class Engine {
   // Unnamed entries get "noname.<n>". Throws if the engine failed.
   std::shared_ptr<HandleState> submit(std::vector<Entry> entries);
   std::shared_ptr<HandleState> join();
+  // A buffer every rank maps (Context::create_shared), from the calling
+  // thread; refused once the engine has failed or stopped.
+  std::shared_ptr<SharedRegion> create_shared(size_t bytes);
   // Stops the thread; calls still pending fail. Idempotent.
   void shutdown();
   EngineStats stats() const;

@@ -181,12 +181,16 @@ static std::string hex64(uint64_t x) {
   return buf;
 }
 
+std::string Context::shm_prefix() const {
+  return "/ringreduce-" + hex64(job_id()) + "-";
+}
+
 void Context::connect_shm() {
   std::vector<int> local;
   for (int r = 0; r < opt_.size; ++r)
     if (r != opt_.rank && use_shm_with(r)) local.push_back(r);
   if (local.empty()) return;
-  const std::string prefix = "/ringreduce-" + hex64(job_id()) + "-";
+  const std::string prefix = shm_prefix();
   segments_.clear();
   segments_.resize(local_size_);
   segments_[local_rank_] = std::make_unique<ShmSegment>(
@@ -223,6 +227,20 @@ void Context::connect_shm() {
         static_cast<uint32_t>(local_rank_), static_cast<uint32_t>(local_index_[r]),
         opt_.shm_stream_send_bytes);
   }
+}
+
+bool Context::all_shm() const {
+  for (int r = 0; r < opt_.size; ++r)
+    if (r != opt_.rank && !use_shm_with(r)) return false;
+  return true;
+}
+
+std::shared_ptr<SharedRegion> Context::create_shared(size_t bytes) {
+  if (!all_shm()) return nullptr;
+  std::vector<SharedPeer> peers;
+  for (int r = 0; r < opt_.size; ++r)
+    if (r != opt_.rank) peers.push_back(SharedPeer{r, peers_[r].pid});
+  return shared_.create(shm_prefix(), opt_.rank, opt_.size, peers, bytes, opt_.connect_timeout_s);
 }
 
 void Context::connect_tcp() {

@@ -15,6 +15,7 @@
 
 #include "transport/link.h"
 #include "transport/progress.h"
+#include "transport/shm/shared_region.h"
 #include "transport/shm/shm_segment.h"
 #include "transport/stream_choice.h"
 #include "transport/tcp/socket_util.h"
@@ -100,6 +101,18 @@ class Context {
   void mark_broken(const std::string& why);
   void check_usable() const;
 
+  // Every peer is reached over shared memory (one host, shm transport).
+  bool all_shm() const;
+  // A buffer every rank maps (shared_region.h): collective over all ranks,
+  // in the same order with the same size. nullptr unless all_shm().
+  std::shared_ptr<SharedRegion> create_shared(size_t bytes);
+  std::shared_ptr<SharedRegion> find_shared(const void* p, size_t n, size_t* offset) const {
+    return shared_.find(p, n, offset);
+  }
+  // How many allreduces ran over shared buffers (read from any thread).
+  uint64_t shared_allreduces() const { return shared_allreduces_.load(); }
+  void count_shared_allreduce() { shared_allreduces_.fetch_add(1); }
+
   StreamChoice& stream_choice() { return stream_choice_; }
   void set_phase_observer(PhaseObserver* o) { observer_ = o; }
   void phase(const char* name) {
@@ -113,6 +126,7 @@ class Context {
   void connect_tcp();
   bool use_shm_with(int peer) const;
   uint64_t job_id() const;
+  std::string shm_prefix() const;  // of every shm object of this job
 
   ContextOptions opt_;
   ProgressSettings progress_;
@@ -130,6 +144,8 @@ class Context {
   bool connected_ = false;
   PhaseObserver* observer_ = nullptr;
   StreamChoice stream_choice_;
+  SharedRegistry shared_;
+  std::atomic<uint64_t> shared_allreduces_{0};
 };
 
 }  // namespace rr

@@ -157,6 +157,40 @@ def suite_allreduce(quick: bool) -> None:
     record("scaled", got)
 
 
+# ---------------------------------------------------------------- shared buffers
+def suite_shared(quick: bool) -> None:
+    """Allreduces over ``shared_zeros`` buffers: the shared path when every peer is on shm
+    (one host), the ring otherwise; the same results either way."""
+    r, n = rr.rank(), rr.size()
+    comm = rr._comm()
+    all_shm = n > 1 and all(comm.transport_to(p) == "shm" for p in range(n) if p != r)
+    count = 20000 if quick else BIG_BYTES // 4
+    before = comm._engine.stats()["shared_allreduces"]
+    buf = rr.shared_zeros(count, np.float32)
+    for seed, op_name in enumerate(["Sum", "Average", "Max"]):
+        buf[:] = contribution(r, count, np.float32, 20 + seed)
+        want, rtol = reference([contribution(p, count, np.float32, 20 + seed) for p in range(n)],
+                               OPS[op_name], np.dtype(np.float32))
+        check_close(rr.allreduce_(buf, op=OPS[op_name], name=f"shared.{op_name}"), want, rtol,
+                    f"shared allreduce_ {op_name}")
+        record(f"shared {op_name}", buf)
+    sizes = [count // 2, 5, count - count // 2 - 5]  # views of it, submitted in reverse order
+    views = [buf[e - k:e] for k, e in zip(sizes, np.cumsum(sizes))]
+    for i, v in enumerate(views):
+        v[:] = contribution(r, v.size, np.float32, 30 + i)
+    handles = [rr.allreduce_async_(views[i], op=rr.Sum, name=f"shared.view.{i}")
+               for i in reversed(range(len(views)))]
+    for h in handles:
+        rr.synchronize(h)
+    for i, v in enumerate(views):
+        want, rtol = reference([contribution(p, v.size, np.float32, 30 + i) for p in range(n)],
+                               rr.Sum, np.dtype(np.float32))
+        check_close(v, want, rtol, f"shared view {i}")
+    ran = comm._engine.stats()["shared_allreduces"] - before
+    check(ran >= 3 if all_shm else ran == 0, "shared path taken exactly on one host over shm",
+          lambda: f"{ran} shared allreduces (all peers on shm: {all_shm})")
+
+
 # ---------------------------------------------------------------- allgather
 def gather_block(rank: int, rows: int, tail: tuple, dtype: Any) -> np.ndarray:
     count = rows * int(np.prod(tail, dtype=np.int64))
@@ -296,8 +330,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     set_rank(rr.rank())
     event("layout", **layout())
     t0 = time.monotonic()
-    for suite in (suite_allreduce, suite_allgather, suite_broadcast, suite_reducescatter,
-                  suite_alltoall):
+    for suite in (suite_allreduce, suite_shared, suite_allgather, suite_broadcast,
+                  suite_reducescatter, suite_alltoall):
         suite(args.quick)
     suite_barrier()
     suite_objects()

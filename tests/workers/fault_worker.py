@@ -5,7 +5,9 @@
 Scenarios for the victim:
 
 * ``during``: SIGKILL itself from a thread while a ``--mb`` (64) MB allreduce
-  is running (the survivors loop on it, or make one call with ``--once``);
+  is running (the survivors loop on it, or make one call with ``--once``); with
+  ``--shared`` the buffer is a shared one, so the allreduce reads the victim's
+  memory directly;
 * ``idle``: sleep, then SIGKILL itself while the others wait in an allreduce;
 * ``init``: SIGKILL itself right after init(), before any collective (the
   survivors make their first call ``--delay`` s later, when it is surely dead);
@@ -162,6 +164,15 @@ def engine_idle(args: argparse.Namespace) -> None:
     after_failure(args)
 
 
+def big_buffer(args: argparse.Namespace) -> np.ndarray:
+    """The ``during`` scenario's buffer: ones, in a shared buffer with ``--shared``."""
+    if not args.shared:
+        return np.ones(args.mb << 18, np.float32)
+    buf = rr.shared_zeros(args.mb << 18, np.float32)
+    buf[:] = 1
+    return buf
+
+
 def held(args: argparse.Namespace) -> None:
     """One async allreduce that the engine holds back; the caller polls, never waits."""
     r, n = rr.rank(), rr.size()
@@ -186,7 +197,7 @@ def held(args: argparse.Namespace) -> None:
 
 def survive(args: argparse.Namespace) -> None:
     """Loop on allreduces until one fails; log it and what the next collective does."""
-    buf = np.ones(args.mb << 18 if args.scenario == "during" else 1000, np.float32)
+    buf = big_buffer(args) if args.scenario == "during" else np.ones(1000, np.float32)
     if args.scenario == "during":
         rr.barrier(name="start")  # the victim's clock starts here too
     if args.scenario == "init":
@@ -229,7 +240,7 @@ def victim(args: argparse.Namespace) -> None:
     if args.scenario == "init":
         die()
     elif args.scenario == "during":
-        buf = np.ones(args.mb << 18, np.float32)
+        buf = big_buffer(args)
         rr.barrier(name="start")
         threading.Timer(args.delay, lambda: die(delay=args.delay)).start()
         while True:
@@ -308,6 +319,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="10,11")
     p.add_argument("--mb", type=int, default=64, help="allreduce size in 'during'")
     p.add_argument("--once", action="store_true", help="survivors make a single call")
+    p.add_argument("--shared", action="store_true",
+                   help="'during': the buffer is a shared one (rr.shared_zeros)")
     p.add_argument("--tensors", type=int, default=20, help="gradients in 'negotiation'")
     p.add_argument("--submit", type=int, default=10,
                    help="how many of them the victim submits in 'negotiation'")

@@ -32,7 +32,9 @@ size_t data_offset(uint32_t nrings) {
   return rings_offset() + round_up(nrings * sizeof(RingHeader), kPage);
 }
 
-void* map_fd(int fd, size_t bytes, const std::string& name) {
+}  // namespace
+
+void* shm_map(int fd, size_t bytes, const std::string& name) {
   // MAP_POPULATE pre-faults the rings: page faults on first touch would
   // otherwise land inside the first collective's timing.
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
@@ -46,7 +48,30 @@ void* map_fd(int fd, size_t bytes, const std::string& name) {
   return p;
 }
 
-}  // namespace
+int shm_open_peer(const std::string& name, int owner_rank, int owner_pid, double timeout_s,
+                  size_t* size) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  struct stat st{};
+  // The owner may not have created (or sized) the segment yet: retry.
+  while (true) {
+    int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size >= static_cast<off_t>(kPage)) {
+      *size = static_cast<size_t>(st.st_size);
+      return fd;
+    }
+    if (fd >= 0) ::close(fd);
+    if (fd < 0 && errno != ENOENT)
+      throw_error(ErrorKind::kInternal, "cannot open shared memory ", name, " of rank ", owner_rank,
+                  ": ", errno_string(errno));
+    if (!process_alive(owner_pid))
+      throw_error(ErrorKind::kPeerLost, "rank ", owner_rank, " (pid ", owner_pid,
+                  ") exited during initialisation");
+    if (std::chrono::steady_clock::now() > deadline)
+      throw_error(ErrorKind::kTimeout, "rank ", owner_rank, " did not create its shared memory ",
+                  name, " within ", timeout_s, " s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
 
 size_t ShmSegment::layout_bytes(uint32_t nrings, uint32_t slots, uint64_t slot_bytes) {
   return data_offset(nrings) + static_cast<size_t>(nrings) * slots * slot_bytes;
@@ -69,7 +94,7 @@ ShmSegment ShmSegment::create(const std::string& name, int rank, uint32_t nrings
     throw_error(ErrorKind::kInternal, "rank ", rank, ": cannot size shared memory ", name, " to ",
                 bytes, " bytes (is /dev/shm large enough?): ", errno_string(err));
   }
-  seg.base_ = map_fd(fd, bytes, name);
+  seg.base_ = shm_map(fd, bytes, name);
   seg.bytes_ = bytes;
   auto* h = new (seg.base_) SegmentHeader();
   h->magic = kMagic;
@@ -94,28 +119,12 @@ ShmSegment ShmSegment::create(const std::string& name, int rank, uint32_t nrings
 ShmSegment ShmSegment::open(const std::string& name, int owner_rank, int owner_pid,
                             double timeout_s) {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  int fd = -1;
-  struct stat st{};
-  // The owner may not have created (or sized) the segment yet: retry.
-  while (true) {
-    fd = shm_open(name.c_str(), O_RDWR, 0600);
-    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size >= static_cast<off_t>(kPage)) break;
-    if (fd >= 0) ::close(fd);
-    if (fd < 0 && errno != ENOENT)
-      throw_error(ErrorKind::kInternal, "cannot open shared memory ", name, " of rank ", owner_rank,
-                  ": ", errno_string(errno));
-    if (!process_alive(owner_pid))
-      throw_error(ErrorKind::kPeerLost, "rank ", owner_rank, " (pid ", owner_pid,
-                  ") exited during initialisation");
-    if (std::chrono::steady_clock::now() > deadline)
-      throw_error(ErrorKind::kTimeout, "rank ", owner_rank, " did not create its shared memory ",
-                  name, " within ", timeout_s, " s");
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  size_t size = 0;
+  const int fd = shm_open_peer(name, owner_rank, owner_pid, timeout_s, &size);
   ShmSegment seg;
   seg.name_ = name;
-  seg.base_ = map_fd(fd, static_cast<size_t>(st.st_size), name);
-  seg.bytes_ = static_cast<size_t>(st.st_size);
+  seg.base_ = shm_map(fd, size, name);
+  seg.bytes_ = size;
   SegmentHeader* h = seg.header();
   while (h->ready.load() != 1) {
     if (std::chrono::steady_clock::now() > deadline)

@@ -82,4 +82,12 @@ class ShmSegment {
 // True if process `pid` exists and is not a zombie.
 bool process_alive(int pid);
 
+// Maps `bytes` of the shm object open on `fd` (pre-faulted) and closes `fd`.
+void* shm_map(int fd, size_t bytes, const std::string& name);
+// Opens a peer's shm object `name`, retrying until it exists and is sized
+// (its owner may not have got that far yet); fails early if the owner
+// process dies, and after `timeout_s`. Returns the fd; `*size` its size.
+int shm_open_peer(const std::string& name, int owner_rank, int owner_pid, double timeout_s,
+                  size_t* size);
+
 }  // namespace rr

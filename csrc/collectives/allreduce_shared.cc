@@ -1,0 +1,126 @@
+// Allreduce over shared buffers (transport/shm/shared_region.h): when every
+// rank's data lies at the same place of the same shared region, each rank
+// reads its peers' data where it lies and no byte passes through the links.
+// Per rank that moves about half the memory traffic of the ring (no copies
+// into and out of link slots), which is what bounds a large allreduce on one
+// host.
+//
+// Protocol (P ranks, all on one host; shares split as the ring splits):
+//   AGREE   every allreduce header above the small-message size carries a
+//           SharedKey (region id, digest of the layout); every rank sees all
+//           of them, so all run this or all run the ring;
+//   REDUCE  rank r computes share r, block by block in a scratch block, as
+//           x_0 (op) x_1 (op) ... (op) x_{P-1} read from each rank's buffer,
+//           finalizes it (Average, postscale) and writes it over its own
+//           share r;
+//   barrier
+//   GATHER  rank r copies every share q != r out of rank q's buffer;
+//   barrier nobody returns (letting its caller change the buffer) while a
+//           peer may still be reading it.
+// Invariants: during REDUCE a rank writes only share r of its own buffer,
+// which no other rank reads before GATHER; during GATHER it writes only the
+// shares other ranks own, which nobody reads any more. Each element is
+// reduced once, by its owner, in rank order, so every rank ends with the same
+// bits. A peer lost mid-way fails a barrier (a transport error); a peer's
+// memory stays mapped here, so reading it never faults.
+#include <algorithm>
+#include <cstring>
+
+#include "collectives/collective_util.h"
+#include "collectives/collectives.h"
+#include "collectives/reduce_kernels.h"
+#include "collectives/segments.h"
+#include "common/stream_copy.h"
+
+namespace rr {
+
+namespace {
+
+constexpr size_t kBlock = 16 << 10;  // stays in L1 between the peers' reads
+
+uint64_t fnv1a(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+// Rank q's address of `p`, a pointer into this rank's part of `region`.
+const uint8_t* at_rank(const SharedRegion& region, int q, const uint8_t* p) {
+  return region.data_of(q) + (p - region.data());
+}
+
+void reduce_share(Context& ctx, const SharedRegion& region, const Segments& segs, size_t off,
+                  size_t n, DType dtype, ReduceOp op, double postscale) {
+  const int P = ctx.size();
+  const size_t es = dtype_size(dtype);
+  uint8_t* tmp = ctx.scratch(3, kBlock);
+  segs.for_each(off, n, [&](uint8_t* p, size_t, size_t len) {
+    for (size_t b = 0; b < len; b += kBlock) {
+      const size_t m = std::min(kBlock, len - b), count = m / es;
+      reduce_to(tmp, at_rank(region, 0, p + b), at_rank(region, 1, p + b), count, dtype, op);
+      for (int q = 2; q < P; ++q) reduce_into(tmp, at_rank(region, q, p + b), count, dtype, op);
+      finalize_reduction(tmp, count, dtype, op, postscale, P);
+      std::memcpy(p + b, tmp, m);
+    }
+  });
+}
+
+}  // namespace
+
+SharedKey shared_key(const Context& ctx, const Segments& segs) {
+  SharedKey key;
+  std::shared_ptr<SharedRegion> region;
+  uint64_t digest = 14695981039346656037ULL;
+  bool ok = segs.bytes() > 0;
+  segs.for_each(0, segs.bytes(), [&](uint8_t* p, size_t, size_t len) {
+    size_t off = 0;
+    std::shared_ptr<SharedRegion> r = ok ? ctx.find_shared(p, len, &off) : nullptr;
+    ok = r && (!region || r == region);
+    region = r;
+    digest = fnv1a(fnv1a(digest, off), len);
+  });
+  if (ok) key = SharedKey{region->id(), digest};
+  return key;
+}
+
+bool shared_agreed(const HeaderExchange& x) {
+  SharedKey first;
+  for (size_t r = 0; r < x.extras.size(); ++r) {
+    SharedKey k;
+    if (x.extras[r].size() != sizeof k) return false;
+    std::memcpy(&k, x.extras[r].data(), sizeof k);
+    if (k.region == 0) return false;
+    if (r == 0) first = k;
+    if (k.region != first.region || k.layout != first.layout) return false;
+  }
+  return !x.extras.empty();
+}
+
+void allreduce_shared(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
+                      double postscale, const std::string& what) {
+  const int P = ctx.size(), r = ctx.rank();
+  size_t unused = 0;
+  uint8_t* first = segs.contiguous(0, dtype_size(dtype));
+  std::shared_ptr<SharedRegion> region = ctx.find_shared(first, dtype_size(dtype), &unused);
+  RR_CHECK(region, "rank ", r, ": ", what, ": shared buffer released while in use");
+  const size_t es = dtype_size(dtype);
+  std::vector<size_t> off = split_offsets(segs.bytes() / es, P);
+  for (auto& o : off) o *= es;
+  ctx.phase("SHARED_REDUCE");
+  reduce_share(ctx, *region, segs, off[r], off[r + 1] - off[r], dtype, op, postscale);
+  barrier(ctx, what + " reduced");
+  ctx.phase("SHARED_GATHER");
+  const bool stream = segs.bytes() >= ctx.options().streaming_bytes;
+  for (int q = 0; q < P; ++q) {
+    if (q == r) continue;
+    segs.for_each(off[q], off[q + 1] - off[q], [&](uint8_t* p, size_t, size_t len) {
+      copy_to(p, at_rank(*region, q, p), len, stream);
+    });
+  }
+  barrier(ctx, what + " gathered");
+  ctx.count_shared_allreduce();
+}
+
+}  // namespace rr

@@ -4,11 +4,15 @@ Run under MPI (mpi4py bootstraps the peers and gathers timings)::
 
     mpirun -np 2 python benchmarks/allreduce.py
     mpirun -np 2 python benchmarks/allreduce.py --max-bytes 16M --plot busbw.png --csv out.csv
+    mpirun -np 2 python benchmarks/allreduce.py --shared --peers mpi   # + rr.shared_zeros column
 
 Timing follows nccl-tests: for each size, every implementation works on the same buffer in
 place; a timed block is barrier, warmup iterations, barrier, then ``iters`` back-to-back calls.
 Each rank takes the median per-iteration time over ``--reps`` blocks, and the reported time is the
-maximum of that over ranks. Implementations are interleaved within each size (and their order
+maximum of that over ranks. With ``--shared`` a ``rr-shared`` column times ringreduce on a buffer
+from ``rr.shared_zeros`` (its own buffer; the others share one private buffer), which takes the
+shared-buffer path on one host; it is a ringreduce variant, not a peer, so the ratio columns
+leave it out. Implementations are interleaved within each size (and their order
 rotated between repetitions) so that noise on a small machine hits them all alike. Iteration
 counts shrink with size so the whole default sweep stays within a few minutes on 2 cores.
 
@@ -39,6 +43,7 @@ import ringreduce as rr
 
 COMM = MPI.COMM_WORLD
 RR = "ringreduce"
+RR_SHARED = "rr-shared"  # ringreduce on a shared buffer (--shared)
 PEERS = ("mpi", "gloo")
 DTYPES = ("float32", "float64", "int32", "int64")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -126,6 +131,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="bytes per timed block: iters = min(--iters, budget / size), at least 1 (256M)",
     )
     p.add_argument("--peers", default="mpi,gloo", help="comma list from: mpi, gloo ('' = none)")
+    p.add_argument("--shared", action="store_true",
+                   help="add an rr-shared column: ringreduce on an rr.shared_zeros buffer")
     p.add_argument("--plot", metavar="PNG", help="write a busbw-vs-size plot here")
     p.add_argument("--csv", metavar="CSV", help="write one row per size and implementation here")
     args = p.parse_args(argv)
@@ -242,13 +249,16 @@ def setup_gloo() -> tuple[Optional[AllreduceFn], str]:
     return gloo_allreduce, note
 
 
-def implementations(peers: Sequence[str]) -> tuple[dict[str, AllreduceFn], list[str]]:
+def implementations(peers: Sequence[str],
+                    shared: bool = False) -> tuple[dict[str, AllreduceFn], list[str]]:
     """The implementations to time, ringreduce first, and notes for the header.
 
     Parameters
     ----------
     peers : sequence of str
         Baselines requested on the command line.
+    shared : bool
+        Also time ringreduce on a shared buffer (``rr-shared``).
 
     Returns
     -------
@@ -258,6 +268,8 @@ def implementations(peers: Sequence[str]) -> tuple[dict[str, AllreduceFn], list[
         Versions, and peers that were skipped and why.
     """
     impls: dict[str, AllreduceFn] = {RR: rr_allreduce}
+    if shared:
+        impls[RR_SHARED] = rr_allreduce
     notes = []
     if "mpi" in peers:
         impls["mpi"] = mpi_allreduce
@@ -325,11 +337,14 @@ def measure_size(
         One per implementation, in ``impls`` order; identical on every rank.
     """
     count = nbytes // dtype.itemsize
-    buf = np.empty(count, dtype=dtype)
-    correct = {name: check(fn, buf) for name, fn in impls.items()}
+    private = np.empty(count, dtype=dtype)
+    bufs = {name: rr.shared_zeros(count, dtype) if name == RR_SHARED else private
+            for name in impls}
+    correct = {name: check(fn, bufs[name]) for name, fn in impls.items()}
     # Time on zeros: repeated in-place sums of anything else grow without bound (overflow to
     # inf in float32 after ~100 iterations at 2 ranks), and zeros cost the same to add.
-    buf.fill(0)
+    for buf in bufs.values():
+        buf.fill(0)
     iters = iterations(nbytes, args.iters, args.budget)
     warmup = min(args.warmup, iterations(nbytes, args.warmup, args.budget // 4))
     names = list(impls)
@@ -337,7 +352,7 @@ def measure_size(
     for rep in range(args.reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
-            samples[name].append(timed_block(impls[name], buf, warmup, iters))
+            samples[name].append(timed_block(impls[name], bufs[name], warmup, iters))
     n = COMM.Get_size()
     return [
         Result(
@@ -400,7 +415,7 @@ def table_header(impls: Sequence[str]) -> list[str]:
     for name in impls:
         top += f"| {name:^30} "
         sub += f"| {'time(us)':>10} {'algbw':>9} {'busbw':>9} "
-    peers = [p for p in impls if p != RR]
+    peers = [p for p in impls if p not in (RR, RR_SHARED)]
     ratio_names = [f"rr/{p}" for p in peers] + (["rr/best"] if len(peers) > 1 else [])
     if ratio_names:
         top += "| " + f"{'busbw ratio':^{8 * len(ratio_names) - 1}} "
@@ -419,7 +434,7 @@ def table_row(results: Sequence[Result]) -> str:
     for r in results:
         row += f"| {r.time_s * 1e6:>10.1f} {r.algbw:>9.3f} {r.busbw:>9.3f} "
     mine = next(r for r in results if r.impl == RR)
-    peers = [r for r in results if r.impl != RR]
+    peers = [r for r in results if r.impl not in (RR, RR_SHARED)]
     ratios = [p.time_s / mine.time_s for p in peers]
     if len(peers) > 1:
         ratios.append(min(p.time_s for p in peers) / mine.time_s)
@@ -485,7 +500,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     root, say = init_ringreduce(COMM)
     start = time.perf_counter()
 
-    impls, notes = implementations(args.peers)
+    impls, notes = implementations(args.peers, args.shared)
     for line in header_lines(args, notes):
         say(line, flush=True)
     mem_bw = memcpy_bandwidth()

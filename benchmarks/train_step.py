@@ -15,6 +15,10 @@ One step, per implementation, each on its own buffers:
 
 * ``ringreduce``: ``rr.allreduce_async_(g, op=rr.Sum, name=f"grad.{i}")`` for every tensor in
   backward order (fc first, conv1 last), then ``rr.synchronize`` on every handle;
+* ``rr-shared-grads``: the same step, the gradients being views of one ``rr.shared_zeros``
+  buffer (laid out in order, as a framework holding its gradients in one flat buffer would), so
+  the fused allreduce reads the peers' gradients where they lie (one host only; elsewhere it is
+  the ring again);
 * ``mpi-loop``: ``MPI_Allreduce(MPI_IN_PLACE, g)`` for each tensor (off with ``--no-mpi-loop``);
 * with ``--breakdown``, three more ringreduce rows that take a step's costs away one at a
   time: ``rr-grouped`` (one ``grouped_allreduce_`` of the same separate arrays: no per-tensor
@@ -397,6 +401,9 @@ def target_lines(results: Sequence[Summary], idle: Sequence[tuple[float, int]]) 
             f"# target: {RR} >= {TARGET_VS_LOOP:g}x faster than {LOOP}: {x:.2f}x  "
             f"{verdict(x >= TARGET_VS_LOOP)}"
         )
+    if LOOP in by and RR_SHARED in by:
+        lines.append(f"# (not a target) {RR_SHARED} vs {LOOP}: "
+                     f"{by[LOOP].median / by[RR_SHARED].median:.2f}x")
     rel = mine.median / packed.median
     lines.append(
         f"# target: {RR} time <= {TARGET_VS_PACKED:.2f}x {PACKED}'s: {rel:.2f}x  "

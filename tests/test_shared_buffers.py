@@ -26,6 +26,7 @@ def shared_count(c) -> int:
 
 
 def with_world(n, fn, **settings):
+    settings.setdefault("RINGREDUCE_SHARED_MIN_BYTES", 0)  # the path at every size
     with env(**settings):
         w = make_world(n)
     try:
@@ -135,7 +136,8 @@ def run_and_count(c, arr, name):
     return arr.copy(), shared_count(c) - before
 
 
-@pytest.mark.parametrize("case", ["layouts-differ", "one-rank-private", "small", "two-buffers"])
+@pytest.mark.parametrize("case", ["layouts-differ", "one-rank-private", "small", "two-buffers",
+                                  "below-threshold"])
 def test_anything_else_takes_the_ring(case):
     """The ranks agree through the header: if any rank's data is elsewhere, all take the ring."""
 
@@ -149,6 +151,8 @@ def test_anything_else_takes_the_ring(case):
             return run_and_count(c, arr, case)
         if case == "small":  # the one-hop direct path stays the way for small tensors
             return run_and_count(c, buf[:100], case)
+        if case == "below-threshold":  # RINGREDUCE_SHARED_MIN_BYTES=500000 (below: the ring)
+            return run_and_count(c, buf[:COUNT], case)
         vs = [buf[:COUNT], other[:10_000]]  # a fused response across two buffers
         for v in vs:
             v[:] = c.rank() + 1
@@ -156,9 +160,19 @@ def test_anything_else_takes_the_ring(case):
         c.grouped_allreduce_async_(vs, op=rr.Sum, name=case).wait()
         return np.concatenate(vs), shared_count(c) - before
 
-    for got, ran in with_world(2, body):
+    threshold = 500_000 if case == "below-threshold" else 0
+    for got, ran in with_world(2, body, RINGREDUCE_SHARED_MIN_BYTES=threshold):
         np.testing.assert_array_equal(got, 3)
         assert ran == 0
+
+
+def test_the_threshold_is_a_lower_bound():
+    def body(c):
+        return run_and_count(c, c.shared_zeros(COUNT, np.float32), "at-threshold")
+
+    for got, ran in with_world(2, body, RINGREDUCE_SHARED_MIN_BYTES=4 * COUNT):
+        np.testing.assert_array_equal(got, 3)
+        assert ran == 1
 
 
 def test_size_mismatch_raises_on_every_rank_and_the_job_goes_on():

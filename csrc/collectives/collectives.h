@@ -52,8 +52,9 @@ void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceO
                         double postscale, const std::string& name);
 
 // Shared buffers (allreduce_shared.cc). A rank's SharedKey names the shared
-// region its data lies in (0: none) and digests where; it rides in the
-// allreduce header, and allreduce_shared runs when every rank's is equal.
+// region its data lies in (0: none, or less than RINGREDUCE_SHARED_MIN_BYTES)
+// and digests where; it rides in the allreduce header, and allreduce_shared
+// runs when every rank's is equal.
 struct SharedKey {
   uint64_t region = 0;
   uint64_t layout = 0;

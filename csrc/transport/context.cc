@@ -44,6 +44,8 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
       static_cast<uint64_t>(env_int("RINGREDUCE_SMALL_BYTES", static_cast<int64_t>(o.small_bytes)));
   o.streaming_bytes = static_cast<uint64_t>(
       env_int("RINGREDUCE_STREAMING_BYTES", static_cast<int64_t>(o.streaming_bytes)));
+  o.shared_min_bytes = static_cast<uint64_t>(
+      env_int("RINGREDUCE_SHARED_MIN_BYTES", static_cast<int64_t>(o.shared_min_bytes)));
   o.shm_stream_send_bytes = static_cast<uint64_t>(
       env_int("RINGREDUCE_SHM_STREAM_SEND_BYTES", static_cast<int64_t>(o.shm_stream_send_bytes)));
   const std::string stream = env_str("RINGREDUCE_SHM_STREAM_SEND", "auto");

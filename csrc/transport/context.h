@@ -49,6 +49,9 @@ struct ContextOptions {
   uint64_t ring_slice_bytes = 1 << 20;
   uint64_t small_bytes = 64 << 10;     // RINGREDUCE_SMALL_BYTES: direct path at or below
   uint64_t streaming_bytes = 8 << 20;  // RINGREDUCE_STREAMING_BYTES: bypass caches from here
+  // RINGREDUCE_SHARED_MIN_BYTES: allreduces over shared buffers read the peers'
+  // memory from here on (below, its two barriers cost more than the ring).
+  uint64_t shared_min_bytes = 4 << 20;
   // RINGREDUCE_SHM_STREAM_SEND_BYTES (0 = off): on by default because the
   // VMs we measured on spend long stretches in a mode where cache-to-cache
   // hand-over is 4x slower (README, "Benchmarks").

@@ -349,6 +349,9 @@ class Communicator:
             If the ranks asked for different sizes.
         """
         dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise InvalidInputError(f"rank {self.rank()}: shared_zeros: dtype {dt} holds Python "
+                                    "objects, which cannot live in shared memory")
         dims = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
         if any(d < 0 for d in dims):
             raise InvalidInputError(f"rank {self.rank()}: shared_zeros: negative dimension in "

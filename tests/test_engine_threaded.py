@@ -217,10 +217,12 @@ def test_small_or_disabled_cache_stays_correct_over_steps(capacity):
 
 def test_timeline_is_valid_json_with_every_phase(tmp_path):
     path = tmp_path / "timeline.json"
-    w = world(2, RINGREDUCE_TIMELINE=str(path), RINGREDUCE_SMALL_BYTES="1024")
+    w = world(2, RINGREDUCE_TIMELINE=str(path), RINGREDUCE_SMALL_BYTES="1024",
+              RINGREDUCE_SHARED_MIN_BYTES="0")
 
     def body(c):
         c.grouped_allreduce_async([np.ones(3), np.ones(5)], name="tiny").wait()  # packed
+        c.allreduce_(c.shared_zeros(1000), name="shared")
         hs = [c.allreduce_async(x, name=f"t{i}") for i, x in enumerate(grads(c.rank()))]
         [h.wait() for h in hs]
         c.broadcast(np.ones(100000), root_rank=0, name="b")
@@ -233,7 +235,7 @@ def test_timeline_is_valid_json_with_every_phase(tmp_path):
     for phase in ["NEGOTIATE_ALLREDUCE", "rank 0 ready", "rank 1 ready", "WAIT", "allreduce",
                   "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "AGREE", "DIRECT",
                   "RING_REDUCE_SCATTER", "RING_ALLGATHER", "NEGOTIATE_BROADCAST",
-                  "BROADCAST_CHAIN"]:
+                  "BROADCAST_CHAIN", "SHARED_REDUCE", "SHARED_GATHER"]:
         assert phase in names, phase
     rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert {"t0", "t11", "b"} <= rows

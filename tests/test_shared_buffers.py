@@ -248,6 +248,15 @@ def test_joined_rank_supplies_zeros_through_the_ring():
     assert results[0][2] == 0
 
 
+def test_object_dtype_is_refused():
+    def body(c):
+        with pytest.raises(rr.InvalidInputError, match="Python objects"):
+            c.shared_zeros(3, object)
+        return True
+
+    assert with_world(2, body) == [True, True]
+
+
 def test_use_after_shutdown_is_refused():
     w = make_world(2)
     for c in w:

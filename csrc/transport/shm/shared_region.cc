@@ -74,9 +74,13 @@ void* open_peer(const std::string& name, const SharedPeer& p, double timeout_s, 
   RegionHeader* h = header_of(base);
   const auto deadline = deadline_after(timeout_s);
   while (h->ready.load() != 1) {
-    if (Clock::now() > deadline || !process_alive(p.pid)) {
+    if (!process_alive(p.pid)) {
       munmap(base, *size);
-      throw_error(ErrorKind::kPeerLost, "shared memory ", name, " of rank ", p.rank,
+      throw_error(ErrorKind::kPeerLost, "rank ", p.rank, " exited while allocating ", name);
+    }
+    if (Clock::now() > deadline) {
+      munmap(base, *size);
+      throw_error(ErrorKind::kTimeout, "shared memory ", name, " of rank ", p.rank,
                   " was never initialised");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));

@@ -295,3 +295,21 @@ def test_min_has_no_gradient():
 
     for err in run(2, fn, return_exceptions=True):
         assert isinstance(err, rr.InvalidInputError) and "no gradient" in str(err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_zeros_tensor_takes_the_shared_path(dtype):
+    """4 MiB (the default RINGREDUCE_SHARED_MIN_BYTES) in a shared tensor: read in place."""
+    cols = (4 << 20) // 1024 // torch.empty((), dtype=dtype).element_size()
+
+    def fn(rank):
+        t = rrt.shared_zeros((1024, cols), dtype)
+        ok = (t.dtype == dtype and t.is_contiguous() and t.nbytes == 4 << 20
+              and not t.any() and rrt.shared_zeros(0, dtype).numel() == 0)
+        t.fill_(rank + 1)
+        engine = rr._comm()._engine
+        before = engine.stats()["shared_allreduces"]
+        rrt.allreduce_(t, op=rrt.Sum, name="shared")
+        return ok, bool((t == 3).all()), engine.stats()["shared_allreduces"] - before
+
+    assert run(2, fn) == [(True, True, 1), (True, True, 1)]

@@ -78,6 +78,7 @@ from .ops import (
     grouped_allreduce_async,
     grouped_allreduce_async_,
     poll,
+    shared_zeros,
     synchronize,
 )
 from .optimizer import DistributedOptimizer
@@ -96,7 +97,8 @@ __all__ = [
     "broadcast_parameters", "cross_rank", "cross_size", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "poll", "rank",
-    "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shutdown",
+    "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shared_zeros",
+    "shutdown",
     "size", "synchronize", "use_communicator",
 ]
 

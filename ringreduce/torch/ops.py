@@ -241,3 +241,33 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Any = None,
     """In-place ``grouped_allreduce``; returns ``tensors`` as a list."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor))
+
+
+def shared_zeros(shape: Union[int, Sequence[int]],
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero-filled CPU tensor in memory every rank of a one-host job maps.
+
+    Collective (every rank, same order, same shape and dtype); see
+    ``ringreduce.shared_zeros``. Large allreduces of it, or of views of it at the
+    same place on every rank, read the other ranks' data where it lies.
+
+    Parameters
+    ----------
+    shape : int or sequence of int
+        Shape of the tensor.
+    dtype : torch.dtype
+        Element type (float32).
+
+    Returns
+    -------
+    torch.Tensor
+        A contiguous CPU tensor; the memory lives as long as any view of it does.
+    """
+    dims = [int(shape)] if isinstance(shape, int) else [int(d) for d in shape]
+    if any(d < 0 for d in dims):
+        raise InvalidInputError(f"shared_zeros: negative dimension in shape {tuple(dims)}")
+    nbytes = int(np.prod(dims, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    raw = comm().shared_zeros(nbytes, np.uint8)  # collective, whatever the size
+    if nbytes == 0:
+        return torch.zeros(dims, dtype=dtype)
+    return torch.from_numpy(raw).view(dtype).reshape(dims)

@@ -248,6 +248,18 @@ def test_joined_rank_supplies_zeros_through_the_ring():
     assert results[0][2] == 0
 
 
+def test_more_than_dev_shm_holds_is_a_clear_error():
+    """tmpfs refuses a reservation larger than itself at once (no pages are touched)."""
+    too_big = 2 * os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+
+    def body(c):
+        with pytest.raises(rr.InvalidInputError, match="/dev/shm is too small"):
+            c.shared_zeros(too_big, np.uint8)
+        return True
+
+    assert with_world(2, body) == [True, True]
+
+
 def test_object_dtype_is_refused():
     def body(c):
         with pytest.raises(rr.InvalidInputError, match="Python objects"):

@@ -74,6 +74,7 @@ SharedKey shared_key(const Context& ctx, const Segments& segs) {
   std::shared_ptr<SharedRegion> region;
   uint64_t digest = 14695981039346656037ULL;
   bool ok = segs.bytes() > 0 && segs.bytes() >= ctx.options().shared_min_bytes;
+  if (!ok) return key;
   segs.for_each(0, segs.bytes(), [&](uint8_t* p, size_t, size_t len) {
     size_t off = 0;
     std::shared_ptr<SharedRegion> r = ok ? ctx.find_shared(p, len, &off) : nullptr;

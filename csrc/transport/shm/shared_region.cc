@@ -44,12 +44,17 @@ void* create_own(const std::string& name, int rank, size_t bytes) {
   if (fd < 0)
     throw_error(ErrorKind::kInternal, "rank ", rank, ": cannot create shared memory ", name, ": ",
                 errno_string(errno));
-  if (ftruncate(fd, static_cast<off_t>(kHeaderBytes + bytes)) != 0) {
-    const int err = errno;
+  // Reserved up front: a tmpfs page that cannot be backed later would be a
+  // SIGBUS at first touch instead of an error here.
+  const int err = posix_fallocate(fd, 0, static_cast<off_t>(kHeaderBytes + bytes));
+  if (err != 0) {
     ::close(fd);
     shm_unlink(name.c_str());
-    throw_error(ErrorKind::kInternal, "rank ", rank, ": cannot size shared memory ", name, " to ",
-                kHeaderBytes + bytes, " bytes (is /dev/shm large enough?): ", errno_string(err));
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank, ": cannot reserve ",
+                kHeaderBytes + bytes, " bytes of shared memory for ", name, ": ", errno_string(err),
+                err == ENOSPC ? " (/dev/shm is too small: every rank on the host allocates this "
+                                "much; df -h /dev/shm)"
+                              : "");
   }
   void* base = nullptr;
   try {

@@ -235,7 +235,7 @@ def test_timeline_is_valid_json_with_every_phase(tmp_path):
     for phase in ["NEGOTIATE_ALLREDUCE", "rank 0 ready", "rank 1 ready", "WAIT", "allreduce",
                   "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "AGREE", "DIRECT",
                   "RING_REDUCE_SCATTER", "RING_ALLGATHER", "NEGOTIATE_BROADCAST",
-                  "BROADCAST_CHAIN", "SHARED_REDUCE", "SHARED_GATHER"]:
+                  "BROADCAST_CHAIN", "SHARED_REDUCE"]:
         assert phase in names, phase
     rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert {"t0", "t11", "b"} <= rows

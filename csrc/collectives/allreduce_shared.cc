@@ -1,28 +1,34 @@
 // Allreduce over shared buffers (transport/shm/shared_region.h): when every
 // rank's data lies at the same place of the same shared region, each rank
-// reads its peers' data where it lies and no byte passes through the links.
-// Per rank that moves about half the memory traffic of the ring (no copies
-// into and out of link slots), which is what bounds a large allreduce on one
-// host.
+// reads its peers' data where it lies and writes the result where they will
+// read it, and no byte passes through the links. Per rank that is one read
+// of its share from every buffer and one write of the result into every
+// buffer: the least memory traffic an in-place allreduce can have, against
+// the ring's copies into and out of link slots handed over between cores.
 //
 // Protocol (P ranks, all on one host; shares split as the ring splits):
 //   AGREE   every allreduce header above the small-message size carries a
 //           SharedKey (region id, digest of the layout); every rank sees all
-//           of them, so all run this or all run the ring;
-//   REDUCE  rank r computes share r, block by block in a scratch block, as
-//           x_0 (op) x_1 (op) ... (op) x_{P-1} read from each rank's buffer,
-//           finalizes it (Average, postscale) and writes it over its own
-//           share r;
-//   barrier
-//   GATHER  rank r copies every share q != r out of rank q's buffer;
-//   barrier nobody returns (letting its caller change the buffer) while a
-//           peer may still be reading it.
-// Invariants: during REDUCE a rank writes only share r of its own buffer,
-// which no other rank reads before GATHER; during GATHER it writes only the
-// shares other ranks own, which nobody reads any more. Each element is
-// reduced once, by its owner, in rank order, so every rank ends with the same
-// bits. A peer lost mid-way fails a barrier (a transport error); a peer's
-// memory stays mapped here, so reading it never faults.
+//           of them, so all run this or all run the ring; a rank sends its
+//           header once its own input is in place, so past AGREE every
+//           rank's input is ready;
+//   REDUCE  rank r computes share r, block by block in an L1 scratch block,
+//           as x_0 (op) x_1 (op) ... (op) x_{P-1} read from each rank's
+//           buffer, finalizes it (Average, postscale) and writes the block
+//           into share r of every rank's buffer, its own included;
+//   barrier nobody returns (letting its caller read or change its buffer)
+//           while a peer may still be reading or writing it.
+// Invariants: share r of every buffer is read and written by rank r alone,
+// and each of its blocks is read in full (from all P buffers) before any of
+// it is written, so no rank reads a result in place of an input. Each element
+// is reduced once, by its owner, in rank order, so every rank ends with the
+// same bits. A peer lost mid-way fails the barrier (a transport error); a
+// peer's memory stays mapped here, so touching it never faults.
+//
+// (An earlier form wrote share r into its own buffer only, and after a
+// barrier every rank copied the other shares out of their owners' buffers:
+// the same reads plus a second pass over (P-1)/P of the data, which measured
+// about 1.6x slower for 97.5 MiB on two ranks, benchmarks/shared_ceiling.c.)
 #include <algorithm>
 #include <cstring>
 
@@ -30,7 +36,6 @@
 #include "collectives/collectives.h"
 #include "collectives/reduce_kernels.h"
 #include "collectives/segments.h"
-#include "common/stream_copy.h"
 
 namespace rr {
 
@@ -47,7 +52,7 @@ uint64_t fnv1a(uint64_t h, uint64_t v) {
 }
 
 // Rank q's address of `p`, a pointer into this rank's part of `region`.
-const uint8_t* at_rank(const SharedRegion& region, int q, const uint8_t* p) {
+uint8_t* at_rank(const SharedRegion& region, int q, const uint8_t* p) {
   return region.data_of(q) + (p - region.data());
 }
 
@@ -62,7 +67,7 @@ void reduce_share(Context& ctx, const SharedRegion& region, const Segments& segs
       reduce_to(tmp, at_rank(region, 0, p + b), at_rank(region, 1, p + b), count, dtype, op);
       for (int q = 2; q < P; ++q) reduce_into(tmp, at_rank(region, q, p + b), count, dtype, op);
       finalize_reduction(tmp, count, dtype, op, postscale, P);
-      std::memcpy(p + b, tmp, m);
+      for (int q = 0; q < P; ++q) std::memcpy(at_rank(region, q, p + b), tmp, m);
     }
   });
 }
@@ -112,15 +117,6 @@ void allreduce_shared(Context& ctx, const Segments& segs, DType dtype, ReduceOp 
   ctx.phase("SHARED_REDUCE");
   reduce_share(ctx, *region, segs, off[r], off[r + 1] - off[r], dtype, op, postscale);
   barrier(ctx, what + " reduced");
-  ctx.phase("SHARED_GATHER");
-  const bool stream = segs.bytes() >= ctx.options().streaming_bytes;
-  for (int q = 0; q < P; ++q) {
-    if (q == r) continue;
-    segs.for_each(off[q], off[q + 1] - off[q], [&](uint8_t* p, size_t, size_t len) {
-      copy_to(p, at_rank(*region, q, p), len, stream);
-    });
-  }
-  barrier(ctx, what + " gathered");
   ctx.count_shared_allreduce();
 }
 

@@ -238,7 +238,7 @@ void Engine::execute(const Response& r) {
   }
   for (const std::string& n : names) pending_.erase(n);
   release_names(names);
-  for (auto& h : done) h->resolve_one();
+  HandleState::resolve_all(done);
 }
 
 void Engine::fail_entries(const Response& r, ErrorKind kind, const std::string& msg) {

@@ -39,25 +39,41 @@ void WaitSignal::sleep(int64_t timeout_ns) {
   sleeping_.store(0);
 }
 
-void HandleState::finish_locked() {
-  if (--remaining_ > 0) return;
+bool HandleState::finish_locked() {
+  if (--remaining_ > 0) return false;
   done_.store(true, std::memory_order_release);
+  return true;
+}
+
+// Waiters check done_ under mu_, which finish_locked() sets under mu_, so a
+// notify after unlocking loses no wake-up; a waiter woken while mu_ is still
+// held would only block on it again.
+void HandleState::resolve_one() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!finish_locked()) return;
+  lock.unlock();
   cv_.notify_all();
 }
 
-void HandleState::resolve_one() {
-  std::lock_guard<std::mutex> lock(mu_);
-  finish_locked();
+void HandleState::resolve_all(const std::vector<std::shared_ptr<HandleState>>& hs) {
+  std::vector<HandleState*> completed;  // kept alive by `hs` while notified
+  for (const auto& h : hs) {
+    std::lock_guard<std::mutex> lock(h->mu_);
+    if (h->finish_locked()) completed.push_back(h.get());
+  }
+  for (HandleState* h : completed) h->cv_.notify_all();
 }
 
 void HandleState::fail_one(ErrorKind kind, const std::string& message) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (!failed_) {
     failed_ = true;
     kind_ = kind;
     message_ = message;
   }
-  finish_locked();
+  if (!finish_locked()) return;
+  lock.unlock();
+  cv_.notify_all();
 }
 
 void HandleState::wait() {

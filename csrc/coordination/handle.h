@@ -59,6 +59,12 @@ class HandleState {
 
   void resolve_one();
   void fail_one(ErrorKind kind, const std::string& message);
+  // Resolves one entry of each handle in `hs` (a grouped call's handle
+  // appears once per entry), marking every handle that completes before
+  // waking any caller: a caller synchronizing a response's handles in turn
+  // then finds the rest done instead of sleeping on each, which cost one
+  // cross-core wake-up per tensor (~3.4 us each, 161 gradients: 0.55 ms).
+  static void resolve_all(const std::vector<std::shared_ptr<HandleState>>& hs);
   bool done() const { return done_.load(std::memory_order_acquire); }
   // Blocks until done (telling the engine, through the WaitSignal, that
   // this caller waits); throws the failure if any. It does not poll first:
@@ -74,7 +80,9 @@ class HandleState {
   int join_result = -1;                  // join
 
  private:
-  void finish_locked();
+  // Counts one entry done; true when that completed the handle (the caller
+  // then notifies cv_, after releasing mu_).
+  bool finish_locked();
   std::shared_ptr<WaitSignal> signal_;
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -34,7 +34,9 @@ def _check_op(op: int, what: str) -> int:
 class Handle:
     """A collective in flight. Pass it to ``synchronize()`` or ``poll()``.
 
-    Holds the input and output arrays alive until the collective completes.
+    Holds the input and output arrays alive until the collective completes. (An in-place
+    allreduce of a plain numpy array returns a ``ringreduce._core.ArrayHandle`` instead: the
+    same ``wait()`` and ``done()``, made in C++ because it is the per-gradient hot path.)
     """
 
     __slots__ = ("_core", "_finish", "_keep", "_result")
@@ -127,16 +129,20 @@ class Communicator:
         # Appends need no lock (deque.append is atomic); only the left end is
         # pruned, under the lock, every 64 appends: handles finish roughly in
         # submission order, and one still in flight keeps the ones behind it
-        # until it finishes. A handle already waited on needs no engine call.
+        # until it finishes.
         h = Handle(core, finish, keep)
         q = self._in_flight
         q.append(h)
         if len(q) >= self._prune_at:
-            with self._lock:
-                while q and (q[0]._finish is None or q[0].done()):
-                    q.popleft()
-                self._prune_at = len(q) + 64
+            self._prune()
         return h
+
+    def _prune(self) -> None:
+        q = self._in_flight
+        with self._lock:
+            while q and q[0].done():
+                q.popleft()
+            self._prune_at = len(q) + 64
 
     @staticmethod
     def _output(dtype: np.dtype) -> Callable[[Any], np.ndarray]:
@@ -146,11 +152,16 @@ class Communicator:
     def allreduce_async_(self, x: Any, op: int = Average, name: Optional[str] = None,
                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
         """Start an in-place allreduce of ``x``; ``synchronize(handle)`` returns ``x``."""
-        # The per-gradient hot path: a plain numpy array is checked in C++.
-        core = self._engine.allreduce_array(x, x, op, name, float(prescale_factor),
-                                            float(postscale_factor))
-        if core is not None:
-            return self._track(core, lambda _: x, (x,))
+        # The per-gradient hot path: a plain numpy array is checked in C++ and
+        # its handle (a _core.ArrayHandle: wait() returns x) made there too.
+        h = self._engine.allreduce_array(x, op, name, float(prescale_factor),
+                                         float(postscale_factor))
+        if h is not None:
+            q = self._in_flight
+            q.append(h)
+            if len(q) >= self._prune_at:
+                self._prune()
+            return h
         arr = for_writing(x, "allreduce_", name)
         core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: x, (arr,))

@@ -4,6 +4,7 @@ cache, join, the stall inspector and the timeline."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -248,6 +249,24 @@ def test_dropped_handle_keeps_buffers_alive():
         for i in range(20):
             c.allreduce_async(np.ones(50000, np.float32), name=f"fire{i}")  # never waited
         return c.allreduce(np.ones(2), op=rr.Sum, name="last")
+
+    assert all((o == 2).all() for o in run_threaded(2, body))
+
+
+def test_in_place_hot_path_handle_keeps_its_array_and_returns_it():
+    """allreduce_async_ of a plain numpy array gets a C++ handle: dropped, it still keeps the
+    array alive; waited on (twice), it returns the array itself; poll() works on it."""
+
+    def body(c):
+        for i in range(20):
+            c.allreduce_async_(np.ones(50000, np.float32), op=rr.Sum, name=f"fire{i}")
+        gc.collect()
+        x = np.ones(70000, np.float32)
+        h = c.allreduce_async_(x, op=rr.Sum, name="kept")
+        assert isinstance(h, _core.ArrayHandle)
+        out = rr.synchronize(h)
+        assert out is x and h.wait() is x and rr.poll(h)
+        return x
 
     assert all((o == 2).all() for o in run_threaded(2, body))
 

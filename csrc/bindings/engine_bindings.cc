@@ -79,22 +79,44 @@ int32_t plain_dtype_code(const py::dtype& dt) {
   return -1;
 }
 
-// allreduce_async(_) of a plain numpy array, with the Python-side checks done
+// The handle of an in-place allreduce of a numpy array (the hot path below):
+// wait() returns the array itself. It holds the array, so the Python side
+// keeps the buffer alive for as long as it keeps the handle (the
+// Communicator keeps every handle until it is done). Python's Handle
+// (ringreduce/_communicator.py) does the same for every other call; this
+// one skips its Python frames, a few microseconds per gradient.
+struct ArrayHandle {
+  std::shared_ptr<HandleState> state;
+  py::object array;
+};
+
+py::object wait_array(ArrayHandle& h) {
+  if (h.state->done()) {
+    h.state->rethrow();
+  } else {
+    py::gil_scoped_release nogil;
+    h.state->wait();
+  }
+  return h.array;
+}
+
+// allreduce_async_ of a plain numpy array, with the Python-side checks done
 // here (the hot path: one call per gradient). Returns None when the array or
 // an argument needs the general path, which converts or raises with context.
-py::object allreduce_array(Engine& eng, py::handle x, py::handle out, int32_t op, py::handle name,
-                           double pre, double post) {
+py::object allreduce_array(Engine& eng, py::handle x, int32_t op, py::handle name, double pre,
+                           double post) {
   if (!py::isinstance<py::array>(x) || !reduce_op_is_valid(op) ||
       !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
     return py::none();
   const auto arr = py::reinterpret_borrow<py::array>(x);
-  if (!(arr.flags() & py::array::c_style) || (out.is(x) && !arr.writeable())) return py::none();
+  if (!(arr.flags() & py::array::c_style) || !arr.writeable()) return py::none();
   const int32_t code = plain_dtype_code(arr.dtype());
   if (code < 0) return py::none();
-  Entry e = entry(CollKind::kAllreduce, x, out,
-                  std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code,
-                  name.is_none() ? std::string() : name.cast<std::string>());
-  return py::cast(submit_one(eng, std::move(reducing(e, op, pre, post))));
+  Entry e =
+      entry(CollKind::kAllreduce, x, x, std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()),
+            code, name.is_none() ? std::string() : name.cast<std::string>());
+  return py::cast(ArrayHandle{submit_one(eng, std::move(reducing(e, op, pre, post))),
+                              py::reinterpret_borrow<py::object>(x)});
 }
 
 // The engine-allocated result as a flat uint8 array that owns the memory.
@@ -122,6 +144,9 @@ void bind_handle(py::module_& m) {
       .def("output_shape", [](HandleState& h, size_t i) { return h.outputs.at(i).shape; })
       .def_readonly("received_splits", &HandleState::received_splits)
       .def_readonly("join_result", &HandleState::join_result);
+  py::class_<ArrayHandle>(m, "ArrayHandle")
+      .def("wait", &wait_array)
+      .def("done", [](const ArrayHandle& h) { return h.state->done(); });
 }
 
 // A shared buffer as a flat writable byte buffer; numpy views of it keep it

@@ -1,0 +1,68 @@
+"""The benchmarks run: each script under mpirun at toy sizes, with a hard timeout.
+
+They measure nothing here (timing is not asserted); what is checked is that every script
+still runs against the current API, that the correctness checks the benchmarks carry pass,
+and that their reports have the lines the README quotes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from procs import ROOT, Job, run_mpi
+
+BENCH = ROOT / "benchmarks"
+
+
+def stdout(job: Job) -> str:
+    job.check_ok()
+    return job.procs[0].stdout
+
+
+def test_train_step_checks_every_implementation_and_reports_the_targets():
+    out = stdout(run_mpi(2, BENCH / "train_step.py",
+                         ["--scale", "0.001", "--steps", "2", "--warmup", "0",
+                          "--idle-seconds", "0.1", "--breakdown"], timeout=120))
+    check = next(line for line in out.splitlines() if line.startswith("# check"))
+    assert "WRONG" not in check and check.count("OK") == 8, check
+    for row in ("ringreduce", "rr-shared-grads", "mpi-loop", "rr-grouped ", "rr-grouped-views",
+                "rr-one-array", "mpi-packed"):
+        assert any(line.startswith(row) for line in out.splitlines()), row
+    assert out.count("# target:") == 3
+
+
+def test_allreduce_sweep_with_the_shared_column_finds_no_wrong_result():
+    out = stdout(run_mpi(2, BENCH / "allreduce.py",
+                         ["--min-bytes", "4", "--max-bytes", "8M", "--factor", "64",
+                          "--iters", "2", "--warmup", "1", "--reps", "1", "--peers", "mpi",
+                          "--shared"], timeout=120))
+    assert "# wrong results: none" in out, out
+    assert "rr-shared" in out
+
+
+def test_ring_series_groups_the_rings():
+    out = stdout(run_mpi(2, BENCH / "ring_series.py", ["--mib", "4", "--rings", "6",
+                                                       "--period", "3"], timeout=120))
+    assert "# median by ring index mod 3: 0:" in out and "# all: median" in out, out
+    times = next(line for line in out.splitlines() if not line.startswith("#"))
+    assert len(times.split()) == 6
+
+
+def test_idle_cpu_reports_every_rank():
+    out = stdout(run_mpi(2, BENCH / "idle_cpu.py", ["--seconds", "0.2"], timeout=120))
+    assert "rank 0" in out and "rank 1" in out, out
+
+
+def test_shared_ceiling_compiles_and_sums_right(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "shared_ceiling"
+    subprocess.run([cc, "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
+                    str(BENCH / "shared_ceiling.c")], check=True, timeout=60)
+    for form in ([], ["two-pass"]):
+        run = subprocess.run([str(exe), "65536", *form], capture_output=True, text=True,
+                             timeout=60, check=True)
+        assert "WRONG" not in run.stdout and "best" in run.stdout, run.stdout

@@ -8,10 +8,10 @@ Run under MPI::
 Each ring is an in-place Sum ``allreduce_`` of one float32 array (default 97.5 MiB, a
 ResNet-50 gradient), preceded by a pass over another array of the same size (so the reduced
 one comes from memory, as in a training step) and a barrier; its time is the maximum over
-ranks; two untimed rings go first. Printed: every ring's time in ms, in order, then the median of the rings at each
-position modulo ``--period``. A choice the engine revisits every k rings (such as the shm
-transport's streaming-store exploration, ``transport/stream_choice.h``) shows as one slow
-position when ``--period`` is k.
+ranks; two untimed rings go first. Printed: every ring's time in ms, in order, then the
+median of the rings at each position modulo ``--period``. A choice the engine revisits every
+k rings (such as the shm transport's streaming-store exploration,
+``transport/stream_choice.h``) shows as one slow position when ``--period`` is k.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Plumbing shared by ringreduce.torch: which Communicator to use, torch <-> numpy views.
 
 Tensors cross into the core as numpy views of their memory (no copy): CPU
-tensors through DLPack, bfloat16 through an int16 view re-labelled as
-``ml_dtypes.bfloat16`` (numpy cannot import bfloat16 through DLPack).
+tensors of numpy's own dtypes through ``Tensor.numpy()``, others through DLPack,
+bfloat16 through an int16 view re-labelled as ``ml_dtypes.bfloat16`` (numpy
+cannot import bfloat16 through DLPack).
 
 Tests run several ranks as threads of one process; ``use_communicator(comm)``
 makes every ringreduce.torch call on the current thread go to ``comm``
@@ -48,6 +49,11 @@ def _bfloat16() -> Any:
     return ml_dtypes.bfloat16
 
 
+#: torch dtypes whose tensors ``Tensor.numpy()`` views directly.
+_NUMPY_NATIVE = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                           torch.int16, torch.int32, torch.int64, torch.bool})
+
+
 def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     """A numpy view of the memory of CPU tensor ``t`` (no copy; strides kept).
 
@@ -71,6 +77,11 @@ def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
         t = t.resolve_conj().resolve_neg()
     if t.dtype == torch.bfloat16:
         return to_numpy(t.view(torch.int16), what).view(_bfloat16())
+    if t.dtype in _NUMPY_NATIVE:
+        # The same zero-copy view as DLPack's (strides and offset kept), for a sixth of
+        # the cost: this runs once per gradient in DistributedOptimizer's hooks
+        # (measured: 1.5 us against 9.6 us per call).
+        return t.numpy()
     try:
         return np.from_dlpack(t)
     except (BufferError, RuntimeError, TypeError) as err:

@@ -154,24 +154,29 @@ class _DistributedMixin:
         self._rr_params.sort(key=lambda q: self._rr_names[q])
 
     # ------------------------------------------------------------ per gradient
+    # Once per gradient: each dict lookup hashes a tensor through Python
+    # (Tensor.__hash__), so the hook looks each table up once.
     def _rr_hook(self, p: torch.Tensor) -> None:
-        if p not in self._rr_names:
+        name = self._rr_names.get(p)
+        if name is None:
             return
         if p in self._rr_pending:
             raise InvalidInputError(
-                f"DistributedOptimizer: the gradient of {self._rr_names[p]!r} was computed "
+                f"DistributedOptimizer: the gradient of {name!r} was computed "
                 f"more than backward_passes_per_step={self._rr_passes} times before step() or "
                 "synchronize(); call step() after every backward pass, or pass a larger "
                 "backward_passes_per_step to accumulate gradients locally")
-        self._rr_delay[p] -= 1
-        if self._rr_delay[p] > 0:
+        delay = self._rr_delay[p] - 1
+        self._rr_delay[p] = delay
+        if delay > 0:
             self._rr_partial.add(p)
             return
-        self._rr_partial.discard(p)
-        self._rr_submit(p)
+        if self._rr_partial:
+            self._rr_partial.discard(p)
+        self._rr_submit(p, name)
 
-    def _rr_submit(self, p: torch.Tensor) -> None:
-        name, grad = self._rr_names[p], p.grad
+    def _rr_submit(self, p: torch.Tensor, name: Optional[str] = None) -> None:
+        name, grad = name or self._rr_names[p], p.grad
         c = self._rr_comm()
         if grad.is_sparse and self._rr_sparse_as_dense:
             p.grad = grad = grad.to_dense()

@@ -210,10 +210,11 @@ class _DistributedMixin:
         right after ``synchronize()`` does not communicate again anyway).
         """
         params = [p for p in self._rr_params if getattr(p, "_rr_owner", None) is self._rr_ref]
-        for p in params:  # partially accumulated (fewer than k passes): send what there is
-            if p in self._rr_partial:
-                self._rr_partial.discard(p)
-                self._rr_submit(p)
+        if self._rr_partial:  # partially accumulated (fewer than k passes): send what there is
+            for p in params:
+                if p in self._rr_partial:
+                    self._rr_partial.discard(p)
+                    self._rr_submit(p)
         counts = self._rr_presence(params)
         for p, count in zip(params, counts):
             if p in self._rr_pending or count == 0:
@@ -243,8 +244,8 @@ class _DistributedMixin:
                 first = first or err
             if p.grad is not pend.grad and pend.buf is not None:
                 replaced.append(self._rr_names[p])
-        for p in self._rr_params:
-            self._rr_delay[p] = self._rr_passes
+        # dict.fromkeys over a dict reuses the stored hashes: no Tensor.__hash__ per parameter.
+        self._rr_delay = dict.fromkeys(self._rr_delay, self._rr_passes)
         if first is not None:
             raise first
         if replaced:

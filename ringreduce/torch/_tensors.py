@@ -78,9 +78,9 @@ def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return to_numpy(t.view(torch.int16), what).view(_bfloat16())
     if t.dtype in _NUMPY_NATIVE:
-        # The same zero-copy view as DLPack's (strides and offset kept), for a sixth of
-        # the cost: this runs once per gradient in DistributedOptimizer's hooks
-        # (measured: 1.5 us against 9.6 us per call).
+        # The same zero-copy view as DLPack's (strides and offset kept), cheaper: this
+        # runs once per gradient in DistributedOptimizer's hooks (measured, this whole
+        # function: 4.1 us per call against 9.6 us through DLPack).
         return t.numpy()
     try:
         return np.from_dlpack(t)

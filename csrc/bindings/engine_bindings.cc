@@ -90,13 +90,16 @@ struct ArrayHandle {
   py::object array;
 };
 
+// A completed handle (the common case in a synchronize loop after the last
+// one) needs no GIL hand-off.
+void wait_state(HandleState& h) {
+  if (h.done()) return h.rethrow();
+  py::gil_scoped_release nogil;
+  h.wait();
+}
+
 py::object wait_array(ArrayHandle& h) {
-  if (h.state->done()) {
-    h.state->rethrow();
-  } else {
-    py::gil_scoped_release nogil;
-    h.state->wait();
-  }
+  wait_state(*h.state);
   return h.array;
 }
 
@@ -131,14 +134,7 @@ py::array output_array(HandleState& h, size_t i) {
 
 void bind_handle(py::module_& m) {
   py::class_<HandleState, std::shared_ptr<HandleState>>(m, "Handle")
-      .def("wait",
-           [](HandleState& h) {
-             // A completed handle (the common case in a synchronize loop
-             // after the last one) needs no GIL hand-off.
-             if (h.done()) return h.rethrow();
-             py::gil_scoped_release nogil;
-             h.wait();
-           })
+      .def("wait", &wait_state)
       .def("done", &HandleState::done)
       .def("output", &output_array)
       .def("output_shape", [](HandleState& h, size_t i) { return h.outputs.at(i).shape; })

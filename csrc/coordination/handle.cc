@@ -50,6 +50,10 @@ bool HandleState::finish_locked() {
 // held would only block on it again.
 void HandleState::resolve_one() {
   std::unique_lock<std::mutex> lock(mu_);
+  finish_and_notify(lock);
+}
+
+void HandleState::finish_and_notify(std::unique_lock<std::mutex>& lock) {
   if (!finish_locked()) return;
   lock.unlock();
   cv_.notify_all();
@@ -71,9 +75,7 @@ void HandleState::fail_one(ErrorKind kind, const std::string& message) {
     kind_ = kind;
     message_ = message;
   }
-  if (!finish_locked()) return;
-  lock.unlock();
-  cv_.notify_all();
+  finish_and_notify(lock);
 }
 
 void HandleState::wait() {

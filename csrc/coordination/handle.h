@@ -83,6 +83,8 @@ class HandleState {
   // Counts one entry done; true when that completed the handle (the caller
   // then notifies cv_, after releasing mu_).
   bool finish_locked();
+  // finish_locked(), then, if that completed the handle, unlock and notify.
+  void finish_and_notify(std::unique_lock<std::mutex>& lock);
   std::shared_ptr<WaitSignal> signal_;
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -592,7 +592,7 @@ def test_a_newer_optimizer_takes_over_the_parameters():
         opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters())
         model(torch.full((1, 6), float(rank), dtype=torch.float64)).sum().backward()
-        assert not first._rr_pending
+        assert not first._rr_inflight
         opt.step()
         first.step()  # nothing of its own to reduce: a plain step
         return model.fc1.weight.detach().clone()

@@ -42,13 +42,23 @@ _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Communica
 _CLASSES: dict = {}
 
 
-class _Pending:
-    """One gradient's allreduce in flight."""
+class _Slot:
+    """One parameter's state: its name, the passes left before its allreduce starts,
+    and that allreduce while it is in flight (``handle is None`` when nothing is).
 
-    __slots__ = ("handle", "grad", "buf", "ctx")
+    The hook of each parameter holds its slot, so the per-gradient path looks up no
+    table keyed by tensors (every such lookup runs ``Tensor.__hash__`` in Python).
+    """
 
-    def __init__(self, handle: Any, grad: torch.Tensor, buf: torch.Tensor, ctx: Any) -> None:
-        self.handle, self.grad, self.buf, self.ctx = handle, grad, buf, ctx
+    __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx")
+
+    def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
+        self.param, self.name, self.label = param, name, f"gradient of {name!r}"
+        self.delay = delay
+        self.handle: Any = None
+        self.grad: Optional[torch.Tensor] = None
+        self.buf: Optional[torch.Tensor] = None  # None with a handle: sparse allreduce
+        self.ctx: Any = None
 
 
 class _CachedClosure:
@@ -121,85 +131,81 @@ class _DistributedMixin:
         self._rr_op = op
         self._rr_scale = (1.0 / predivide, predivide) if op == Average else (1.0, 1.0)
         self._rr_sparse_as_dense = sparse_as_dense
-        self._rr_names: dict = {}
-        self._rr_params: list = []
-        self._rr_delay: dict = {}
-        self._rr_pending: dict = {}
-        self._rr_partial: set = set()
+        self._rr_slots: dict = {}  # parameter -> _Slot
+        self._rr_order: list = []  # the slots, sorted by name (the same order on every rank)
+        self._rr_inflight: list = []  # slots with an allreduce in flight, in submission order
+        self._rr_partial: set = set()  # slots with fewer than k passes accumulated
         self._rr_hooks: list = []
         self._rr_ref = weakref.ref(self)
         self._rr_synchronized = False
         self._rr_should_sync = True
         self._rr_original: Callable[[], Any] = lambda: None
         self._rr_register(named)
-        agree("DistributedOptimizer", [(self._rr_names[p], (tuple(p.shape), str(p.dtype)))
-                                       for p in self._rr_params], " on the parameters")
+        agree("DistributedOptimizer", [(s.name, (tuple(s.param.shape), str(s.param.dtype)))
+                                       for s in self._rr_order], " on the parameters")
 
     def _rr_register(self, named: dict) -> None:
         ref = self._rr_ref
         for p, name in named.items():
-            if p in self._rr_names or not p.requires_grad:
+            if p in self._rr_slots or not p.requires_grad:
                 continue
-            self._rr_names[p] = self._rr_prefix + name
-            self._rr_params.append(p)
-            self._rr_delay[p] = self._rr_passes
+            slot = self._rr_slots[p] = _Slot(p, self._rr_prefix + name, self._rr_passes)
+            self._rr_order.append(slot)
             p._rr_owner = ref  # the newest DistributedOptimizer over p reduces its gradient
 
-            def hook(param: torch.Tensor, ref: Any = ref) -> None:
+            def hook(param: torch.Tensor, ref: Any = ref, slot: _Slot = slot) -> None:
                 opt = ref()
                 if opt is not None and getattr(param, "_rr_owner", None) is ref:
-                    opt._rr_hook(param)
+                    opt._rr_hook(slot)
 
             self._rr_hooks.append(p.register_post_accumulate_grad_hook(hook))
-        self._rr_params.sort(key=lambda q: self._rr_names[q])
+        self._rr_order.sort(key=lambda q: q.name)
 
     # ------------------------------------------------------------ per gradient
-    # Once per gradient: each dict lookup hashes a tensor through Python
-    # (Tensor.__hash__), so the hook looks each table up once.
-    def _rr_hook(self, p: torch.Tensor) -> None:
-        name = self._rr_names.get(p)
-        if name is None:
-            return
-        if p in self._rr_pending:
+    def _rr_hook(self, s: _Slot) -> None:
+        if s.handle is not None:
             raise InvalidInputError(
-                f"DistributedOptimizer: the gradient of {name!r} was computed "
+                f"DistributedOptimizer: the gradient of {s.name!r} was computed "
                 f"more than backward_passes_per_step={self._rr_passes} times before step() or "
                 "synchronize(); call step() after every backward pass, or pass a larger "
                 "backward_passes_per_step to accumulate gradients locally")
-        delay = self._rr_delay[p] - 1
-        self._rr_delay[p] = delay
-        if delay > 0:
-            self._rr_partial.add(p)
+        s.delay -= 1
+        if s.delay > 0:
+            self._rr_partial.add(s)
             return
         if self._rr_partial:
-            self._rr_partial.discard(p)
-        self._rr_submit(p, name)
+            self._rr_partial.discard(s)
+        self._rr_submit(s)
 
-    def _rr_submit(self, p: torch.Tensor, name: Optional[str] = None) -> None:
-        name, grad = name or self._rr_names[p], p.grad
-        c = self._rr_comm()
+    def _rr_submit(self, s: _Slot) -> None:
+        p = s.param
+        grad = p.grad
         if grad.is_sparse and self._rr_sparse_as_dense:
             p.grad = grad = grad.to_dense()
         if grad.is_sparse:
-            self._rr_pending[p] = _Pending(SparseAllreduce(c, grad, name, self._rr_op,
-                                                           *self._rr_scale), grad, None, None)
-            return
-        buf, ctx = self._rr_compression.compress(grad)
-        if not buf.is_contiguous() or (buf is grad and not grad.is_contiguous()):
-            buf = buf.contiguous()
-        handle = c.allreduce_async_(to_numpy(buf, f"gradient of {name!r}"), self._rr_op, name,
-                                    *self._rr_scale)
-        self._rr_pending[p] = _Pending(handle, grad, buf, ctx)
+            s.handle = SparseAllreduce(self._rr_comm(), grad, s.name, self._rr_op,
+                                       *self._rr_scale)
+            s.grad, s.buf, s.ctx = grad, None, None
+        else:
+            buf, ctx = self._rr_compression.compress(grad)
+            if not buf.is_contiguous() or (buf is grad and not grad.is_contiguous()):
+                buf = buf.contiguous()
+            s.handle = self._rr_comm().allreduce_async_(to_numpy(buf, s.label), self._rr_op,
+                                                        s.name, *self._rr_scale)
+            s.grad, s.buf, s.ctx = grad, buf, ctx
+        self._rr_inflight.append(s)
 
-    def _rr_finish(self, p: torch.Tensor, pend: _Pending) -> None:
-        result = pend.handle.wait()
-        if pend.buf is None:  # sparse: the result is a new sparse tensor
-            if p.grad is pend.grad:
-                p.grad = result
+    def _rr_finish(self, s: _Slot) -> None:
+        handle, grad, buf, ctx = s.handle, s.grad, s.buf, s.ctx
+        s.handle = s.grad = s.buf = s.ctx = None
+        result = handle.wait()
+        if buf is None:  # sparse: the result is a new sparse tensor
+            if s.param.grad is grad:
+                s.param.grad = result
             return
-        if pend.buf is not pend.grad:
+        if buf is not grad:
             with torch.no_grad():
-                pend.grad.copy_(self._rr_compression.decompress(pend.buf, pend.ctx))
+                grad.copy_(self._rr_compression.decompress(buf, ctx))
 
     # ---------------------------------------------------------------- public
     def synchronize(self) -> None:
@@ -209,43 +215,46 @@ class _DistributedMixin:
         (inside ``skip_synchronize()`` for Horovod compatibility; a ``step()``
         right after ``synchronize()`` does not communicate again anyway).
         """
-        params = [p for p in self._rr_params if getattr(p, "_rr_owner", None) is self._rr_ref]
+        slots = [s for s in self._rr_order
+                 if getattr(s.param, "_rr_owner", None) is self._rr_ref]
         if self._rr_partial:  # partially accumulated (fewer than k passes): send what there is
-            for p in params:
-                if p in self._rr_partial:
-                    self._rr_partial.discard(p)
-                    self._rr_submit(p)
-        counts = self._rr_presence(params)
-        for p, count in zip(params, counts):
-            if p in self._rr_pending or count == 0:
+            for s in slots:
+                if s in self._rr_partial:
+                    self._rr_partial.discard(s)
+                    self._rr_submit(s)
+        counts = self._rr_presence(slots)
+        for s, count in zip(slots, counts):
+            if s.handle is not None or count == 0:
                 continue  # sent from the hook, or no rank has a gradient: stays None
-            if p.grad is None:
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            self._rr_submit(p)
+            if s.param.grad is None:
+                s.param.grad = torch.zeros_like(s.param, memory_format=torch.contiguous_format)
+            self._rr_submit(s)
         self._rr_wait_all()
         self._rr_synchronized = True
 
-    def _rr_presence(self, params: list) -> np.ndarray:
+    def _rr_presence(self, slots: list) -> np.ndarray:
         """How many ranks hold a gradient for each parameter (one small Sum allreduce)."""
-        has = np.array([p in self._rr_pending or p.grad is not None for p in params], np.int32)
+        has = np.array([s.handle is not None or s.param.grad is not None for s in slots],
+                       np.int32)
         c = self._rr_comm()
         if c.size() == 1:
             return has
         return c.allreduce(has, Sum, f"{self._rr_prefix}present")
 
     def _rr_wait_all(self) -> None:
-        pending, self._rr_pending = self._rr_pending, {}
+        inflight, self._rr_inflight = self._rr_inflight, []
         first: Optional[BaseException] = None
         replaced = []
-        for p, pend in pending.items():
+        for s in inflight:
+            grad, buf = s.grad, s.buf
             try:
-                self._rr_finish(p, pend)
+                self._rr_finish(s)
             except Exception as err:
                 first = first or err
-            if p.grad is not pend.grad and pend.buf is not None:
-                replaced.append(self._rr_names[p])
-        # dict.fromkeys over a dict reuses the stored hashes: no Tensor.__hash__ per parameter.
-        self._rr_delay = dict.fromkeys(self._rr_delay, self._rr_passes)
+            if s.param.grad is not grad and buf is not None:
+                replaced.append(s.name)
+        for s in self._rr_order:
+            s.delay = self._rr_passes
         if first is not None:
             raise first
         if replaced:
@@ -278,7 +287,7 @@ class _DistributedMixin:
             with torch.enable_grad():
                 loss = closure()
             closure = _CachedClosure(loss)
-        fresh = self._rr_pending or self._rr_partial
+        fresh = self._rr_inflight or self._rr_partial
         if fresh or (self._rr_should_sync and not self._rr_synchronized):
             self.synchronize()  # fresh gradients are averaged even inside skip_synchronize()
         self._rr_synchronized = False
@@ -299,19 +308,19 @@ class _DistributedMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients; raises if called between backward() and step()."""
-        busy = list(self._rr_pending) + list(self._rr_partial)
+        busy = [s.name for s in self._rr_inflight] + [s.name for s in self._rr_partial]
         if busy:
             raise InvalidInputError(
                 f"DistributedOptimizer: zero_grad() was called after backward() but before "
                 f"step() or synchronize(), while the gradients of "
-                f"{_brief(self._rr_names[p] for p in busy)} are being averaged across ranks; "
+                f"{_brief(busy)} are being averaged across ranks; "
                 "call zero_grad() before backward() or after step()")
         super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group; its parameters are named ``param.<group>.<index>``."""
         super().add_param_group(param_group)
-        if hasattr(self, "_rr_names"):
+        if hasattr(self, "_rr_slots"):
             gi = len(self.param_groups) - 1
             self._rr_register({p: f"param.{gi}.{pi}"
                                for pi, p in enumerate(self.param_groups[-1]["params"])})

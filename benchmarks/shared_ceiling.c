@@ -21,20 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static _Atomic long* arrivals;
-
-static void barrier(long* generation) {
-  long g = ++*generation;
-  atomic_fetch_add(arrivals, 1);
-  while (atomic_load(arrivals) < 2 * g) {
-  }
-}
+#include "ceiling_common.h"
 
 int main(int argc, char** argv) {
   size_t n = argc > 1 ? strtoull(argv[1], NULL, 10) : 25557032, bytes = n * sizeof(float);
@@ -45,11 +32,7 @@ int main(int argc, char** argv) {
     if (buf[r] == MAP_FAILED) return perror("mmap"), 1;
   }
   arrivals = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  const int rank = fork() == 0 ? 1 : 0;
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  CPU_SET(rank, &cpus);
-  sched_setaffinity(0, sizeof cpus, &cpus);
+  const int rank = fork_pinned();
   float *mine = buf[rank], *peer = buf[1 - rank];
   const size_t half = n / 2, lo = rank ? half : 0, hi = rank ? n : half;
   const size_t plo = rank ? 0 : half, phi = rank ? half : n;

@@ -55,14 +55,30 @@ def test_idle_cpu_reports_every_rank():
     assert "rank 0" in out and "rank 1" in out, out
 
 
-def test_shared_ceiling_compiles_and_sums_right(tmp_path):
+def compile_c(source: str, tmp_path) -> str:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    exe = tmp_path / "shared_ceiling"
+    exe = tmp_path / source.removesuffix(".c")
     subprocess.run([cc, "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
-                    str(BENCH / "shared_ceiling.c")], check=True, timeout=60)
+                    str(BENCH / source)], check=True, timeout=60)
+    return str(exe)
+
+
+def run_c(*argv: str) -> str:
+    run = subprocess.run(list(argv), capture_output=True, text=True, timeout=60, check=True)
+    assert "WRONG" not in run.stdout and "best" in run.stdout, run.stdout
+    return run.stdout
+
+
+def test_shared_ceiling_compiles_and_sums_right(tmp_path):
+    exe = compile_c("shared_ceiling.c", tmp_path)
     for form in ([], ["two-pass"]):
-        run = subprocess.run([str(exe), "65536", *form], capture_output=True, text=True,
-                             timeout=60, check=True)
-        assert "WRONG" not in run.stdout and "best" in run.stdout, run.stdout
+        run_c(exe, "65536", *form)
+
+
+@pytest.mark.parametrize("floats, chunk", [(65536, 4096), (65537, 4096), (7, 8), (1, 4)])
+def test_ring_ceiling_compiles_and_sums_right(tmp_path, floats, chunk):
+    """Odd sizes too: the last chunk of a share is partial, a share may be one element."""
+    out = run_c(compile_c("ring_ceiling.c", tmp_path), str(floats), str(chunk))
+    assert f"{floats} floats" in out, out

@@ -1,0 +1,164 @@
+/* The floor for a two-rank in-place allreduce of *private* memory on one host: the slot
+ * ring that csrc/collectives/allreduce_ring.cc runs over shm, with nothing else around it.
+ * Two processes, pinned to CPUs 0 and 1, each own a private float buffer (rank r fills it
+ * with r + 1, untimed, as a backward pass would). Per iteration, after a barrier:
+ *
+ *   rank r copies each chunk of the peer's share of its buffer into a "raw" slot;
+ *   for each raw chunk the peer sent, it adds it to its own share and writes the sum
+ *     both into its buffer and into a "reduced" slot (NCCL's recvReduceCopySend);
+ *   for each reduced chunk the peer sent, it copies it into the peer's share of its buffer;
+ *
+ * all three interleaved a chunk at a time, then a barrier. Each direction has a raw and a
+ * reduced FIFO of SLOTS slots: the producer may fill slot h only once the consumer has
+ * released h - SLOTS (head/tail counters on their own cache lines). Shares: rank 0 owns
+ * [0, n/2), rank 1 [n/2, n), so every element is reduced once, by its owner, and the result
+ * is 3.0 everywhere. Compare with shared_ceiling.c (the same sum when the buffers are
+ * shared, no slots): the difference is what moving data through slots costs on this VM.
+ *
+ *     gcc -O3 -march=native -o /tmp/ring_ceiling benchmarks/ring_ceiling.c
+ *     /tmp/ring_ceiling [floats] [chunk bytes]   # default: 25,557,032 floats, 256 KiB
+ */
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ceiling_common.h"
+
+#define SLOTS 4
+
+typedef struct {
+  _Atomic long head; /* chunks published by the producer */
+  char pad1[56];
+  _Atomic long tail; /* chunks released by the consumer */
+  char pad2[56];
+} Fifo;
+
+typedef struct {
+  Fifo* fifo;
+  float* slots;
+} Channel;
+
+typedef struct {
+  size_t lo, hi, per; /* a share [lo, hi) of the buffer, in chunks of per floats */
+} Share;
+
+static size_t chunks(Share s) {
+  return (s.hi - s.lo + s.per - 1) / s.per;
+}
+static size_t chunk_len(Share s, size_t k) {
+  size_t left = s.hi - s.lo - k * s.per;
+  return left < s.per ? left : s.per;
+}
+static float* slot(Channel c, long h, size_t per) {
+  return c.slots + (size_t)(h % SLOTS) * per;
+}
+static int has_space(Channel c, long h) {
+  return h - atomic_load_explicit(&c.fifo->tail, memory_order_acquire) < SLOTS;
+}
+static int has_data(Channel c, long h) {
+  return atomic_load_explicit(&c.fifo->head, memory_order_acquire) > h;
+}
+static void publish(Channel c, long h) {
+  atomic_store_explicit(&c.fifo->head, h + 1, memory_order_release);
+}
+static void release(Channel c, long h) {
+  atomic_store_explicit(&c.fifo->tail, h + 1, memory_order_release);
+}
+
+/* One allreduce: `base` is the number of chunks each FIFO carried in earlier iterations. */
+static void ring_allreduce(float* buf, Share own, Share peer, Channel raw_out, Channel raw_in,
+                           Channel red_out, Channel red_in, long base_own, long base_peer,
+                           int rank) {
+  const size_t k_own = chunks(own), k_peer = chunks(peer), per = own.per;
+  size_t sent = 0, reduced = 0, copied = 0;
+  while (sent < k_peer || reduced < k_own || copied < k_peer) {
+    if (sent < k_peer && has_space(raw_out, base_peer + sent)) {
+      long h = base_peer + sent;
+      memcpy(slot(raw_out, h, per), buf + peer.lo + sent * per,
+             chunk_len(peer, sent) * sizeof(float));
+      publish(raw_out, h);
+      sent++;
+    }
+    if (reduced < k_own && has_data(raw_in, base_own + reduced) &&
+        has_space(red_out, base_own + reduced)) {
+      long h = base_own + reduced;
+      float *mine = buf + own.lo + reduced * per, *in = slot(raw_in, h, per);
+      float* out = slot(red_out, h, per);
+      const size_t m = chunk_len(own, reduced);
+      if (rank == 0) { /* rank order, as the engine's reductions */
+        for (size_t i = 0; i < m; i++) mine[i] = out[i] = mine[i] + in[i];
+      } else {
+        for (size_t i = 0; i < m; i++) mine[i] = out[i] = in[i] + mine[i];
+      }
+      release(raw_in, h);
+      publish(red_out, h);
+      reduced++;
+    }
+    if (copied < k_peer && has_data(red_in, base_peer + copied)) {
+      long h = base_peer + copied;
+      memcpy(buf + peer.lo + copied * per, slot(red_in, h, per),
+             chunk_len(peer, copied) * sizeof(float));
+      release(red_in, h);
+      copied++;
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  const size_t n = argc > 1 ? strtoull(argv[1], NULL, 10) : 25557032;
+  const size_t chunk = argc > 2 ? strtoull(argv[2], NULL, 10) : 262144;
+  const size_t per = chunk / sizeof(float), fifo_floats = SLOTS * per;
+  if (per == 0) return fprintf(stderr, "chunk must be at least 4 bytes\n"), 1;
+  /* fifos[dir * 2 + kind]: dir = the sending rank, kind 0 raw, 1 reduced */
+  const size_t shared_bytes = 4096 + 4 * (sizeof(Fifo) + fifo_floats * sizeof(float));
+  char* shared =
+      mmap(NULL, shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (shared == MAP_FAILED) return perror("mmap"), 1;
+  arrivals = (_Atomic long*)shared;
+  Fifo* fifos = (Fifo*)(shared + 4096);
+  float* slots = (float*)(fifos + 4);
+  const int rank = fork_pinned();
+  Channel ch[4];
+  for (int i = 0; i < 4; i++) ch[i] = (Channel){fifos + i, slots + i * fifo_floats};
+  const int peer_rank = 1 - rank;
+  Share shares[2] = {{0, n / 2, per}, {n / 2, n, per}};
+  float* buf = malloc(n * sizeof(float));
+  if (buf == NULL) return perror("malloc"), 1;
+  long generation = 0, base_own = 0, base_peer = 0;
+  double best = 1e9, total = 0;
+  const int warmup = 3, iters = 30;
+  for (int it = 0; it < warmup + iters; it++) {
+    for (size_t i = 0; i < n; i++) buf[i] = (float)(rank + 1);
+    barrier(&generation);
+    const double t0 = now();
+    ring_allreduce(buf, shares[rank], shares[peer_rank], ch[rank * 2], ch[peer_rank * 2],
+                   ch[rank * 2 + 1], ch[peer_rank * 2 + 1], base_own, base_peer, rank);
+    barrier(&generation);
+    const double dt = now() - t0;
+    base_own += (long)chunks(shares[rank]);
+    base_peer += (long)chunks(shares[peer_rank]);
+    if (it >= warmup) {
+      total += dt;
+      if (dt < best) best = dt;
+    }
+  }
+  for (size_t i = 0; i < n; i++) {
+    if (buf[i] != 3.0f) {
+      printf("rank %d: WRONG RESULT at %zu: %g\n", rank, i, buf[i]);
+      break;
+    }
+  }
+  if (rank == 0) {
+    printf("%zu floats (%.1f MiB), private ring, %zu-byte chunks: best %.2f ms, mean %.2f ms\n", n,
+           n * sizeof(float) / 1048576.0, chunk, best * 1e3, total / iters * 1e3);
+    wait(NULL);
+  }
+  return 0;
+}

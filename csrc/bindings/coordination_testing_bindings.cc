@@ -76,7 +76,7 @@ void bind_coordination_testing(py::module_& parent) {
       r.contributors = d.contains("contributors") ? d["contributors"].cast<int>() : 2;
       ready.push_back(r);
     }
-    return response_dicts(plan_fusion(ready, threshold));
+    return response_dicts(plan_fusion(std::move(ready), threshold));
   });
   py::class_<ResponseCache>(m, "ResponseCache")
       .def(py::init<size_t>())

@@ -28,28 +28,29 @@ bool fusable(const Response& r) {
 
 }  // namespace
 
-std::vector<Response> plan_fusion(const std::vector<Response>& ready, uint64_t threshold) {
+std::vector<Response> plan_fusion(std::vector<Response> ready, uint64_t threshold) {
   std::vector<Response> out;
   std::map<FuseKey, size_t> open;  // key -> index in `out` still taking tensors
   std::vector<uint64_t> bytes;     // per response in `out`, what its tensors hold so far
-  for (const Response& r : ready) {
+  out.reserve(ready.size());
+  for (Response& r : ready) {
     const bool fuse = fusable(r);
     const uint64_t n = fuse ? r.tensors[0].bytes() : 0;  // only fused responses are counted
     const bool grouped = fuse && !r.tensors[0].group.empty();
     if (!fuse || (!grouped && n >= threshold)) {
-      out.push_back(r);
+      out.push_back(std::move(r));
       bytes.push_back(n);
       continue;
     }
     FuseKey key = key_of(r);
     auto it = open.find(key);
     if (it != open.end() && (grouped || bytes[it->second] + n <= threshold)) {
-      out[it->second].tensors.push_back(r.tensors[0]);
+      out[it->second].tensors.push_back(std::move(r.tensors[0]));
       bytes[it->second] += n;
       continue;
     }
-    open[key] = out.size();
-    out.push_back(r);
+    open.insert_or_assign(std::move(key), out.size());
+    out.push_back(std::move(r));
     bytes.push_back(n);
   }
   return out;

@@ -16,6 +16,6 @@
 
 namespace rr {
 
-std::vector<Response> plan_fusion(const std::vector<Response>& ready, uint64_t threshold);
+std::vector<Response> plan_fusion(std::vector<Response> ready, uint64_t threshold);
 
 }  // namespace rr

@@ -19,16 +19,20 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-const RequestMeta& Negotiator::any_meta(const Pending& p) {
+size_t Negotiator::first_submitted(const Pending& p) {
   for (size_t r = 0; r < p.submitted.size(); ++r)
-    if (p.submitted[r]) return p.metas[r];
-  return p.metas[0];
+    if (p.submitted[r]) return r;
+  return 0;
+}
+
+const RequestMeta& Negotiator::any_meta(const Pending& p) {
+  return p.metas[first_submitted(p)];
 }
 
 Negotiator::Negotiator(NegotiatorOptions o, Timeline* timeline)
     : opt_(o), timeline_(timeline), joined_(o.size, false) {}
 
-void Negotiator::submit(int rank, const RequestMeta& m, double now) {
+void Negotiator::submit(int rank, RequestMeta m, double now) {
   auto [it, fresh] = table_.try_emplace(m.name);
   Pending& p = it->second;
   if (fresh) {
@@ -41,9 +45,9 @@ void Negotiator::submit(int rank, const RequestMeta& m, double now) {
   last_activity_ = std::max(last_activity_, now);
   if (p.submitted[rank]) return;  // engines refuse a name in flight twice
   p.submitted[rank] = true;
-  p.metas[rank] = m;
   ++p.count;
   if (timeline_) timeline_->rank_ready(m.name, rank);
+  p.metas[rank] = std::move(m);
 }
 
 void Negotiator::join(int rank, double now) {
@@ -102,16 +106,16 @@ std::string Negotiator::unsupported_with_joined(const Pending& p) const {
              " joined (only allreduce, allgather and broadcast can)");
 }
 
-Response Negotiator::verdict(const Pending& p) const {
+Response Negotiator::verdict(Pending& p) const {
   Response r;
   r.contributors = p.count;
-  r.tensors.push_back(any_meta(p));
   std::string why = mismatch(p);
   ErrorKind kind = ErrorKind::kMismatch;
   if (why.empty()) {
     why = unsupported_with_joined(p);
     kind = ErrorKind::kInvalidArgument;
   }
+  r.tensors.push_back(std::move(p.metas[first_submitted(p)]));  // p is erased next
   if (!why.empty()) {
     r.type = RespType::kError;
     r.error_kind = kind;
@@ -121,19 +125,23 @@ Response Negotiator::verdict(const Pending& p) const {
 }
 
 std::vector<Response> Negotiator::decide(double now) {
-  std::vector<std::pair<uint64_t, std::string>> done;
-  for (const auto& [name, p] : table_)
-    if (ready(p)) done.emplace_back(p.order, name);
-  std::sort(done.begin(), done.end());
+  // Iterators stay valid while other entries are erased (unordered_map).
+  std::vector<std::pair<uint64_t, decltype(table_)::iterator>> done;
+  for (auto it = table_.begin(); it != table_.end(); ++it)
+    if (ready(it->second)) done.emplace_back(it->second.order, it);
+  std::sort(done.begin(), done.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<Response> ready_list;
-  for (const auto& [order, name] : done) {
-    ready_list.push_back(verdict(table_.at(name)));
-    table_.erase(name);
+  ready_list.reserve(done.size());
+  for (auto& [order, it] : done) {
+    ready_list.push_back(verdict(it->second));
+    table_.erase(it);
     if (!timeline_) continue;
+    const std::string& name = ready_list.back().tensors[0].name;
     timeline_->negotiate_end(name);
     if (ready_list.back().type == RespType::kError) timeline_->end(name);  // nothing will run
   }
-  std::vector<Response> out = plan_fusion(ready_list, opt_.fusion_threshold);
+  std::vector<Response> out = plan_fusion(std::move(ready_list), opt_.fusion_threshold);
   if (joined_count_ == opt_.size) {
     Response j;
     j.type = RespType::kJoinDone;

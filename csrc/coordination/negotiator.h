@@ -39,7 +39,8 @@ class Negotiator {
  public:
   explicit Negotiator(NegotiatorOptions o, Timeline* timeline = nullptr);
 
-  void submit(int rank, const RequestMeta& m, double now);
+  // By value: a request decoded from the wire is moved in, not copied.
+  void submit(int rank, RequestMeta m, double now);
   void join(int rank, double now);
   std::vector<Response> decide(double now);
   // When decide() should next run to report a stall (+inf: nothing pending).
@@ -55,9 +56,10 @@ class Negotiator {
     double last_warned = 0;
     uint64_t order = 0;
   };
+  static size_t first_submitted(const Pending& p);
   static const RequestMeta& any_meta(const Pending& p);
   bool ready(const Pending& p) const;
-  Response verdict(const Pending& p) const;
+  Response verdict(Pending& p) const;  // moves one of p's metas into the response
   std::string mismatch(const Pending& p) const;
   std::string unsupported_with_joined(const Pending& p) const;
   void stall_report(double now, std::vector<Response>* out);

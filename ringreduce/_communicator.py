@@ -224,9 +224,23 @@ class Communicator:
                                  name: Optional[str] = None, prescale_factor: float = 1.0,
                                  postscale_factor: float = 1.0) -> Handle:
         """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
+        if type(xs) is list and (name is None or type(name) is str):
+            # A list of plain numpy arrays is checked and submitted in C++ (None: some
+            # member needs the general path below, which converts or raises).
+            with self._lock:
+                group = self._group_name(name)
+                core = self._engine.grouped_allreduce_arrays(
+                    xs, op, group, float(prescale_factor), float(postscale_factor))
+                self._groups += core is not None and name is None
+            if core is not None:
+                return self._track(core, lambda _: list(xs), (tuple(xs),))
         arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
         core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: list(xs), (arrs,))
+
+    def _group_name(self, name: Optional[str]) -> str:
+        """The group's name: ``name``, or the next deterministic one (hold ``_lock``)."""
+        return name if name is not None else f"grouped_allreduce.noname.{self._groups}"
 
     def _submit_group(self, srcs: list, outs: list, op: int, name: Optional[str],
                       prescale: float, postscale: float) -> Any:
@@ -236,7 +250,7 @@ class Communicator:
             raise InvalidInputError(f"{what}: needs at least one array")
         codes = [dtype_code(s.dtype, what, None) for s in srcs]
         with self._lock:  # the counter advances only when the engine took the group
-            group = name if name is not None else f"grouped_allreduce.noname.{self._groups}"
+            group = self._group_name(name)
             names = [f"{group}.{i}" for i in range(len(srcs))]
             core = self._engine.grouped_allreduce(srcs, outs, [list(s.shape) for s in srcs],
                                                   codes, names, op, float(prescale),

@@ -94,6 +94,83 @@ def rr_grouped(c, xs):
     return c.grouped_allreduce_async(xs, op=rr.Sum, name="grp")
 
 
+def test_grouped_in_place_fast_and_general_paths_agree():
+    """A list of plain arrays is submitted by C++ (grouped_allreduce_arrays), a tuple or a
+    list holding anything else by the Python path; unnamed groups get the same names on
+    every rank whichever path each rank took, and the results are the same."""
+
+    def body(c):
+        r = c.rank()
+
+        def fresh():
+            return [np.full(s, r + 1, dt) for s, dt in ((3, np.float32), (70000, np.float64),
+                                                       (1, np.int32), ((2, 5), np.int64))]
+
+        fast = fresh()
+        probe = fresh()  # the raw handle does not hold the arrays: the caller must
+        taken = c._engine.grouped_allreduce_arrays(probe, rr.Sum, "probe", 1.0, 1.0)
+        taken.wait()  # the C++ path takes such a list (None would mean: general path)
+        assert probe[1][0] == 3.0
+        assert c._engine.grouped_allreduce_arrays([np.ones(4)[::2]], rr.Sum, "x", 1.0,
+                                                  1.0) is None
+        assert c._engine.grouped_allreduce_arrays([], rr.Sum, "x", 1.0, 1.0) is None
+        # rank 0 unnamed through C++, rank 1 unnamed through Python (a tuple), twice.
+        outs = []
+        for _ in range(2):
+            xs = fresh()
+            arg = xs if r == 0 else tuple(xs)
+            outs.append(c.grouped_allreduce_async_(arg, op=rr.Sum, prescale_factor=2.0).wait())
+        done = c.grouped_allreduce_async_(fast, op=rr.Average).wait()
+        assert all(o is x for o, x in zip(done, fast))
+        # A buffer that is not an ndarray sends the whole group the general way.
+        views = [np.arange(6.0)[::2].copy(), memoryview(np.array([1.0, 2.0]))]
+        mixed = c.grouped_allreduce_async_(views, op=rr.Sum, name="mixed").wait()
+        return [[o.tolist() for o in out] for out in outs], [f.tolist() for f in fast], \
+            [np.asarray(m).tolist() for m in mixed]
+
+    res = run_threaded(2, body)
+    (outs0, fast0, mixed0), (outs1, fast1, mixed1) = res
+    assert outs0 == outs1 and fast0 == fast1 and mixed0 == mixed1
+    assert outs0[0][0] == [6.0] * 3 and outs0[1][3] == [[6] * 5] * 2  # (1 + 2) * prescale 2
+    assert fast0[1][:2] == [1.5, 1.5] and fast0[2] == [1]  # int Average: floor(3 / 2)
+    assert mixed0 == [[0.0, 4.0, 8.0], [2.0, 4.0]]
+
+
+def test_grouped_in_place_runs_as_one_unit_with_fusion_off():
+    """Both paths mark the members as one group: one response even with fusion off."""
+
+    def body(c):
+        counts = []
+        for arg in (list, tuple):  # C++ path, then the general path
+            xs = [np.full(n, c.rank() + 1.0, np.float32) for n in (5, 70000, 3)]
+            before = c._engine.stats()["responses"]
+            c.grouped_allreduce_async_(arg(xs), op=rr.Sum, name=f"one.{arg.__name__}").wait()
+            counts.append(c._engine.stats()["responses"] - before)
+            assert all((x == 3.0).all() for x in xs)
+        return counts
+
+    assert run_threaded(2, body, world=world(2, RINGREDUCE_FUSION_THRESHOLD="0")) == [[1, 1]] * 2
+
+
+def test_grouped_in_place_errors_keep_their_context():
+    """What the C++ path leaves alone is refused by the general path, with its words."""
+
+    def body(c):
+        with pytest.raises(rr.InvalidInputError, match="grouped_allreduce_"):
+            c.grouped_allreduce_async_([np.ones(3), np.ones(4)[::2]], op=rr.Sum, name="nc")
+        with pytest.raises(rr.InvalidInputError, match="grouped_allreduce"):
+            c.grouped_allreduce_async_([], op=rr.Sum, name="empty")
+        with pytest.raises(rr.InvalidInputError):
+            c.grouped_allreduce_async_([np.ones(3)], op=12345, name="op")
+        ro = np.ones(3)
+        ro.flags.writeable = False
+        with pytest.raises(rr.InvalidInputError, match="grouped_allreduce_"):
+            c.grouped_allreduce_async_([ro], op=rr.Sum, name="ro")
+        return True
+
+    assert run_threaded(2, body) == [True, True]
+
+
 def test_duplicate_name_in_flight_is_refused_until_synchronized():
     # Rank 1 submits only once rank 0 has checked: until then 'dup' cannot complete
     # (were rank 1 first, rank 0's call could finish before its second submit).

@@ -103,23 +103,57 @@ py::object wait_array(ArrayHandle& h) {
   return h.array;
 }
 
+// An in-place allreduce entry for `x` if it is a C-contiguous, writable numpy
+// array of a plain dtype; false otherwise (the general path converts or raises
+// with context).
+bool plain_array_entry(py::handle x, std::string name, int32_t op, double pre, double post,
+                       Entry* out) {
+  if (!py::isinstance<py::array>(x)) return false;
+  const auto arr = py::reinterpret_borrow<py::array>(x);
+  if (!(arr.flags() & py::array::c_style) || !arr.writeable()) return false;
+  const int32_t code = plain_dtype_code(arr.dtype());
+  if (code < 0) return false;
+  *out = entry(CollKind::kAllreduce, x, x,
+               std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code, std::move(name));
+  reducing(*out, op, pre, post);
+  return true;
+}
+
 // allreduce_async_ of a plain numpy array, with the Python-side checks done
 // here (the hot path: one call per gradient). Returns None when the array or
-// an argument needs the general path, which converts or raises with context.
+// an argument needs the general path.
 py::object allreduce_array(Engine& eng, py::handle x, int32_t op, py::handle name, double pre,
                            double post) {
-  if (!py::isinstance<py::array>(x) || !reduce_op_is_valid(op) ||
-      !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
+  if (!reduce_op_is_valid(op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
     return py::none();
-  const auto arr = py::reinterpret_borrow<py::array>(x);
-  if (!(arr.flags() & py::array::c_style) || !arr.writeable()) return py::none();
-  const int32_t code = plain_dtype_code(arr.dtype());
-  if (code < 0) return py::none();
-  Entry e =
-      entry(CollKind::kAllreduce, x, x, std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()),
-            code, name.is_none() ? std::string() : name.cast<std::string>());
-  return py::cast(ArrayHandle{submit_one(eng, std::move(reducing(e, op, pre, post))),
-                              py::reinterpret_borrow<py::object>(x)});
+  Entry e;
+  if (!plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
+                         post, &e))
+    return py::none();
+  return py::cast(
+      ArrayHandle{submit_one(eng, std::move(e)), py::reinterpret_borrow<py::object>(x)});
+}
+
+// grouped_allreduce_async_ of a non-empty list of plain numpy arrays, member i
+// named "<group>.<i>": the per-member checks of allreduce_array, with no
+// Python per member. Returns None when any member needs the general path.
+py::object grouped_allreduce_arrays(Engine& eng, py::handle xs, int32_t op,
+                                    const std::string& group, double pre, double post) {
+  if (!PyList_CheckExact(xs.ptr()) || !reduce_op_is_valid(op)) return py::none();
+  const auto list = py::reinterpret_borrow<py::list>(xs);
+  if (list.empty()) return py::none();
+  std::vector<Entry> es(list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (!plain_array_entry(list[i], group + "." + std::to_string(i), op, pre, post, &es[i]))
+      return py::none();
+    es[i].meta.group = group;
+  }
+  std::shared_ptr<HandleState> h;
+  {
+    py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
+    h = eng.submit(std::move(es));
+  }
+  return py::cast(std::move(h));
 }
 
 // The engine-allocated result as a flat uint8 array that owns the memory.
@@ -170,6 +204,7 @@ void bind_engine_class(py::module_& m) {
              return submit_one(eng, std::move(reducing(e, op, pre, post)));
            })
       .def("allreduce_array", &allreduce_array)
+      .def("grouped_allreduce_arrays", &grouped_allreduce_arrays)
       .def("grouped_allreduce",
            [](Engine& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,
               std::vector<std::vector<int64_t>> shapes, std::vector<int32_t> dtypes,

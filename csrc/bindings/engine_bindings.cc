@@ -119,12 +119,25 @@ bool plain_array_entry(py::handle x, std::string name, int32_t op, double pre, d
   return true;
 }
 
+// The op code, if `op` is a Python int naming a valid op (anything else goes
+// to the general path, which says what is wrong with it).
+bool op_code(py::handle op, int32_t* out) {
+  if (!PyLong_Check(op.ptr())) return false;
+  int overflow = 0;
+  const long v = PyLong_AsLongAndOverflow(op.ptr(), &overflow);
+  if (overflow != 0 || v < 0 || v > INT32_MAX || !reduce_op_is_valid(static_cast<int32_t>(v)))
+    return false;
+  *out = static_cast<int32_t>(v);
+  return true;
+}
+
 // allreduce_async_ of a plain numpy array, with the Python-side checks done
 // here (the hot path: one call per gradient). Returns None when the array or
 // an argument needs the general path.
-py::object allreduce_array(Engine& eng, py::handle x, int32_t op, py::handle name, double pre,
-                           double post) {
-  if (!reduce_op_is_valid(op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
+py::object allreduce_array(Engine& eng, py::handle x, py::handle op_obj, py::handle name,
+                           double pre, double post) {
+  int32_t op = 0;
+  if (!op_code(op_obj, &op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
     return py::none();
   Entry e;
   if (!plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
@@ -137,9 +150,10 @@ py::object allreduce_array(Engine& eng, py::handle x, int32_t op, py::handle nam
 // grouped_allreduce_async_ of a non-empty list of plain numpy arrays, member i
 // named "<group>.<i>": the per-member checks of allreduce_array, with no
 // Python per member. Returns None when any member needs the general path.
-py::object grouped_allreduce_arrays(Engine& eng, py::handle xs, int32_t op,
+py::object grouped_allreduce_arrays(Engine& eng, py::handle xs, py::handle op_obj,
                                     const std::string& group, double pre, double post) {
-  if (!PyList_CheckExact(xs.ptr()) || !reduce_op_is_valid(op)) return py::none();
+  int32_t op = 0;
+  if (!PyList_CheckExact(xs.ptr()) || !op_code(op_obj, &op)) return py::none();
   const auto list = py::reinterpret_borrow<py::list>(xs);
   if (list.empty()) return py::none();
   std::vector<Entry> es(list.size());

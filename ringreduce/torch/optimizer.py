@@ -46,11 +46,14 @@ class _Slot:
     """One parameter's state: its name, the passes left before its allreduce starts,
     and that allreduce while it is in flight (``handle is None`` when nothing is).
 
-    The hook of each parameter holds its slot, so the per-gradient path looks up no
-    table keyed by tensors (every such lookup runs ``Tensor.__hash__`` in Python).
+    The hook of each parameter holds a weak reference to its slot, so the per-gradient
+    path looks up no table keyed by tensors (every such lookup runs ``Tensor.__hash__`` in
+    Python). Weak, because the slot holds the parameter and the parameter holds the hook
+    in torch's C++ storage, where Python's garbage collector cannot see a cycle.
     """
 
-    __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx")
+    __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx",
+                 "__weakref__")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param, self.name, self.label = param, name, f"gradient of {name!r}"
@@ -153,10 +156,12 @@ class _DistributedMixin:
             self._rr_order.append(slot)
             p._rr_owner = ref  # the newest DistributedOptimizer over p reduces its gradient
 
-            def hook(param: torch.Tensor, ref: Any = ref, slot: _Slot = slot) -> None:
-                opt = ref()
-                if opt is not None and getattr(param, "_rr_owner", None) is ref:
-                    opt._rr_hook(slot)
+            sref = weakref.ref(slot)
+
+            def hook(param: torch.Tensor, ref: Any = ref, sref: Any = sref) -> None:
+                opt, s = ref(), sref()
+                if opt is not None and s is not None and getattr(param, "_rr_owner", None) is ref:
+                    opt._rr_hook(s)
 
             self._rr_hooks.append(p.register_post_accumulate_grad_hook(hook))
         self._rr_order.sort(key=lambda q: q.name)
@@ -245,16 +250,22 @@ class _DistributedMixin:
         inflight, self._rr_inflight = self._rr_inflight, []
         first: Optional[BaseException] = None
         replaced = []
-        for s in inflight:
-            grad, buf = s.grad, s.buf
-            try:
-                self._rr_finish(s)
-            except Exception as err:
-                first = first or err
-            if s.param.grad is not grad and buf is not None:
-                replaced.append(s.name)
-        for s in self._rr_order:
-            s.delay = self._rr_passes
+        try:
+            for s in inflight:
+                grad, buf = s.grad, s.buf
+                try:
+                    self._rr_finish(s)
+                except Exception as err:
+                    first = first or err
+                if s.param.grad is not grad and buf is not None:
+                    replaced.append(s.name)
+        finally:
+            # Interrupted (KeyboardInterrupt): the engine still completes what is in
+            # flight (the Communicator keeps its buffers); the next step starts clean.
+            for s in inflight:
+                s.handle = s.grad = s.buf = s.ctx = None
+            for s in self._rr_order:
+                s.delay = self._rr_passes
         if first is not None:
             raise first
         if replaced:

@@ -224,16 +224,18 @@ class Communicator:
                                  name: Optional[str] = None, prescale_factor: float = 1.0,
                                  postscale_factor: float = 1.0) -> Handle:
         """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
-        if type(xs) is list and (name is None or type(name) is str):
-            # A list of plain numpy arrays is checked and submitted in C++ (None: some
-            # member needs the general path below, which converts or raises).
+        if type(xs) in (list, tuple) and (name is None or type(name) is str):
+            # Plain numpy arrays are checked and submitted in C++ (None: some member
+            # needs the general path below, which converts or raises). The tuple is
+            # what keeps them alive until the collective completes.
+            keep = tuple(xs)
             with self._lock:
                 group = self._group_name(name)
                 core = self._engine.grouped_allreduce_arrays(
-                    xs, op, group, float(prescale_factor), float(postscale_factor))
+                    keep, op, group, float(prescale_factor), float(postscale_factor))
                 self._groups += core is not None and name is None
             if core is not None:
-                return self._track(core, lambda _: list(xs), (tuple(xs),))
+                return self._track(core, lambda _: list(xs), (keep,))
         arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
         core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: list(xs), (arrs,))

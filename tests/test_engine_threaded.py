@@ -95,9 +95,9 @@ def rr_grouped(c, xs):
 
 
 def test_grouped_in_place_fast_and_general_paths_agree():
-    """A list of plain arrays is submitted by C++ (grouped_allreduce_arrays), a tuple or a
-    list holding anything else by the Python path; unnamed groups get the same names on
-    every rank whichever path each rank took, and the results are the same."""
+    """A list or tuple of plain arrays is submitted by C++ (grouped_allreduce_arrays), one
+    holding anything else by the Python path; unnamed groups get the same names on every
+    rank whichever path each rank took, and the results are the same."""
 
     def body(c):
         r = c.rank()
@@ -108,18 +108,19 @@ def test_grouped_in_place_fast_and_general_paths_agree():
 
         fast = fresh()
         probe = fresh()  # the raw handle does not hold the arrays: the caller must
-        taken = c._engine.grouped_allreduce_arrays(probe, rr.Sum, "probe", 1.0, 1.0)
-        taken.wait()  # the C++ path takes such a list (None would mean: general path)
+        taken = c._engine.grouped_allreduce_arrays(tuple(probe), rr.Sum, "probe", 1.0, 1.0)
+        taken.wait()  # the C++ path takes such a tuple (None would mean: general path)
         assert probe[1][0] == 3.0
-        assert c._engine.grouped_allreduce_arrays([np.ones(4)[::2]], rr.Sum, "x", 1.0,
-                                                  1.0) is None
-        assert c._engine.grouped_allreduce_arrays([], rr.Sum, "x", 1.0, 1.0) is None
-        # rank 0 unnamed through C++, rank 1 unnamed through Python (a tuple), twice.
+        for refused in ((np.ones(4)[::2],), (), [np.ones(3)]):  # a list could lose members
+            assert c._engine.grouped_allreduce_arrays(refused, rr.Sum, "x", 1.0, 1.0) is None
+        # Unnamed, twice: rank 0 through C++ (a list, then a tuple), rank 1 through Python
+        # (a member that is a buffer but not an ndarray sends the whole group there).
         outs = []
-        for _ in range(2):
+        for kind in (list, tuple):
             xs = fresh()
-            arg = xs if r == 0 else tuple(xs)
-            outs.append(c.grouped_allreduce_async_(arg, op=rr.Sum, prescale_factor=2.0).wait())
+            arg = kind(xs) if r == 0 else xs[:-1] + [memoryview(xs[-1])]
+            out = c.grouped_allreduce_async_(arg, op=rr.Sum, prescale_factor=2.0).wait()
+            outs.append([np.asarray(o) for o in out])
         done = c.grouped_allreduce_async_(fast, op=rr.Average).wait()
         assert all(o is x for o, x in zip(done, fast))
         # A buffer that is not an ndarray sends the whole group the general way.
@@ -141,15 +142,33 @@ def test_grouped_in_place_runs_as_one_unit_with_fusion_off():
 
     def body(c):
         counts = []
-        for arg in (list, tuple):  # C++ path, then the general path
+        for path in ("cpp", "general"):
             xs = [np.full(n, c.rank() + 1.0, np.float32) for n in (5, 70000, 3)]
+            arg = xs if path == "cpp" else xs[:-1] + [memoryview(xs[-1])]
             before = c._engine.stats()["responses"]
-            c.grouped_allreduce_async_(arg(xs), op=rr.Sum, name=f"one.{arg.__name__}").wait()
+            c.grouped_allreduce_async_(arg, op=rr.Sum, name=f"one.{path}").wait()
             counts.append(c._engine.stats()["responses"] - before)
             assert all((x == 3.0).all() for x in xs)
         return counts
 
     assert run_threaded(2, body, world=world(2, RINGREDUCE_FUSION_THRESHOLD="0")) == [[1, 1]] * 2
+
+
+def test_grouped_in_place_keeps_its_arrays_whatever_the_caller_does_to_its_list():
+    import weakref
+
+    def body(c):
+        xs = [np.full(200000, c.rank() + 1.0, np.float32) for _ in range(3)]
+        refs = [weakref.ref(x) for x in xs]
+        first = xs[0]  # kept by the test, to read the result
+        h = c.grouped_allreduce_async_(xs, op=rr.Sum, name="kept")
+        xs.clear()  # the caller's list no longer holds them: the handle must
+        gc.collect()
+        alive = all(r() is not None for r in refs)
+        h.wait()
+        return alive, float(first[-1])
+
+    assert run_threaded(2, body) == [(True, 3.0)] * 2
 
 
 def test_grouped_in_place_errors_keep_their_context():

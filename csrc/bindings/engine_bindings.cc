@@ -147,18 +147,20 @@ py::object allreduce_array(Engine& eng, py::handle x, py::handle op_obj, py::han
       ArrayHandle{submit_one(eng, std::move(e)), py::reinterpret_borrow<py::object>(x)});
 }
 
-// grouped_allreduce_async_ of a non-empty list of plain numpy arrays, member i
-// named "<group>.<i>": the per-member checks of allreduce_array, with no
+// grouped_allreduce_async_ of a non-empty tuple of plain numpy arrays, member
+// i named "<group>.<i>": the per-member checks of allreduce_array, with no
 // Python per member. Returns None when any member needs the general path.
+// A tuple, which the caller keeps until the collective completes: nothing can
+// drop a member while the GIL is released below (a list could lose one).
 py::object grouped_allreduce_arrays(Engine& eng, py::handle xs, py::handle op_obj,
                                     const std::string& group, double pre, double post) {
   int32_t op = 0;
-  if (!PyList_CheckExact(xs.ptr()) || !op_code(op_obj, &op)) return py::none();
-  const auto list = py::reinterpret_borrow<py::list>(xs);
-  if (list.empty()) return py::none();
-  std::vector<Entry> es(list.size());
-  for (size_t i = 0; i < list.size(); ++i) {
-    if (!plain_array_entry(list[i], group + "." + std::to_string(i), op, pre, post, &es[i]))
+  if (!PyTuple_CheckExact(xs.ptr()) || !op_code(op_obj, &op)) return py::none();
+  const auto members = py::reinterpret_borrow<py::tuple>(xs);
+  if (members.empty()) return py::none();
+  std::vector<Entry> es(members.size());
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (!plain_array_entry(members[i], group + "." + std::to_string(i), op, pre, post, &es[i]))
       return py::none();
     es[i].meta.group = group;
   }

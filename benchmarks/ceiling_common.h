@@ -5,6 +5,9 @@
 
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -26,12 +29,27 @@ static void barrier(long* generation) {
 
 /* Forks; returns 0 in the parent, 1 in the child, each pinned to the CPU of its rank. */
 static int fork_pinned(void) {
-  const int rank = fork() == 0 ? 1 : 0;
+  const pid_t pid = fork();
+  if (pid < 0) {
+    perror("fork");
+    exit(1);
+  }
+  const int rank = pid == 0 ? 1 : 0;
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
   CPU_SET(rank, &cpus);
   sched_setaffinity(0, sizeof cpus, &cpus);
   return rank;
+}
+
+/* Rank 0, at the end: waits for rank 1; 1 unless it exited with status 0. */
+static int reap_child(void) {
+  int status = 0;
+  if (wait(&status) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    fprintf(stderr, "rank 1 failed\n");
+    return 1;
+  }
+  return 0;
 }
 
 #endif

@@ -115,7 +115,8 @@ int main(int argc, char** argv) {
   const size_t n = argc > 1 ? strtoull(argv[1], NULL, 10) : 25557032;
   const size_t chunk = argc > 2 ? strtoull(argv[2], NULL, 10) : 262144;
   const size_t per = chunk / sizeof(float), fifo_floats = SLOTS * per;
-  if (per == 0) return fprintf(stderr, "chunk must be at least 4 bytes\n"), 1;
+  if (per == 0 || chunk % sizeof(float) != 0)
+    return fprintf(stderr, "chunk must be a positive multiple of 4 bytes\n"), 1;
   /* fifos[dir * 2 + kind]: dir = the sending rank, kind 0 raw, 1 reduced */
   const size_t shared_bytes = 4096 + 4 * (sizeof(Fifo) + fifo_floats * sizeof(float));
   char* shared =
@@ -124,13 +125,13 @@ int main(int argc, char** argv) {
   arrivals = (_Atomic long*)shared;
   Fifo* fifos = (Fifo*)(shared + 4096);
   float* slots = (float*)(fifos + 4);
+  float* buf = malloc(n * sizeof(float)); /* before the fork: both ranks have one, or none */
+  if (buf == NULL) return perror("malloc"), 1;
   const int rank = fork_pinned();
   Channel ch[4];
   for (int i = 0; i < 4; i++) ch[i] = (Channel){fifos + i, slots + i * fifo_floats};
   const int peer_rank = 1 - rank;
   Share shares[2] = {{0, n / 2, per}, {n / 2, n, per}};
-  float* buf = malloc(n * sizeof(float));
-  if (buf == NULL) return perror("malloc"), 1;
   long generation = 0, base_own = 0, base_peer = 0;
   double best = 1e9, total = 0;
   const int warmup = 3, iters = 30;
@@ -158,7 +159,7 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     printf("%zu floats (%.1f MiB), private ring, %zu-byte chunks: best %.2f ms, mean %.2f ms\n", n,
            n * sizeof(float) / 1048576.0, chunk, best * 1e3, total / iters * 1e3);
-    wait(NULL);
+    return reap_child();
   }
   return 0;
 }

@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     printf("%zu floats (%.1f MiB), %s: best %.2f ms, mean %.2f ms\n", n, bytes / 1048576.0,
            two_pass ? "two passes" : "one pass", best * 1e3, total / iters * 1e3);
-    wait(NULL);
+    return reap_child();
   }
   return 0;
 }

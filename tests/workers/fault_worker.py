@@ -9,8 +9,10 @@ Scenarios for the victim:
   ``--shared`` the buffer is a shared one, so the allreduce reads the victim's
   memory directly;
 * ``idle``: sleep, then SIGKILL itself while the others wait in an allreduce;
-* ``init``: SIGKILL itself right after init(), before any collective (the
-  survivors make their first call ``--delay`` s later, when it is surely dead);
+* ``init``: SIGKILL itself right after every rank's init() has returned, before
+  any collective (the survivors make their first call ``--delay`` s later, when it
+  is surely dead; a rank still inside init() would see a death during init, which
+  is not this scenario);
 * ``leave``: call rr.shutdown() while the others wait, then stay alive a while;
 * ``negotiation``: every rank submits named async allreduces of ``--tensors``
   gradients, each rank in its own order (as a backward pass would); the victim
@@ -226,18 +228,25 @@ def after_failure(args: argparse.Namespace) -> None:
     linger(args, rr.size())
 
 
+def wait_for_files(args: argparse.Namespace, pattern: str, count: int, timeout: float) -> bool:
+    """Wait until ``count`` files match ``pattern`` in the sync dir (False: timed out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(list(Path(args.sync_dir).glob(pattern))) >= count:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def linger(args: argparse.Namespace, size: int) -> None:
     """Stay alive until every survivor has reported (or ``--linger`` s passed)."""
-    deadline = time.monotonic() + args.linger
-    while time.monotonic() < deadline:
-        if len(list(Path(args.sync_dir).glob("survivor-*"))) >= size - 1:
-            return
-        time.sleep(0.05)
-    event("linger-timeout")
+    if not wait_for_files(args, "survivor-*", size - 1, args.linger):
+        event("linger-timeout")
 
 
 def victim(args: argparse.Namespace) -> None:
     if args.scenario == "init":
+        wait_for_files(args, "ready-*", rr.size(), timeout=20.0)
         die()
     elif args.scenario == "during":
         buf = big_buffer(args)
@@ -293,6 +302,8 @@ def main(args: argparse.Namespace) -> None:
     rank = rr.rank()
     set_rank(rank)
     event("ready")
+    if args.scenario == "init":  # the victim waits for every rank's file
+        (Path(args.sync_dir) / f"ready-{rank}").touch()
     if args.scenario == "mismatch":
         mismatch(args)
     elif args.scenario == "engine-idle":

@@ -6,6 +6,7 @@ The module-level functions of ``ringreduce`` delegate to the Communicator that
 
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 from collections import deque
@@ -29,6 +30,29 @@ def _check_op(op: int, what: str) -> int:
         raise InvalidInputError(f"{what}: op must be one of ringreduce.Sum, Average, Min, Max, "
                                 f"Product; got {op!r}")
     return op
+
+
+def check_scales(prescale: Any, postscale: Any, op: str,
+                 name: Optional[str] = None) -> tuple[float, float]:
+    """The scale factors as floats; InvalidInputError unless both are finite real numbers.
+
+    Parameters
+    ----------
+    prescale, postscale : Any
+        What the caller passed as ``prescale_factor`` and ``postscale_factor``.
+    op, name : str
+        The call and tensor, for the message.
+    """
+    try:
+        pre, post = float(prescale), float(postscale)
+    except (TypeError, ValueError, OverflowError):
+        pre = post = math.nan
+    text = (str, bytes)  # float() parses them; a scale factor given as text is a mistake
+    if math.isfinite(pre) and math.isfinite(post) and not isinstance(prescale, text) \
+            and not isinstance(postscale, text):
+        return pre, post
+    raise InvalidInputError(f"{call_label(op, name)}: prescale_factor and postscale_factor "
+                            f"must be finite real numbers, got {prescale!r} and {postscale!r}")
 
 
 class Handle:
@@ -154,8 +178,7 @@ class Communicator:
         """Start an in-place allreduce of ``x``; ``synchronize(handle)`` returns ``x``."""
         # The per-gradient hot path: a plain numpy array is checked in C++ and
         # its handle (a _core.ArrayHandle: wait() returns x) made there too.
-        h = self._engine.allreduce_array(x, op, name, float(prescale_factor),
-                                         float(postscale_factor))
+        h = self._engine.allreduce_array(x, op, name, prescale_factor, postscale_factor)
         if h is not None:  # _track's bookkeeping, inlined: one Python frame less per gradient
             q = self._in_flight
             q.append(h)
@@ -208,8 +231,9 @@ class Communicator:
         if op not in _OP_NAMES:
             _check_op(op, call_label("allreduce", name))
         code = dtype_code(src.dtype, "allreduce", name)
-        return self._engine.allreduce(src, out, src.shape, code, op, float(prescale),
-                                      float(postscale), self._name(name))
+        pre, post = check_scales(prescale, postscale, "allreduce", name)
+        return self._engine.allreduce(src, out, src.shape, code, op, pre, post,
+                                      self._name(name))
 
     def grouped_allreduce_async(self, xs: Sequence[Any], op: int = Average,
                                 name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -231,8 +255,8 @@ class Communicator:
             keep = tuple(xs)
             with self._lock:
                 group = self._group_name(name)
-                core = self._engine.grouped_allreduce_arrays(
-                    keep, op, group, float(prescale_factor), float(postscale_factor))
+                core = self._engine.grouped_allreduce_arrays(keep, op, group, prescale_factor,
+                                                             postscale_factor)
                 self._groups += core is not None and name is None
             if core is not None:
                 return self._track(core, lambda _: list(xs), (keep,))
@@ -251,12 +275,12 @@ class Communicator:
         if not srcs:
             raise InvalidInputError(f"{what}: needs at least one array")
         codes = [dtype_code(s.dtype, what, None) for s in srcs]
+        pre, post = check_scales(prescale, postscale, "grouped_allreduce", name)
         with self._lock:  # the counter advances only when the engine took the group
             group = self._group_name(name)
             names = [f"{group}.{i}" for i in range(len(srcs))]
             core = self._engine.grouped_allreduce(srcs, outs, [list(s.shape) for s in srcs],
-                                                  codes, names, op, float(prescale),
-                                                  float(postscale), str(group))
+                                                  codes, names, op, pre, post, str(group))
             self._groups += name is None
         return core
 
@@ -302,8 +326,10 @@ class Communicator:
         what = call_label("reducescatter", name)
         src = for_reading(x, what, None)
         core = self._engine.reducescatter(src, list(src.shape), dtype_code(src.dtype, what, None),
-                                          _check_op(op, what), float(prescale_factor),
-                                          float(postscale_factor), self._name(name))
+                                          _check_op(op, what),
+                                          *check_scales(prescale_factor, postscale_factor,
+                                                        "reducescatter", name),
+                                          self._name(name))
         return self._track(core, self._output(src.dtype), (src,))
 
     def reducescatter(self, x: Any, op: int = Average, name: Optional[str] = None,

@@ -110,6 +110,24 @@ def test_in_place_async_takes_every_plain_input(pair):
             np.testing.assert_array_equal(x, np.full(x.shape, 3))
 
 
+@pytest.mark.parametrize("bad", ["2", None, float("nan"), float("inf"), 2**2000, [1.0]])
+def test_scale_factors_must_be_finite_numbers(pair, bad):
+    """Every path that takes scale factors (the C++ hot paths hand odd ones over); async
+    forms only, so that a call that wrongly went through cannot block this test."""
+    c = pair[0]
+    calls = [
+        lambda kw: c.allreduce_async_(np.ones(3, np.float32), **kw),
+        lambda kw: c.allreduce_async(np.ones(3, np.float32), **kw),
+        lambda kw: c.grouped_allreduce_async_([np.ones(3, np.float32)], **kw),
+        lambda kw: c.grouped_allreduce_async([np.ones(3, np.float32)], **kw),
+        lambda kw: c.reducescatter_async(np.ones(4, np.float32), **kw),
+    ]
+    for call in calls:
+        for kw in ({"prescale_factor": bad}, {"postscale_factor": bad}):
+            with pytest.raises(rr.InvalidInputError, match="must be finite real numbers"):
+                call(kw)
+
+
 def test_local_argument_errors(pair):
     c = pair[0]
     with pytest.raises(rr.InvalidInputError, match="root_rank must be an int in"):

@@ -313,3 +313,17 @@ def test_shared_zeros_tensor_takes_the_shared_path(dtype):
         return ok, bool((t == 3).all()), engine.stats()["shared_allreduces"] - before
 
     assert run(2, fn) == [(True, True, 1), (True, True, 1)]
+
+
+def test_scale_factors_must_be_finite_numbers():
+    rrt.init()
+    try:
+        for requires_grad in (False, True):
+            x = torch.ones(4, requires_grad=requires_grad)
+            for call in (rrt.allreduce, rrt.reducescatter):
+                with pytest.raises(rr.InvalidInputError, match="must be finite real numbers"):
+                    call(x, prescale_factor=float("nan"))
+                with pytest.raises(rr.InvalidInputError, match="must be finite real numbers"):
+                    call(x, postscale_factor="2")
+    finally:
+        rrt.shutdown()

@@ -6,6 +6,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+
 #include "coordination/engine.h"
 #include "coordination/fusion.h"
 #include "coordination/negotiator.h"
@@ -131,13 +133,34 @@ bool op_code(py::handle op, int32_t* out) {
   return true;
 }
 
+// The scale factors, if both are finite Python floats or ints (anything else
+// goes to the general path, which converts what it can or says what is wrong).
+bool scale_args(py::handle pre_obj, py::handle post_obj, double* pre, double* post) {
+  auto one = [](py::handle h, double* out) {
+    if (PyFloat_Check(h.ptr()))
+      *out = PyFloat_AsDouble(h.ptr());
+    else if (PyLong_CheckExact(h.ptr()))
+      *out = PyLong_AsDouble(h.ptr());
+    else
+      return false;
+    if (PyErr_Occurred()) {  // an int too large for a double
+      PyErr_Clear();
+      return false;
+    }
+    return std::isfinite(*out);
+  };
+  return one(pre_obj, pre) && one(post_obj, post);
+}
+
 // allreduce_async_ of a plain numpy array, with the Python-side checks done
 // here (the hot path: one call per gradient). Returns None when the array or
 // an argument needs the general path.
 py::object allreduce_array(Engine& eng, py::handle x, py::handle op_obj, py::handle name,
-                           double pre, double post) {
+                           py::handle pre_obj, py::handle post_obj) {
   int32_t op = 0;
-  if (!op_code(op_obj, &op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
+  double pre = 1, post = 1;
+  if (!op_code(op_obj, &op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())) ||
+      !scale_args(pre_obj, post_obj, &pre, &post))
     return py::none();
   Entry e;
   if (!plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
@@ -153,9 +176,13 @@ py::object allreduce_array(Engine& eng, py::handle x, py::handle op_obj, py::han
 // A tuple, which the caller keeps until the collective completes: nothing can
 // drop a member while the GIL is released below (a list could lose one).
 py::object grouped_allreduce_arrays(Engine& eng, py::handle xs, py::handle op_obj,
-                                    const std::string& group, double pre, double post) {
+                                    const std::string& group, py::handle pre_obj,
+                                    py::handle post_obj) {
   int32_t op = 0;
-  if (!PyTuple_CheckExact(xs.ptr()) || !op_code(op_obj, &op)) return py::none();
+  double pre = 1, post = 1;
+  if (!PyTuple_CheckExact(xs.ptr()) || !op_code(op_obj, &op) ||
+      !scale_args(pre_obj, post_obj, &pre, &post))
+    return py::none();
   const auto members = py::reinterpret_borrow<py::tuple>(xs);
   if (members.empty()) return py::none();
   std::vector<Entry> es(members.size());

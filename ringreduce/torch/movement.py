@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ringreduce import Average, Communicator, Sum
+from ringreduce._communicator import check_scales
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
@@ -141,8 +142,9 @@ def reducescatter(tensor: torch.Tensor, op: int = Average, name: Optional[str] =
     what = label("reducescatter", name)
     op = resolve_op(None, op, what)
     if _wants_grad(tensor, what):
-        return _ReducescatterFn.apply(tensor, op, name, float(prescale_factor),
-                                      float(postscale_factor), binder())
+        return _ReducescatterFn.apply(tensor, op, name,
+                                      *check_scales(prescale_factor, postscale_factor,
+                                                    "reducescatter", name), binder())
     return to_torch(comm().reducescatter(to_numpy(tensor, what), op, name, prescale_factor,
                                          postscale_factor))
 

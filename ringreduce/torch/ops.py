@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ringreduce import Average, Communicator, Max, Min, Product, Sum
+from ringreduce._communicator import check_scales
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
@@ -165,8 +166,9 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: Optional[str] = N
     """
     op = resolve_op(average, op, label("allreduce", name))
     if torch.is_grad_enabled() and check_tensor(tensor, "allreduce").requires_grad:
-        return _AllreduceFn.apply(tensor, op, name, compression, float(prescale_factor),
-                                  float(postscale_factor), binder())
+        return _AllreduceFn.apply(tensor, op, name, compression,
+                                  *check_scales(prescale_factor, postscale_factor, "allreduce",
+                                                name), binder())
     return _allreduce_now(comm(), tensor, op, name, compression, prescale_factor,
                           postscale_factor)
 

@@ -7,7 +7,9 @@ The module-level functions of ``ringreduce`` delegate to the Communicator that
 from __future__ import annotations
 
 import math
+import operator
 import pickle
+import reprlib
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -25,11 +27,19 @@ _OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "P
 
 
 
-def _check_op(op: int, what: str) -> int:
-    if op not in _OP_NAMES:
+def _check_op(op: Any, what: str) -> int:
+    """The op as a plain int; InvalidInputError unless it is an integer naming an op
+    (1.0 or 1+0j hash like 1, so a dict lookup alone would let them through)."""
+    if type(op) is int and op in _OP_NAMES:
+        return op
+    try:
+        code = operator.index(op)  # ints, bools, IntEnums, numpy integers
+    except TypeError:
+        code = None
+    if code not in _OP_NAMES:
         raise InvalidInputError(f"{what}: op must be one of ringreduce.Sum, Average, Min, Max, "
-                                f"Product; got {op!r}")
-    return op
+                                f"Product; got {reprlib.repr(op)}")
+    return code
 
 
 def check_scales(prescale: Any, postscale: Any, op: str,
@@ -47,12 +57,13 @@ def check_scales(prescale: Any, postscale: Any, op: str,
         pre, post = float(prescale), float(postscale)
     except (TypeError, ValueError, OverflowError):
         pre = post = math.nan
-    text = (str, bytes)  # float() parses them; a scale factor given as text is a mistake
+    text = (str, bytes, bytearray)  # float() parses them; text is a mistake here
     if math.isfinite(pre) and math.isfinite(post) and not isinstance(prescale, text) \
             and not isinstance(postscale, text):
         return pre, post
     raise InvalidInputError(f"{call_label(op, name)}: prescale_factor and postscale_factor "
-                            f"must be finite real numbers, got {prescale!r} and {postscale!r}")
+                            f"must be finite real numbers, got {reprlib.repr(prescale)} and "
+                            f"{reprlib.repr(postscale)}")
 
 
 class Handle:
@@ -228,8 +239,8 @@ class Communicator:
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
-        if op not in _OP_NAMES:
-            _check_op(op, call_label("allreduce", name))
+        if type(op) is not int or op not in _OP_NAMES:
+            op = _check_op(op, call_label("allreduce", name))
         code = dtype_code(src.dtype, "allreduce", name)
         pre, post = check_scales(prescale, postscale, "allreduce", name)
         return self._engine.allreduce(src, out, src.shape, code, op, pre, post,
@@ -259,7 +270,7 @@ class Communicator:
                                                              postscale_factor)
                 self._groups += core is not None and name is None
             if core is not None:
-                return self._track(core, lambda _: list(xs), (keep,))
+                return self._track(core, lambda _: list(keep), (keep,))
         arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
         core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: list(xs), (arrs,))
@@ -271,7 +282,7 @@ class Communicator:
     def _submit_group(self, srcs: list, outs: list, op: int, name: Optional[str],
                       prescale: float, postscale: float) -> Any:
         what = call_label("grouped_allreduce", name)
-        _check_op(op, what)
+        op = _check_op(op, what)
         if not srcs:
             raise InvalidInputError(f"{what}: needs at least one array")
         codes = [dtype_code(s.dtype, what, None) for s in srcs]

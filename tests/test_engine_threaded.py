@@ -165,7 +165,9 @@ def test_grouped_in_place_keeps_its_arrays_whatever_the_caller_does_to_its_list(
         xs.clear()  # the caller's list no longer holds them: the handle must
         gc.collect()
         alive = all(r() is not None for r in refs)
-        h.wait()
+        out = h.wait()  # the arrays reduced, whatever the list holds now
+        assert len(out) == 3 and out[0] is first
+        del out
         return alive, float(first[-1])
 
     assert run_threaded(2, body) == [(True, 3.0)] * 2

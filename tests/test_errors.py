@@ -79,11 +79,14 @@ def test_in_place_async_hot_path_checks(pair):
         c.allreduce_async_(ro)
     with pytest.raises(rr.InvalidInputError, match="C-contiguous"):
         c.allreduce_async_(np.zeros((4, 4), np.float32)[:, 1])
-    for op in (17, -1, 2**40, None, "sum", 1.5):  # the C++ hot paths hand these over
+    # The C++ hot paths hand these over; 1.0 and 1+0j hash like Average.
+    for op in (17, -1, 2**40, None, "sum", 1.5, 1.0, np.float64(1.0), 1 + 0j):
         with pytest.raises(rr.InvalidInputError, match="op must be one of"):
             c.allreduce_async_(np.zeros(3, np.float32), op=op)
         with pytest.raises(rr.InvalidInputError, match="op must be one of"):
             c.grouped_allreduce_async_([np.zeros(3, np.float32)], op=op)
+        with pytest.raises(rr.InvalidInputError, match="op must be one of"):
+            c.reducescatter_async(np.zeros(4, np.float32), op=op)
     with pytest.raises(rr.InvalidInputError, match="int16 is not supported"):
         c.allreduce_async_(np.zeros(3, np.int16))
     with pytest.raises(rr.InvalidInputError, match="not supported for dtype bool"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -860,3 +861,49 @@ def test_an_interrupted_step_leaves_the_optimizer_usable():
     g0, g1 = run(2, fn)
     for a, b in zip(g0, g1):
         torch.testing.assert_close(a, b)  # averaged: the same on both ranks
+
+
+@pytest.mark.parametrize("factor", [float("inf"), 1e-320, float("nan"), 0.0, "2"])
+def test_predivide_factor_must_give_finite_scales(factor):
+    model = make_net()
+    rrt.init()
+    try:
+        with pytest.raises(rr.InvalidInputError, match="gradient_predivide_factor"):
+            rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     gradient_predivide_factor=factor)
+    finally:
+        rrt.shutdown()
+
+
+def test_an_interrupt_before_the_waits_leaves_the_optimizer_usable():
+    """Ctrl-C in the presence allreduce, after the hooks submitted every gradient."""
+
+    def fn(rank):
+        model = make_net()
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        x = torch.full((1, 6), float(rank + 1), dtype=torch.float64)
+        model(x).sum().backward()
+        real = opt._rr_presence
+
+        def interrupted(slots):
+            real(slots)  # both ranks take part, then the interrupt lands
+            raise KeyboardInterrupt
+
+        opt._rr_presence = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        del opt._rr_presence
+        assert not opt._rr_inflight
+        time.sleep(0.2)  # the dropped allreduces finish in the engine
+        grads = []
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            grads.append(model.fc1.weight.grad.clone())
+        return grads
+
+    g0, g1 = run(2, fn)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b)

@@ -133,11 +133,12 @@ bool op_code(py::handle op, int32_t* out) {
   return true;
 }
 
-// The scale factors, if both are finite Python floats or ints (anything else
-// goes to the general path, which converts what it can or says what is wrong).
+// The scale factors, if both are finite Python floats or ints, exactly (a float
+// subclass may convert differently: the general path converts what it can or
+// says what is wrong).
 bool scale_args(py::handle pre_obj, py::handle post_obj, double* pre, double* post) {
   auto one = [](py::handle h, double* out) {
-    if (PyFloat_Check(h.ptr()))
+    if (PyFloat_CheckExact(h.ptr()))
       *out = PyFloat_AsDouble(h.ptr());
     else if (PyLong_CheckExact(h.ptr()))
       *out = PyLong_AsDouble(h.ptr());

@@ -20,6 +20,7 @@ How it works (Horovod's design):
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -222,18 +223,25 @@ class _DistributedMixin:
         """
         slots = [s for s in self._rr_order
                  if getattr(s.param, "_rr_owner", None) is self._rr_ref]
-        if self._rr_partial:  # partially accumulated (fewer than k passes): send what there is
-            for s in slots:
-                if s in self._rr_partial:
-                    self._rr_partial.discard(s)
-                    self._rr_submit(s)
-        counts = self._rr_presence(slots)
-        for s, count in zip(slots, counts):
-            if s.handle is not None or count == 0:
-                continue  # sent from the hook, or no rank has a gradient: stays None
-            if s.param.grad is None:
-                s.param.grad = torch.zeros_like(s.param, memory_format=torch.contiguous_format)
-            self._rr_submit(s)
+        try:
+            if self._rr_partial:  # partially accumulated (< k passes): send what there is
+                for s in slots:
+                    if s in self._rr_partial:
+                        self._rr_partial.discard(s)
+                        self._rr_submit(s)
+            counts = self._rr_presence(slots)
+            for s, count in zip(slots, counts):
+                if s.handle is not None or count == 0:
+                    continue  # sent from the hook, or no rank has a gradient: stays None
+                if s.param.grad is None:
+                    s.param.grad = torch.zeros_like(s.param,
+                                                    memory_format=torch.contiguous_format)
+                self._rr_submit(s)
+        except BaseException:  # e.g. Ctrl-C in the presence allreduce
+            self._rr_forget(self._rr_inflight)
+            self._rr_inflight = []
+            self._rr_partial.clear()
+            raise
         self._rr_wait_all()
         self._rr_synchronized = True
 
@@ -260,12 +268,7 @@ class _DistributedMixin:
                 if s.param.grad is not grad and buf is not None:
                     replaced.append(s.name)
         finally:
-            # Interrupted (KeyboardInterrupt): the engine still completes what is in
-            # flight (the Communicator keeps its buffers); the next step starts clean.
-            for s in inflight:
-                s.handle = s.grad = s.buf = s.ctx = None
-            for s in self._rr_order:
-                s.delay = self._rr_passes
+            self._rr_forget(inflight)
         if first is not None:
             raise first
         if replaced:
@@ -274,6 +277,16 @@ class _DistributedMixin:
                 "None between backward() and step() (model.zero_grad() or an assignment?) "
                 "while it was being averaged; call zero_grad() before backward() or after "
                 "step()")
+
+    def _rr_forget(self, inflight: list) -> None:
+        """Drop these slots' allreduces and reset every pass count. After an interrupt
+        (KeyboardInterrupt) the engine still completes what was in flight, the Communicator
+        keeping its buffers; the next step's submits of those names wait for nothing but
+        may find one still in flight if they come within its last milliseconds."""
+        for s in inflight:
+            s.handle = s.grad = s.buf = s.ctx = None
+        for s in self._rr_order:
+            s.delay = self._rr_passes
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -394,8 +407,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     if gradient_predivide_factor != 1.0 and op != Average:
         raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor needs "
                                 "op=Average")
-    if not gradient_predivide_factor > 0:
-        raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor must be > 0")
+    try:  # text would parse, but is a mistake here
+        predivide = math.nan if isinstance(gradient_predivide_factor, (str, bytes)) \
+            else float(gradient_predivide_factor)
+    except (TypeError, ValueError, OverflowError):
+        predivide = math.nan
+    if not (predivide > 0 and math.isfinite(predivide) and math.isfinite(1.0 / predivide)):
+        raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor must be a "
+                                "finite number > 0 whose inverse is finite, got "
+                                f"{gradient_predivide_factor!r}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise InvalidInputError(f"DistributedOptimizer: num_groups must be an int >= 0, got "
                                 f"{num_groups!r}")
@@ -414,6 +434,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                           if k not in ("step", "zero_grad")})
     dist._rr_setup(named, compression, backward_passes_per_step, op,
-                   float(gradient_predivide_factor), sparse_as_dense)
+                   predivide, sparse_as_dense)
     dist._rr_original = weakref.ref(optimizer)
     return dist

@@ -202,7 +202,9 @@ def survive(args: argparse.Namespace) -> None:
     buf = big_buffer(args) if args.scenario == "during" else np.ones(1000, np.float32)
     if args.scenario == "during":
         rr.barrier(name="start")  # the victim's clock starts here too
-    if args.scenario == "init":
+    if args.scenario == "init":  # the victim dies once every rank's init() returned
+        if not wait_for_files(args, "ready-*", rr.size(), timeout=20.0):
+            event("ready-timeout")
         time.sleep(args.delay)
     done = 0
     try:
@@ -246,7 +248,8 @@ def linger(args: argparse.Namespace, size: int) -> None:
 
 def victim(args: argparse.Namespace) -> None:
     if args.scenario == "init":
-        wait_for_files(args, "ready-*", rr.size(), timeout=20.0)
+        if not wait_for_files(args, "ready-*", rr.size(), timeout=20.0):
+            event("ready-timeout")
         die()
     elif args.scenario == "during":
         buf = big_buffer(args)

@@ -42,6 +42,9 @@ def _check_op(op: Any, what: str) -> int:
     return code
 
 
+_TEXT = (str, bytes, bytearray)  # float() parses them; as a scale factor, text is a mistake
+
+
 def check_scales(prescale: Any, postscale: Any, op: str,
                  name: Optional[str] = None) -> tuple[float, float]:
     """The scale factors as floats; InvalidInputError unless both are finite real numbers.
@@ -57,9 +60,8 @@ def check_scales(prescale: Any, postscale: Any, op: str,
         pre, post = float(prescale), float(postscale)
     except (TypeError, ValueError, OverflowError):
         pre = post = math.nan
-    text = (str, bytes, bytearray)  # float() parses them; text is a mistake here
-    if math.isfinite(pre) and math.isfinite(post) and not isinstance(prescale, text) \
-            and not isinstance(postscale, text):
+    if math.isfinite(pre) and math.isfinite(post) and not isinstance(prescale, _TEXT) \
+            and not isinstance(postscale, _TEXT):
         return pre, post
     raise InvalidInputError(f"{call_label(op, name)}: prescale_factor and postscale_factor "
                             f"must be finite real numbers, got {reprlib.repr(prescale)} and "

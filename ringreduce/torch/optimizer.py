@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ringreduce import Average, Communicator, Sum
+from ringreduce._communicator import check_scales
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, to_numpy
@@ -238,9 +239,7 @@ class _DistributedMixin:
                                                     memory_format=torch.contiguous_format)
                 self._rr_submit(s)
         except BaseException:  # e.g. Ctrl-C in the presence allreduce
-            self._rr_forget(self._rr_inflight)
-            self._rr_inflight = []
-            self._rr_partial.clear()
+            self._rr_forget()
             raise
         self._rr_wait_all()
         self._rr_synchronized = True
@@ -255,11 +254,10 @@ class _DistributedMixin:
         return c.allreduce(has, Sum, f"{self._rr_prefix}present")
 
     def _rr_wait_all(self) -> None:
-        inflight, self._rr_inflight = self._rr_inflight, []
         first: Optional[BaseException] = None
         replaced = []
         try:
-            for s in inflight:
+            for s in self._rr_inflight:
                 grad, buf = s.grad, s.buf
                 try:
                     self._rr_finish(s)
@@ -268,7 +266,7 @@ class _DistributedMixin:
                 if s.param.grad is not grad and buf is not None:
                     replaced.append(s.name)
         finally:
-            self._rr_forget(inflight)
+            self._rr_forget()
         if first is not None:
             raise first
         if replaced:
@@ -278,13 +276,15 @@ class _DistributedMixin:
                 "while it was being averaged; call zero_grad() before backward() or after "
                 "step()")
 
-    def _rr_forget(self, inflight: list) -> None:
-        """Drop these slots' allreduces and reset every pass count. After an interrupt
-        (KeyboardInterrupt) the engine still completes what was in flight, the Communicator
-        keeping its buffers; the next step's submits of those names wait for nothing but
-        may find one still in flight if they come within its last milliseconds."""
-        for s in inflight:
+    def _rr_forget(self) -> None:
+        """End the step: drop what is in flight or partial and reset every pass count.
+        After an interrupt (KeyboardInterrupt) the engine still completes what was in
+        flight, the Communicator keeping its buffers; the next step's submits of those
+        names may find one still in flight if they come within its last milliseconds."""
+        for s in self._rr_inflight:
             s.handle = s.grad = s.buf = s.ctx = None
+        self._rr_inflight = []
+        self._rr_partial.clear()
         for s in self._rr_order:
             s.delay = self._rr_passes
 
@@ -407,10 +407,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     if gradient_predivide_factor != 1.0 and op != Average:
         raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor needs "
                                 "op=Average")
-    try:  # text would parse, but is a mistake here
-        predivide = math.nan if isinstance(gradient_predivide_factor, (str, bytes)) \
-            else float(gradient_predivide_factor)
-    except (TypeError, ValueError, OverflowError):
+    try:
+        predivide = check_scales(gradient_predivide_factor, 1.0, "DistributedOptimizer")[0]
+    except InvalidInputError:
         predivide = math.nan
     if not (predivide > 0 and math.isfinite(predivide) and math.isfinite(1.0 / predivide)):
         raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor must be a "

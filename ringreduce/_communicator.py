@@ -199,7 +199,8 @@ class Communicator:
                 self._prune()
             return h
         arr = for_writing(x, "allreduce_", name)
-        core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor)
+        core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor,
+                                      "allreduce_")
         return self._track(core, lambda _: x, (arr,))
 
     def allreduce_async(self, x: Any, op: int = Average, name: Optional[str] = None,
@@ -207,7 +208,8 @@ class Communicator:
         """Start an allreduce; ``synchronize(handle)`` returns the result as a new array."""
         src = for_reading(x, "allreduce", name)
         out = np.empty_like(src)
-        core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor)
+        core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor,
+                                      "allreduce")
         return self._track(core, lambda _: out, (src, out))
 
     def allreduce_(self, x: Any, op: int = Average, name: Optional[str] = None,
@@ -239,12 +241,12 @@ class Communicator:
         return self.allreduce_async(x, op, name, prescale_factor, postscale_factor).wait()
 
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
-                          prescale: float, postscale: float) -> Any:
+                          prescale: float, postscale: float, what: str) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
         if type(op) is not int or op not in _OP_NAMES:
-            op = _check_op(op, call_label("allreduce", name))
-        code = dtype_code(src.dtype, "allreduce", name)
-        pre, post = check_scales(prescale, postscale, "allreduce", name)
+            op = _check_op(op, call_label(what, name))
+        code = dtype_code(src.dtype, what, name)
+        pre, post = check_scales(prescale, postscale, what, name)
         return self._engine.allreduce(src, out, src.shape, code, op, pre, post,
                                       self._name(name))
 

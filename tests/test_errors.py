@@ -91,6 +91,15 @@ def test_in_place_async_hot_path_checks(pair):
         c.allreduce_async_(np.zeros(3, np.int16))
     with pytest.raises(rr.InvalidInputError, match="not supported for dtype bool"):
         c.allreduce_async_(np.zeros(3, bool), op=rr.Average)
+    # Errors name the call the user made, in place or not.
+    for call, label in ((c.allreduce_async_, "allreduce_ 'g'"),
+                        (c.allreduce_async, "allreduce 'g'")):
+        with pytest.raises(rr.InvalidInputError, match=label):
+            call(np.zeros(3, np.int16), name="g")
+        with pytest.raises(rr.InvalidInputError, match=label):
+            call(np.zeros(3, np.float32), op=None, name="g")
+        with pytest.raises(rr.InvalidInputError, match=label):
+            call(np.zeros(3, np.float32), prescale_factor=float("nan"), name="g")
 
 
 class Tagged(np.ndarray):

@@ -15,12 +15,18 @@
  * is 3.0 everywhere. Compare with shared_ceiling.c (the same sum when the buffers are
  * shared, no slots): the difference is what moving data through slots costs on this VM.
  *
+ * With "stream", both ranks write the slots with streaming (non-temporal) stores, so the
+ * peer reads them from memory rather than from this core's cache: the other store kind
+ * the engine's chooser (csrc/transport/stream_choice.h) picks between. Which is faster
+ * depends on how fast a cache line moves between the two cores at the time.
+ *
  *     gcc -O3 -march=native -o /tmp/ring_ceiling benchmarks/ring_ceiling.c
- *     /tmp/ring_ceiling [floats] [chunk bytes]   # default: 25,557,032 floats, 256 KiB
+ *     /tmp/ring_ceiling [floats] [chunk bytes] [stream]   # default: 25,557,032 floats, 256 KiB
  */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +37,12 @@
 
 #include "ceiling_common.h"
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 #define SLOTS 4
+#define BLOCK 4096 /* floats: a reduced block is still in L1 when it is copied out */
 
 typedef struct {
   _Atomic long head; /* chunks published by the producer */
@@ -72,17 +83,47 @@ static void release(Channel c, long h) {
   atomic_store_explicit(&c.fifo->tail, h + 1, memory_order_release);
 }
 
+/* memcpy of n floats; with `stream`, the 16-byte-aligned body goes with SSE2 streaming
+ * stores (baseline x86-64), fenced so that a publish() after it cannot overtake them. */
+static void put(float* dst, const float* src, size_t n, int stream) {
+#if defined(__x86_64__)
+  if (stream) {
+    size_t i = 0;
+    for (; i < n && ((uintptr_t)(dst + i) & 15) != 0; i++) dst[i] = src[i];
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+    for (; i < n; i++) dst[i] = src[i];
+    _mm_sfence();
+    return;
+  }
+#endif
+  memcpy(dst, src, n * sizeof(float));
+}
+
+/* mine += in, in rank order (as the engine's reductions), the sums also into `out`. */
+static void reduce_into(float* mine, const float* in, float* out, size_t m, int rank, int stream) {
+  if (stream) { /* the sums go to `out` from L1, a block at a time */
+    for (size_t b = 0; b < m; b += BLOCK) {
+      const size_t len = m - b < BLOCK ? m - b : BLOCK;
+      reduce_into(mine + b, in + b, mine + b, len, rank, 0);
+      put(out + b, mine + b, len, 1);
+    }
+  } else if (rank == 0) {
+    for (size_t i = 0; i < m; i++) mine[i] = out[i] = mine[i] + in[i];
+  } else {
+    for (size_t i = 0; i < m; i++) mine[i] = out[i] = in[i] + mine[i];
+  }
+}
+
 /* One allreduce: `base` is the number of chunks each FIFO carried in earlier iterations. */
 static void ring_allreduce(float* buf, Share own, Share peer, Channel raw_out, Channel raw_in,
-                           Channel red_out, Channel red_in, long base_own, long base_peer,
-                           int rank) {
+                           Channel red_out, Channel red_in, long base_own, long base_peer, int rank,
+                           int stream) {
   const size_t k_own = chunks(own), k_peer = chunks(peer), per = own.per;
   size_t sent = 0, reduced = 0, copied = 0;
   while (sent < k_peer || reduced < k_own || copied < k_peer) {
     if (sent < k_peer && has_space(raw_out, base_peer + sent)) {
       long h = base_peer + sent;
-      memcpy(slot(raw_out, h, per), buf + peer.lo + sent * per,
-             chunk_len(peer, sent) * sizeof(float));
+      put(slot(raw_out, h, per), buf + peer.lo + sent * per, chunk_len(peer, sent), stream);
       publish(raw_out, h);
       sent++;
     }
@@ -90,13 +131,7 @@ static void ring_allreduce(float* buf, Share own, Share peer, Channel raw_out, C
         has_space(red_out, base_own + reduced)) {
       long h = base_own + reduced;
       float *mine = buf + own.lo + reduced * per, *in = slot(raw_in, h, per);
-      float* out = slot(red_out, h, per);
-      const size_t m = chunk_len(own, reduced);
-      if (rank == 0) { /* rank order, as the engine's reductions */
-        for (size_t i = 0; i < m; i++) mine[i] = out[i] = mine[i] + in[i];
-      } else {
-        for (size_t i = 0; i < m; i++) mine[i] = out[i] = in[i] + mine[i];
-      }
+      reduce_into(mine, in, slot(red_out, h, per), chunk_len(own, reduced), rank, stream);
       release(raw_in, h);
       publish(red_out, h);
       reduced++;
@@ -114,6 +149,7 @@ static void ring_allreduce(float* buf, Share own, Share peer, Channel raw_out, C
 int main(int argc, char** argv) {
   const size_t n = argc > 1 ? strtoull(argv[1], NULL, 10) : 25557032;
   const size_t chunk = argc > 2 ? strtoull(argv[2], NULL, 10) : 262144;
+  const int stream = argc > 3 && strcmp(argv[3], "stream") == 0;
   const size_t per = chunk / sizeof(float), fifo_floats = SLOTS * per;
   if (per == 0 || chunk % sizeof(float) != 0)
     return fprintf(stderr, "chunk must be a positive multiple of 4 bytes\n"), 1;
@@ -140,7 +176,7 @@ int main(int argc, char** argv) {
     barrier(&generation);
     const double t0 = now();
     ring_allreduce(buf, shares[rank], shares[peer_rank], ch[rank * 2], ch[peer_rank * 2],
-                   ch[rank * 2 + 1], ch[peer_rank * 2 + 1], base_own, base_peer, rank);
+                   ch[rank * 2 + 1], ch[peer_rank * 2 + 1], base_own, base_peer, rank, stream);
     barrier(&generation);
     const double dt = now() - t0;
     base_own += (long)chunks(shares[rank]);
@@ -157,8 +193,11 @@ int main(int argc, char** argv) {
     }
   }
   if (rank == 0) {
-    printf("%zu floats (%.1f MiB), private ring, %zu-byte chunks: best %.2f ms, mean %.2f ms\n", n,
-           n * sizeof(float) / 1048576.0, chunk, best * 1e3, total / iters * 1e3);
+    printf(
+        "%zu floats (%.1f MiB), private ring, %zu-byte chunks, %s stores: best %.2f ms, "
+        "mean %.2f ms\n",
+        n, n * sizeof(float) / 1048576.0, chunk, stream ? "streaming" : "ordinary", best * 1e3,
+        total / iters * 1e3);
     return reap_child();
   }
   return 0;

@@ -77,8 +77,11 @@ def test_shared_ceiling_compiles_and_sums_right(tmp_path):
         run_c(exe, "65536", *form)
 
 
+@pytest.mark.parametrize("stores", ["ordinary", "streaming"])
 @pytest.mark.parametrize("floats, chunk", [(65536, 4096), (65537, 4096), (7, 8), (1, 4)])
-def test_ring_ceiling_compiles_and_sums_right(tmp_path, floats, chunk):
-    """Odd sizes too: the last chunk of a share is partial, a share may be one element."""
-    out = run_c(compile_c("ring_ceiling.c", tmp_path), str(floats), str(chunk))
-    assert f"{floats} floats" in out, out
+def test_ring_ceiling_compiles_and_sums_right(tmp_path, floats, chunk, stores):
+    """Odd sizes too: the last chunk of a share is partial, a share may be one element; a
+    chunk of 8 or 4 bytes puts the streaming stores' slots off 16-byte alignment."""
+    form = ["stream"] if stores == "streaming" else []
+    out = run_c(compile_c("ring_ceiling.c", tmp_path), str(floats), str(chunk), *form)
+    assert f"{floats} floats" in out and f"{stores} stores" in out, out

@@ -281,7 +281,16 @@ def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None,
 
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle`` (releasing the GIL) and return its result; raises its error."""
-    return handle.wait()
+    out = handle.wait()
+    _release_done()
+    return out
+
+
+def _release_done() -> None:
+    """Let the current communicator drop its references to finished collectives."""
+    c = _thread.comm or _Process.comm
+    if c is not None:
+        c.release_done()
 
 
 def poll(handle: Handle) -> bool:

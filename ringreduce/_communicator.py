@@ -163,23 +163,37 @@ class Communicator:
 
     # ------------------------------------------------------------------ helpers
     def _track(self, core: Any, finish: Callable[[Any], Any], keep: tuple) -> Handle:
-        # Appends need no lock (deque.append is atomic); only the left end is
-        # pruned, under the lock, every 64 appends: handles finish roughly in
-        # submission order, and one still in flight keeps the ones behind it
-        # until it finishes.
         h = Handle(core, finish, keep)
-        q = self._in_flight
-        q.append(h)
-        if len(q) >= self._prune_at:
-            self._prune()
+        self._keep_alive(h)
         return h
 
-    def _prune(self) -> None:
+    def _keep_alive(self, h: Any) -> None:
+        # The deque keeps a handle (and through it the caller's buffers) alive
+        # while its collective runs, even if the caller drops it. Appends need
+        # no lock (deque.append is atomic); only the left end is pruned, under
+        # the lock. Handles finish roughly in submission order, so pruning
+        # whenever the oldest one is done, and after every wait (release_done),
+        # keeps no finished gradient or result alive for long; one handle
+        # still in flight keeps the ones behind it until it finishes, and the
+        # length cap bounds how often such a queue is rescanned.
+        q = self._in_flight
+        q.append(h)
+        if q[0].done() or len(q) >= self._prune_at:
+            self.release_done()
+
+    def release_done(self) -> None:
+        """Drop the keep-alive references of finished collectives (cheap; after waits)."""
         q = self._in_flight
         with self._lock:
             while q and q[0].done():
                 q.popleft()
             self._prune_at = len(q) + 64
+
+    def _wait(self, h: Handle) -> Any:
+        """A blocking call's end: its result, with its keep-alive reference dropped."""
+        out = h.wait()
+        self.release_done()
+        return out
 
     @staticmethod
     def _output(dtype: np.dtype) -> Callable[[Any], np.ndarray]:
@@ -192,11 +206,11 @@ class Communicator:
         # The per-gradient hot path: a plain numpy array is checked in C++ and
         # its handle (a _core.ArrayHandle: wait() returns x) made there too.
         h = self._engine.allreduce_array(x, op, name, prescale_factor, postscale_factor)
-        if h is not None:  # _track's bookkeeping, inlined: one Python frame less per gradient
+        if h is not None:  # _keep_alive, inlined: one Python frame less per gradient
             q = self._in_flight
             q.append(h)
-            if len(q) >= self._prune_at:
-                self._prune()
+            if q[0].done() or len(q) >= self._prune_at:
+                self.release_done()
             return h
         arr = for_writing(x, "allreduce_", name)
         core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor,
@@ -215,7 +229,7 @@ class Communicator:
     def allreduce_(self, x: Any, op: int = Average, name: Optional[str] = None,
                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
         """Reduce ``x`` across ranks in place and return it (see ``allreduce``)."""
-        return self.allreduce_async_(x, op, name, prescale_factor, postscale_factor).wait()
+        return self._wait(self.allreduce_async_(x, op, name, prescale_factor, postscale_factor))
 
     def allreduce(self, x: Any, op: int = Average, name: Optional[str] = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
@@ -238,7 +252,7 @@ class Communicator:
         numpy.ndarray
             Bitwise identical on every rank.
         """
-        return self.allreduce_async(x, op, name, prescale_factor, postscale_factor).wait()
+        return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor))
 
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float, what: str) -> Any:
@@ -310,7 +324,7 @@ class Communicator:
 
     def allgather(self, x: Any, name: Optional[str] = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (its length may differ per rank)."""
-        return self.allgather_async(x, name).wait()
+        return self._wait(self.allgather_async(x, name))
 
     def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start overwriting ``x`` with root_rank's ``x``; the result is ``x``."""
@@ -328,11 +342,11 @@ class Communicator:
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""
-        return self.broadcast_async_(x, root_rank, name).wait()
+        return self._wait(self.broadcast_async_(x, root_rank, name))
 
     def broadcast(self, x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
         """Return a new array holding root_rank's ``x`` on every rank."""
-        return self.broadcast_async(x, root_rank, name).wait()
+        return self._wait(self.broadcast_async(x, root_rank, name))
 
     def reducescatter_async(self, x: Any, op: int = Average, name: Optional[str] = None,
                             prescale_factor: float = 1.0,
@@ -353,7 +367,7 @@ class Communicator:
 
         Axis 0 is split as evenly as possible; lower ranks get the extra rows.
         """
-        return self.reducescatter_async(x, op, name, prescale_factor, postscale_factor).wait()
+        return self._wait(self.reducescatter_async(x, op, name, prescale_factor, postscale_factor))
 
     def alltoall_async(self, x: Any, splits: Optional[Sequence[int]] = None,
                        name: Optional[str] = None) -> Handle:
@@ -384,7 +398,7 @@ class Communicator:
         Without ``splits`` axis 0 is divided evenly (it must divide by size) and the
         received array is returned; with ``splits`` a tuple ``(output, received_splits)``.
         """
-        return self.alltoall_async(x, splits, name).wait()
+        return self._wait(self.alltoall_async(x, splits, name))
 
     def shared_zeros(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
         """Return a zero-filled array in memory that every rank of the job maps.

@@ -173,6 +173,33 @@ def test_grouped_in_place_keeps_its_arrays_whatever_the_caller_does_to_its_list(
     assert run_threaded(2, body) == [(True, 3.0)] * 2
 
 
+def test_finished_collectives_do_not_keep_their_arrays():
+    """The communicator keeps a handle's buffers alive while its collective runs; once it
+    has been waited for, dropping the array (and the handle) must free it, on every path."""
+    import weakref
+
+    def body(c):
+        x = np.full(1000, c.rank() + 1.0, np.float32)
+        refs = [weakref.ref(x)]
+        h = c.allreduce_async_(x, op=rr.Sum, name="in-place")  # the C++ hot path
+        rr.synchronize(h)
+        del x, h
+        y = np.ones(1000, np.float32)
+        out = c.allreduce(y, op=rr.Sum, name="blocking")  # out of place, blocking
+        refs += [weakref.ref(y), weakref.ref(out)]
+        del y, out
+        z = np.ones(1000, np.float32).reshape(10, 100)[:, :50]  # the general path
+        h = c.allreduce_async(z, op=rr.Sum, name="general")
+        out = h.wait()
+        c.release_done()
+        refs += [weakref.ref(z), weakref.ref(out)]
+        del z, out, h
+        gc.collect()
+        return [r() is None for r in refs]
+
+    assert run_threaded(2, body) == [[True] * 5] * 2
+
+
 def test_grouped_in_place_errors_keep_their_context():
     """What the C++ path leaves alone is refused by the general path, with its words."""
 

@@ -826,6 +826,28 @@ def test_a_dropped_model_and_optimizer_are_freed():
     assert run(2, fn) == [[True, True]] * 2
 
 
+def test_a_step_keeps_no_gradient_alive():
+    """After step(), the gradients that were averaged are the model's alone: once
+    zero_grad() drops them, nothing in ringreduce holds them."""
+    import gc
+    import weakref
+
+    def fn(rank):
+        model = make_net()
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        model(torch.ones(1, 6, dtype=torch.float64)).sum().backward()
+        opt.step()
+        # The storages: the numpy views the allreduces ran on share them, not the tensors.
+        refs = [weakref.ref(p.grad.untyped_storage()) for p in model.parameters()
+                if p.grad is not None]
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        return len(refs) > 0 and all(r() is None for r in refs)
+
+    assert run(2, fn) == [True, True]
+
+
 class _Interrupting:
     """A handle whose wait() is interrupted (Ctrl-C) after the collective completed."""
 

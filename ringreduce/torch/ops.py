@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import torch
 
+import ringreduce as _rr
 from ringreduce import Average, Communicator, Max, Min, Product, Sum
 from ringreduce._communicator import check_scales
 from ringreduce.exceptions import InvalidInputError
@@ -61,7 +62,9 @@ class Handle:
 
 def synchronize(handle: Any) -> Any:
     """Wait for ``handle`` and return its result (torch tensors for ringreduce.torch calls)."""
-    return handle.wait()
+    out = handle.wait()
+    _rr._release_done()
+    return out
 
 
 def poll(handle: Any) -> bool:

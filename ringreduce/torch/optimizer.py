@@ -269,6 +269,7 @@ class _DistributedMixin:
             self._rr_forget()
         if first is not None:
             raise first
+        self._rr_comm().release_done()  # the step's gradients need no keep-alive now
         if replaced:
             raise InvalidInputError(
                 f"DistributedOptimizer: the .grad of {_brief(replaced)} was replaced or set to "

@@ -211,3 +211,39 @@ def test_single_process_without_launcher():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env=env)
     assert out.stdout.strip() == "OK", out
+
+
+_INTERRUPT_SCRIPT = """
+import os, signal, threading, time
+import numpy as np
+import ringreduce as rr
+from ringreduce.testing import make_world
+c0, c1 = make_world(2)
+for form in ("allreduce_async_", "allreduce_async"):
+    # Rank 1 has not submitted: rank 0's wait can only end by the interrupt.
+    h = getattr(c0, form)(np.ones(4, np.float32), op=rr.Sum, name=form)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        h.wait()
+        print(form, "not interrupted")
+    except KeyboardInterrupt:
+        print(form, f"interrupted after {time.monotonic() - t0:.2f} s")
+    # Still in flight: once rank 1 submits, the same handle completes.
+    h1 = getattr(c1, form)(np.ones(4, np.float32), op=rr.Sum, name=form)
+    print(form, "result", float(h.wait()[0]), float(h1.wait()[0]))
+c0.close()
+c1.close()
+"""
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_peer_that_never_comes():
+    """A wait for a collective that another rank never starts must still end on Ctrl-C
+    (the main thread's signal handlers run between slices of the wait)."""
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    for form in ("allreduce_async_", "allreduce_async"):
+        line = next(x for x in run.stdout.splitlines() if x.startswith(form + " interrupted"))
+        assert float(line.split()[-2]) < 2.0, run.stdout
+        assert f"{form} result 2.0 2.0" in run.stdout, run.stdout

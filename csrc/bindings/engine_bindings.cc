@@ -93,11 +93,22 @@ struct ArrayHandle {
 };
 
 // A completed handle (the common case in a synchronize loop after the last
-// one) needs no GIL hand-off.
+// one) needs no GIL hand-off. Otherwise the wait runs in slices without the
+// GIL, and between slices the main thread runs Python's signal handlers, so
+// Ctrl-C (KeyboardInterrupt) ends a wait for a peer that never comes. The
+// collective itself stays in flight; the handle can be waited for again.
 void wait_state(HandleState& h) {
-  if (h.done()) return h.rethrow();
-  py::gil_scoped_release nogil;
-  h.wait();
+  constexpr int64_t kSignalCheckNs = 100'000'000;
+  for (;;) {
+    if (h.done()) return h.rethrow();
+    bool finished;
+    {
+      py::gil_scoped_release nogil;
+      finished = h.wait_for(kSignalCheckNs);
+    }
+    if (finished) return h.rethrow();
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
 }
 
 py::object wait_array(ArrayHandle& h) {

@@ -1,5 +1,6 @@
 #include "coordination/handle.h"
 
+#include <chrono>
 #include <cstdlib>
 
 #include "common/futex.h"
@@ -78,21 +79,42 @@ void HandleState::fail_one(ErrorKind kind, const std::string& message) {
   finish_and_notify(lock);
 }
 
+namespace {
+
+// Tells the engine, for as long as a caller waits, that it waits (see
+// batch_window.h: a waiting caller ends a hold at once).
+class Waiting {
+ public:
+  explicit Waiting(WaitSignal* signal) : s_(signal) {
+    if (s_) s_->begin_wait();
+  }
+  ~Waiting() {
+    if (s_) s_->end_wait();
+  }
+  Waiting(const Waiting&) = delete;
+  Waiting& operator=(const Waiting&) = delete;
+
+ private:
+  WaitSignal* s_;
+};
+
+}  // namespace
+
 void HandleState::wait() {
   if (!done()) {
-    struct Waiting {  // tells the engine for as long as this caller waits
-      WaitSignal* s;
-      explicit Waiting(WaitSignal* signal) : s(signal) {
-        if (s) s->begin_wait();
-      }
-      ~Waiting() {
-        if (s) s->end_wait();
-      }
-    } waiting(signal_.get());
+    Waiting waiting(signal_.get());
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return done_.load(std::memory_order_acquire); });
   }
   rethrow();
+}
+
+bool HandleState::wait_for(int64_t timeout_ns) {
+  if (done()) return true;
+  Waiting waiting(signal_.get());
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns),
+                      [this] { return done_.load(std::memory_order_acquire); });
 }
 
 void HandleState::rethrow() const {

@@ -72,6 +72,9 @@ class HandleState {
   // a core with the engine threads doing the work (2 ranks x 2 threads on
   // 2 cores).
   void wait();
+  // Waits at most `timeout_ns` (telling the engine, like wait()); true once
+  // done. Does not throw: rethrow() does, once done.
+  bool wait_for(int64_t timeout_ns);
   // Once done(): throws the failure if any (what wait() would throw).
   void rethrow() const;
 

@@ -116,7 +116,8 @@ class Communicator:
         self._lock = threading.Lock()
         self._in_flight: deque[Handle] = deque()  # keeps buffers alive until complete
         self._prune_at = 64
-        self._groups = 0
+        self._groups = 0  # unnamed grouped calls in this join epoch
+        self._join_epoch = 0  # completed join()s: ranks' counts agree again after one
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -295,7 +296,10 @@ class Communicator:
 
     def _group_name(self, name: Optional[str]) -> str:
         """The group's name: ``name``, or the next deterministic one (hold ``_lock``)."""
-        return name if name is not None else f"grouped_allreduce.noname.{self._groups}"
+        if name is not None:
+            return name
+        epoch = f"{self._join_epoch}." if self._join_epoch else ""
+        return f"grouped_allreduce.noname.{epoch}{self._groups}"
 
     def _submit_group(self, srcs: list, outs: list, op: int, name: Optional[str],
                       prescale: float, postscale: float) -> Any:
@@ -456,12 +460,16 @@ class Communicator:
         """
         core = self._engine.join()
         core.wait()
+        with self._lock:  # as the engine does for its unnamed calls
+            self._join_epoch += 1
+            self._groups = 0
         return core.join_result
 
     @staticmethod
     def _name(name: Optional[str]) -> str:
-        # Unnamed calls get "noname.<n>" in the engine, which
-        # matches across ranks as long as they make unnamed calls in one order.
+        # Unnamed calls get "noname.<n>" in the engine ("noname.<e>.<n>" after
+        # the e-th join()), which matches across ranks as long as they make
+        # unnamed calls in one order between joins.
         return "" if name is None else str(name)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:

@@ -264,6 +264,29 @@ def test_join_with_uneven_steps_averages_over_contributors():
     assert all((a == n).all() for a in again)
 
 
+def test_unnamed_calls_agree_again_after_an_uneven_join():
+    """Ranks with more batches make more unnamed calls before they join; once all have
+    joined, the next unnamed calls (a metric's allreduce, an unnamed group) must match."""
+
+    def body(c):
+        r = c.rank()
+        got = []
+        for epoch in range(2):
+            for _ in range(r + 1 + epoch):  # uneven, and differently so in each epoch
+                c.allreduce(np.ones(2, np.float32), op=rr.Sum)
+                c.grouped_allreduce_async([np.ones(2, np.float32)], op=rr.Sum).wait()
+            c.join()
+            got.append(float(c.allreduce(np.ones(2, np.float32), op=rr.Sum)[0]))
+            h = c.grouped_allreduce_async([np.ones(3, np.float32)], op=rr.Sum)
+            got.append(float(h.wait()[0][0]))
+        return got
+
+    w = world(2, RINGREDUCE_STALL_CHECK_SECONDS="1", RINGREDUCE_STALL_SHUTDOWN_SECONDS="3")
+    assert run_threaded(2, body, world=w, timeout=60, return_exceptions=True) == [[2.0] * 4] * 2
+    for c in w:
+        c.close()
+
+
 def test_join_neutral_elements_for_min_max_product():
     def body(c):
         if c.rank() == 1:

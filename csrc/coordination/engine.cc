@@ -146,10 +146,14 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   // fails locally on one rank must not shift the names of later calls.
   // One counter for every kind, so ranks that make different unnamed calls
   // at the same point get a mismatch error naming both calls.
+  // Every completed join() restarts the count in a new epoch: ranks that ran
+  // more batches before joining made more unnamed calls, and the names must
+  // agree again once all have joined.
   uint64_t counter = noname_;
+  const std::string prefix = join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.";
   for (Entry& e : entries) {
     if (!e.meta.name.empty() || e.join) continue;  // validated by submit()
-    e.meta.name = cat("noname.", counter++);
+    e.meta.name = cat(prefix, counter++);
     validate(e);
   }
   noname_ = counter;

@@ -97,6 +97,7 @@ class Engine {
   void release_names(const std::vector<std::string>& names);  // from in_flight_
   void record_local(std::vector<Entry>& fresh);
   std::vector<uint8_t> encode_requests(const std::vector<Entry>& fresh, bool join);
+  void finish_join(int32_t last_joined);
   void decode_requests(int rank, const std::vector<uint8_t>& payload, double now);
   void decode_requests_from(int rank, const std::vector<uint8_t>& payload, double now);
   std::vector<Response> decode_responses_from(const std::vector<uint8_t>& payload) const;
@@ -126,6 +127,7 @@ class Engine {
   std::deque<Entry> queue_;
   std::unordered_set<std::string> in_flight_;
   uint64_t noname_ = 0;
+  uint64_t join_epoch_ = 0;  // completed join()s; with noname_, under mu_
   bool stopping_ = false;
   bool failed_ = false;
   ErrorKind fail_kind_ = ErrorKind::kPeerLost;

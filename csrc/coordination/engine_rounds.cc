@@ -197,18 +197,27 @@ void Engine::process(const std::vector<Response>& rs) {
         for (const RequestMeta& m : r.tensors) cache_.put(m);
         break;
       case RespType::kError: fail_entries(r, r.error_kind, r.message); break;
-      case RespType::kJoinDone:
-        for (Entry& j : joins_) {
-          j.handle->join_result = r.last_joined;
-          j.handle->resolve_one();
-        }
-        joins_.clear();
-        joined_ = false;
-        break;
+      case RespType::kJoinDone: finish_join(r.last_joined); break;
       case RespType::kStallWarning: log(LogLevel::kWarning, rank_, r.message); break;
       case RespType::kFatal: throw Error(r.error_kind, cat("rank ", rank_, ": ", r.message));
     }
   }
+}
+
+// Every rank has joined. Before join() returns, unnamed calls start a new
+// epoch (see enqueue_locked), so that all ranks name them alike again.
+void Engine::finish_join(int32_t last_joined) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++join_epoch_;
+    noname_ = 0;
+  }
+  for (Entry& j : joins_) {
+    j.handle->join_result = last_joined;
+    j.handle->resolve_one();
+  }
+  joins_.clear();
+  joined_ = false;
 }
 
 void Engine::execute(const Response& r) {

@@ -602,6 +602,40 @@ def test_a_newer_optimizer_takes_over_the_parameters():
     assert torch.equal(w0, w1)
 
 
+def test_rewrapping_leaves_one_hook_per_parameter():
+    """Each newer optimizer replaces the older one's hook (they must not pile up)."""
+
+    def fn(rank):
+        model = make_net()
+        opts = [rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+                for _ in range(4)]
+        hooks = model.fc1.weight._post_accumulate_grad_hooks
+        return len(hooks), len(opts)
+
+    assert run(2, fn) == [(1, 4)] * 2
+
+
+def test_a_wrapped_model_can_still_be_saved_whole():
+    """torch.save(model) / pickle of a model whose parameters a DistributedOptimizer holds
+    (nothing of ringreduce's may sit on the parameters)."""
+    import io
+    import pickle
+
+    def fn(rank):
+        model = make_net()
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        model(torch.ones(1, 6, dtype=torch.float64)).sum().backward()
+        opt.step()
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        clone = pickle.loads(pickle.dumps(model))
+        return torch.equal(clone.fc1.weight, model.fc1.weight) and buf.tell() > 0
+
+    assert run(2, fn) == [True, True]
+
+
 # ------------------------------------------------------------------- join()
 def join_reference(kind, base, per_rank):
     """Plain training where step s averages the gradients of the ranks that still have data.

@@ -41,6 +41,17 @@ from .sparse import SparseAllreduce
 __all__ = ["DistributedOptimizer"]
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Communicator -> count
+# id(parameter) -> (weak reference to the newest DistributedOptimizer over it, which alone
+# reduces its gradient; that optimizer's hook on it). Not an attribute of the parameter,
+# which torch.save would then try to pickle; keyed by id, so the per-gradient lookup hashes
+# an int rather than a tensor. An entry leaves with its parameter (weakref.finalize).
+_OWNERS: dict = {}
+
+
+def _owner(p: torch.Tensor) -> Any:
+    """The weak reference to the DistributedOptimizer that reduces ``p``'s gradient."""
+    entry = _OWNERS.get(id(p))
+    return None if entry is None else entry[0]
 _CLASSES: dict = {}
 
 
@@ -156,16 +167,21 @@ class _DistributedMixin:
                 continue
             slot = self._rr_slots[p] = _Slot(p, self._rr_prefix + name, self._rr_passes)
             self._rr_order.append(slot)
-            p._rr_owner = ref  # the newest DistributedOptimizer over p reduces its gradient
-
             sref = weakref.ref(slot)
 
             def hook(param: torch.Tensor, ref: Any = ref, sref: Any = sref) -> None:
                 opt, s = ref(), sref()
-                if opt is not None and s is not None and getattr(param, "_rr_owner", None) is ref:
+                if opt is not None and s is not None and _owner(param) is ref:
                     opt._rr_hook(s)
 
-            self._rr_hooks.append(p.register_post_accumulate_grad_hook(hook))
+            previous = _OWNERS.get(id(p))
+            if previous is not None:
+                previous[1].remove()  # an older optimizer's hook: it no longer reduces p
+            else:
+                weakref.finalize(p, _OWNERS.pop, id(p), None)
+            handle = p.register_post_accumulate_grad_hook(hook)
+            _OWNERS[id(p)] = (ref, handle)
+            self._rr_hooks.append(handle)
         self._rr_order.sort(key=lambda q: q.name)
 
     # ------------------------------------------------------------ per gradient
@@ -222,8 +238,7 @@ class _DistributedMixin:
         (inside ``skip_synchronize()`` for Horovod compatibility; a ``step()``
         right after ``synchronize()`` does not communicate again anyway).
         """
-        slots = [s for s in self._rr_order
-                 if getattr(s.param, "_rr_owner", None) is self._rr_ref]
+        slots = [s for s in self._rr_order if _owner(s.param) is self._rr_ref]
         try:
             if self._rr_partial:  # partially accumulated (< k passes): send what there is
                 for s in slots:

@@ -447,6 +447,34 @@ def test_sparse_gradients():
             torch.testing.assert_close(g, want)
 
 
+def test_sparse_gradient_missing_on_one_rank():
+    """Rank 1 never uses the embedding: it has no gradient, and must contribute an empty
+    sparse one to the others' allgathers rather than a dense zero that nobody matches."""
+
+    def fn(rank, dense):
+        emb = seeded(0, lambda: torch.nn.Embedding(10, 3, sparse=True).double())
+        lin = seeded(1, lambda: torch.nn.Linear(3, 1).double())
+        params = [("emb." + n, p) for n, p in emb.named_parameters()] + \
+            [("lin." + n, p) for n, p in lin.named_parameters()]
+        opt = rrt.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=1.0),
+                                       named_parameters=params, sparse_as_dense=dense)
+        x = emb(torch.tensor([2, 5])) if rank == 0 else torch.ones(2, 3, dtype=torch.float64)
+        lin(x).sum().backward()
+        opt.synchronize()
+        grad = emb.weight.grad.to_dense().clone()
+        with opt.skip_synchronize():
+            opt.step()
+        return grad, emb.weight.detach().clone()
+
+    want = torch.zeros(10, 3, dtype=torch.float64)
+    want[[2, 5]] = seeded(1, lambda: torch.nn.Linear(3, 1).double()).weight.detach() / 2
+    for dense in (False, True):
+        (g0, w0), (g1, w1) = run(2, lambda r, d=dense: fn(r, d), timeout=60)
+        torch.testing.assert_close(g0, want)
+        torch.testing.assert_close(g1, want)
+        assert torch.equal(w0, w1)
+
+
 def test_two_optimizers_with_the_same_parameter_names():
     """A GAN-like pair: both models have parameters called '0.weight'."""
 

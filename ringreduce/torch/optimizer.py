@@ -132,6 +132,16 @@ def _param_names(optimizer: torch.optim.Optimizer,
     return {p: by_param[p] for p in params}
 
 
+def _zero_gradient(p: torch.Tensor, sparse_dims: int) -> torch.Tensor:
+    """A zero gradient for ``p``: dense, or sparse COO with no entries and ``sparse_dims``
+    sparse dimensions (the layout the ranks that have a gradient reduce)."""
+    if not sparse_dims:
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+    return torch.sparse_coo_tensor(torch.empty((sparse_dims, 0), dtype=torch.int64),
+                                   torch.empty((0, *p.shape[sparse_dims:]), dtype=p.dtype),
+                                   p.shape, check_invariants=True)
+
+
 class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
 
@@ -246,12 +256,11 @@ class _DistributedMixin:
                         self._rr_partial.discard(s)
                         self._rr_submit(s)
             counts = self._rr_presence(slots)
-            for s, count in zip(slots, counts):
+            for s, (count, sparse, dims) in zip(slots, counts.T.tolist()):
                 if s.handle is not None or count == 0:
                     continue  # sent from the hook, or no rank has a gradient: stays None
-                if s.param.grad is None:
-                    s.param.grad = torch.zeros_like(s.param,
-                                                    memory_format=torch.contiguous_format)
+                if s.param.grad is None:  # contribute zeros of the kind the others send
+                    s.param.grad = _zero_gradient(s.param, dims // sparse if sparse else 0)
                 self._rr_submit(s)
         except BaseException:  # e.g. Ctrl-C in the presence allreduce
             self._rr_forget()
@@ -260,9 +269,18 @@ class _DistributedMixin:
         self._rr_synchronized = True
 
     def _rr_presence(self, slots: list) -> np.ndarray:
-        """How many ranks hold a gradient for each parameter (one small Sum allreduce)."""
-        has = np.array([s.handle is not None or s.param.grad is not None for s in slots],
-                       np.int32)
+        """Per parameter (column), summed over the ranks (one small allreduce): row 0, the
+        ranks that hold a gradient; row 1, those whose gradient goes as sparse; row 2, their
+        gradients' sparse dimensions. A rank without a gradient then sends zeros of the
+        same kind (a dense zero against sparse allgathers would never be matched)."""
+        has = np.zeros((3, len(slots)), np.int32)
+        for i, s in enumerate(slots):
+            g = s.grad if s.handle is not None else s.param.grad
+            if g is None:
+                continue
+            has[0, i] = 1
+            if g.is_sparse and not self._rr_sparse_as_dense:
+                has[1, i], has[2, i] = 1, g.sparse_dim()
         c = self._rr_comm()
         if c.size() == 1:
             return has

@@ -110,8 +110,9 @@ def test_bad_arguments_are_clear():
     try:
         with pytest.raises(rr.InvalidInputError, match="either op= or"):
             rrt.allreduce(torch.ones(2), average=True, op=rrt.Sum)
-        with pytest.raises(rr.InvalidInputError, match="op must be one of"):
-            rrt.allreduce(torch.ones(2), op=17)
+        for op in (17, 1.0, 1 + 0j, "sum", True):  # 1.0 and 1+0j hash like Average
+            with pytest.raises(rr.InvalidInputError, match="op must be one of"):
+                rrt.allreduce(torch.ones(2), op=op)
         with pytest.raises(rr.InvalidInputError, match="expected a torch.Tensor"):
             rrt.allreduce_async_(np.ones(2))
         with pytest.raises(rr.InvalidInputError, match="complex|cannot view"):

@@ -15,6 +15,7 @@ result (a torch tensor) and ``poll(handle)`` tells whether it is ready.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -86,10 +87,14 @@ def resolve_op(average: Any, op: Optional[int], what: str) -> int:
         if isinstance(average, bool):
             return Average if average else Sum
         op = average
-    if isinstance(op, bool) or op not in _OPS:
+    try:  # an integer, as the numpy layer requires: 1.0 or 1+0j hash like Average
+        code = None if isinstance(op, bool) else operator.index(op)
+    except TypeError:
+        code = None
+    if code not in _OPS:
         raise InvalidInputError(f"{what}: op must be one of ringreduce.torch.Sum, Average, Min, "
                                 f"Max, Product; got {op!r}")
-    return int(op)
+    return code
 
 
 def _writable(t: torch.Tensor, what: str) -> tuple[np.ndarray, Callable[[Any], torch.Tensor]]:

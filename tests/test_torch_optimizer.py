@@ -196,6 +196,11 @@ def test_too_many_backward_passes_is_reported():
         model(x).sum().backward()
         with pytest.raises(rr.InvalidInputError, match="more than backward_passes_per_step"):
             model(x).sum().backward()
+        # That backward pass added to a gradient whose allreduce was running.
+        with pytest.raises(rr.InvalidInputError, match="changed in place"):
+            opt.step()
+        opt.zero_grad()  # and the optimizer is usable again
+        model(x).sum().backward()
         opt.step()
         return True
 
@@ -628,6 +633,33 @@ def test_a_newer_optimizer_takes_over_the_parameters():
 
     w0, w1 = run(2, fn)
     assert torch.equal(w0, w1)
+
+
+@pytest.mark.parametrize("order", ["clip, then step", "synchronize, clip, step"])
+def test_changing_gradients_in_flight_is_refused(order):
+    """Clipping between backward() and step() changes a gradient its allreduce is still
+    writing (ranks would end up with different gradients): refused, naming the way out;
+    after synchronize() it is the documented recipe and works."""
+
+    def fn(rank):
+        model = make_net()
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        model(torch.full((1, 6), float(rank + 1), dtype=torch.float64)).sum().backward()
+        if order == "clip, then step":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            with pytest.raises(rr.InvalidInputError, match="changed in place.*synchronize"):
+                opt.step()
+            return None
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        with opt.skip_synchronize():
+            opt.step()
+        return model.fc1.weight.detach().clone()
+
+    out = run(2, fn)
+    if order != "clip, then step":
+        assert torch.equal(out[0], out[1])
 
 
 def test_rewrapping_leaves_one_hook_per_parameter():

@@ -65,7 +65,7 @@ class _Slot:
     in torch's C++ storage, where Python's garbage collector cannot see a cycle.
     """
 
-    __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx",
+    __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx", "version",
                  "__weakref__")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
@@ -75,6 +75,7 @@ class _Slot:
         self.grad: Optional[torch.Tensor] = None
         self.buf: Optional[torch.Tensor] = None  # None with a handle: sparse allreduce
         self.ctx: Any = None
+        self.version = 0  # grad._version when its allreduce started
 
 
 class _CachedClosure:
@@ -225,13 +226,20 @@ class _DistributedMixin:
                 buf = buf.contiguous()
             s.handle = self._rr_comm().allreduce_async_(to_numpy(buf, s.label), self._rr_op,
                                                         s.name, *self._rr_scale)
-            s.grad, s.buf, s.ctx = grad, buf, ctx
+            s.grad, s.buf, s.ctx, s.version = grad, buf, ctx, grad._version
         self._rr_inflight.append(s)
 
     def _rr_finish(self, s: _Slot) -> None:
         handle, grad, buf, ctx = s.handle, s.grad, s.buf, s.ctx
         s.handle = s.grad = s.buf = s.ctx = None
         result = handle.wait()
+        if buf is not None and grad._version != s.version:
+            raise InvalidInputError(
+                f"DistributedOptimizer: the gradient of {s.name!r} was changed in place while "
+                "it was being averaged (clip_grad_norm_, GradScaler.unscale_ or another in-place "
+                "op between backward() and step()?), so ranks would disagree; call "
+                "optimizer.synchronize() first, then change the gradients, then step() inside "
+                "`with optimizer.skip_synchronize():`")
         if buf is None:  # sparse: the result is a new sparse tensor
             if s.param.grad is grad:
                 s.param.grad = result

@@ -147,13 +147,17 @@ def test_grouped_allreduce():
         new = rrt.grouped_allreduce(xs, op=rrt.Sum, name="g")
         same = rrt.grouped_allreduce_([x.clone() for x in xs], op=rrt.Sum, name="gi")
         h = rrt.grouped_allreduce_async(xs, op=rrt.Max)
-        return new, same, rrt.synchronize(h)
+        # Horovod's positional order: tensors, average, name, compression, op.
+        half = rrt.grouped_allreduce([torch.full((3,), rank + 0.5)], None, "gc",
+                                     rrt.Compression.fp16, rrt.Sum)
+        return new, same, rrt.synchronize(h), half
 
-    for new, same, mx in run(2, fn):
+    for new, same, mx, half in run(2, fn):
         for got in (new, same):
             assert torch.equal(got[0], torch.full((3,), 1.0))
             assert torch.equal(got[1], torch.full((2, 2), 1, dtype=torch.int64))
         assert torch.equal(mx[0], torch.full((3,), 1.0))
+        assert half[0].dtype == torch.float32 and torch.equal(half[0], torch.full((3,), 2.0))
 
 
 def test_allgather_broadcast_reducescatter_alltoall():

@@ -510,12 +510,15 @@ def test_broadcast_parameters_state_dict_and_named_parameters():
         sd = {k: v.clone() for k, v in model.state_dict().items()}
         other = seeded(10 + rank, lambda: torch.nn.Linear(2, 2))
         rrt.broadcast_parameters(other.named_parameters(), root_rank=0)
-        return sd, other.weight.detach().clone()
+        third = seeded(20 + rank, lambda: torch.nn.Linear(2, 3))
+        rrt.broadcast_parameters(list(third.parameters()), root_rank=1)  # Horovod's list form
+        return sd, other.weight.detach().clone(), third.bias.detach().clone()
 
-    (s0, w0), (s1, w1) = run(2, fn)
+    (s0, w0, b0), (s1, w1, b1) = run(2, fn)
     for k in s0:
         assert torch.equal(s0[k], s1[k]), k
     assert torch.equal(w0, w1)
+    assert torch.equal(b0, b1) and torch.equal(b0, seeded(21, lambda: torch.nn.Linear(2, 3)).bias)
     ref = seeded(1, lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)))
     assert torch.equal(s0["0.weight"], ref[0].weight.detach())
 

@@ -79,9 +79,12 @@ def _named_tensors(params: Params, what: str) -> list[tuple[str, torch.Tensor]]:
             items = list(params)
         except TypeError:
             items = None
+        if items and all(isinstance(i, torch.Tensor) for i in items):
+            items = [(str(i), t) for i, t in enumerate(items)]  # Horovod: by position
         if items is None or not all(isinstance(i, tuple) and len(i) == 2 for i in items):
-            raise InvalidInputError(f"{what}: expected a state_dict or an iterable of "
-                                    "(name, tensor) pairs such as model.named_parameters()")
+            raise InvalidInputError(f"{what}: expected a state_dict, an iterable of "
+                                    "(name, tensor) pairs such as model.named_parameters(), "
+                                    "or a list of tensors such as list(model.parameters())")
     seen: set = set()
     out = []
     for name, t in items:
@@ -106,8 +109,9 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
 
     Parameters
     ----------
-    params : dict or iterable of (str, torch.Tensor)
-        ``model.state_dict()`` (buffers included) or ``model.named_parameters()``.
+    params : dict, iterable of (str, torch.Tensor), or list of torch.Tensor
+        ``model.state_dict()`` (buffers included), ``model.named_parameters()``, or
+        ``list(model.parameters())`` (matched across ranks by position).
     root_rank : int
         Rank whose values win.
     """

@@ -287,6 +287,29 @@ def test_unnamed_calls_agree_again_after_an_uneven_join():
         c.close()
 
 
+def test_a_tensor_submitted_right_before_the_last_join_completes():
+    """Rank 1 has joined; rank 0 submits 'x' and joins at once (a wide batch window puts
+    both in one round). 'x' runs with rank 1's zeros before join() returns on any rank."""
+
+    def body(c):
+        if c.rank() == 1:
+            return c.join()
+        time.sleep(0.3)
+        h = c.allreduce_async(np.ones(4, np.float32), op=rr.Sum, name="x")
+        last = c.join()
+        deadline = time.monotonic() + 2
+        while not h.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return last, h.done() and h.wait().tolist()
+
+    w = world(2, RINGREDUCE_BATCH_US="100000", RINGREDUCE_BATCH_MAX_US="1000000")
+    try:
+        assert run_threaded(2, body, world=w, timeout=30) == [(0, [1.0] * 4), 0]
+    finally:
+        for c in w:
+            c.close()
+
+
 def test_join_neutral_elements_for_min_max_product():
     def body(c):
         if c.rank() == 1:

@@ -77,6 +77,20 @@ def test_join_counts_joined_ranks_as_ready_and_reports_the_last():
     assert neg.decide(0.0) == []
 
 
+def test_a_tensor_submitted_with_the_last_join_runs_before_the_join_completes():
+    """Rank 0 submits 'x' and then joins, in the round in which rank 1 (already joined)
+    makes everyone joined: 'x' must run (rank 1 contributing neutral elements) before
+    join-done, or its handle would never complete."""
+    neg = co.Negotiator(2)
+    neg.join(1)
+    neg.submit(0, t("x"), 0.0)
+    neg.join(0)
+    out = neg.decide(0.0)
+    assert [r["type"] for r in out] == ["exec", "join-done"]
+    assert out[0]["tensors"] == ["x"] and out[0]["contributors"] == 1
+    assert neg.pending == 0
+
+
 def test_join_rejects_collectives_that_need_every_rank():
     neg = co.Negotiator(2)
     neg.join(1)

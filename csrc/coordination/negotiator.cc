@@ -58,8 +58,10 @@ void Negotiator::join(int rank, double now) {
   last_joined_ = rank;
 }
 
+// A tensor some rank submitted just before its join() arrives in the round
+// in which the last rank joins: it is ready (the others contribute neutral
+// elements) and runs before the join completes, never left behind by it.
 bool Negotiator::ready(const Pending& p) const {
-  if (joined_count_ == opt_.size && p.count < opt_.size) return false;
   for (int r = 0; r < opt_.size; ++r)
     if (!joined_[r] && !p.submitted[r]) return false;
   return true;

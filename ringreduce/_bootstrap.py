@@ -26,16 +26,26 @@ Exchange = Callable[[bytes], list[bytes]]
 
 
 def host_id() -> str:
-    """Identity of this host: ranks with equal ids talk through shared memory."""
-    override = os.environ.get("RINGREDUCE_HOST_ID")
-    if override:
-        return override
+    """Identity of this host: ranks with equal ids talk through shared memory.
+
+    ``RINGREDUCE_HOST_ID``, or the hostname and boot id; either way followed by the PID
+    namespace, because shared-memory links tell that a local peer died from its pid, which
+    means nothing in another PID namespace (containers of one pod share hostname and boot
+    id): ranks in different namespaces count as different hosts and talk over TCP.
+    """
+    base = os.environ.get("RINGREDUCE_HOST_ID")
+    if not base:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = ""
+        base = f"{socket.gethostname()}/{boot}"
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        return base
+    return f"{base}/{namespace}"
 
 
 def launched_by_mpi() -> bool:

@@ -204,3 +204,78 @@ def test_numpy_train_example(tmp_path):
         assert int(data["epoch"]) == epochs + 2
     files = sorted(p.name for p in ckpt[2].iterdir())
     assert files == ["ckpt.npz"], f"checkpoint dir holds {files} after resuming"
+
+
+def test_a_small_dev_shm_is_an_error_not_a_crash():
+    """The shm links are reserved up front: in a /dev/shm too small for them (a container's
+    64 MiB default against many ranks), connecting raises naming /dev/shm, where touching
+    an unbacked tmpfs page used to kill the process with SIGBUS."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs unshare as root to mount a small /dev/shm")
+    code = "from ringreduce.testing import make_world; make_world(4)"
+    run = subprocess.run(
+        [unshare, "-m", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 77; exec "$0" -c "$1"',
+         sys.executable, code], capture_output=True, text=True, timeout=60)
+    if run.returncode == 77:
+        pytest.skip("cannot mount a tmpfs here")
+    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
+    assert "/dev/shm is too small" in run.stderr, run.stderr[-2000:]
+
+
+_PIDNS_RANK = """
+import numpy as np, ringreduce as rr
+rr.init()
+peer = 1 - rr.rank()
+print(f"rank {rr.rank()} to {peer}: {rr._comm().transport_to(peer)} "
+      f"sum {float(rr.allreduce(np.ones(2, np.float32), op=rr.Sum)[0])}", flush=True)
+rr.shutdown()
+"""
+
+
+def test_ranks_in_different_pid_namespaces_talk_over_tcp():
+    """Shared-memory links judge a local peer's death by its pid, meaningless across PID
+    namespaces (containers of one pod share hostname and boot id): such ranks must count
+    as different hosts. Rank 1 runs in a new PID namespace, with the same host id."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from procs import base_env, free_port
+
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs unshare as root for a PID namespace")
+    probe = subprocess.run([unshare, "-p", "-f", "--mount-proc", "true"], capture_output=True,
+                           timeout=30)
+    if probe.returncode != 0:
+        pytest.skip("cannot create a PID namespace here")
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = base_env({"RANK": r, "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port, "RINGREDUCE_HOST_ID": "one-pod"}, None)
+        cmd = [sys.executable, "-c", _PIDNS_RANK]
+        if r == 1:
+            cmd = [unshare, "-p", "-f", "--mount-proc", *cmd]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=60)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "rank 0 to 1: tcp sum 2.0" in outs[0] and "rank 1 to 0: tcp sum 2.0" in outs[1], outs

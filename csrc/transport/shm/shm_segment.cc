@@ -87,12 +87,18 @@ ShmSegment ShmSegment::create(const std::string& name, int rank, uint32_t nrings
   ShmSegment seg;
   seg.name_ = name;
   seg.owner_ = true;
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    int err = errno;
+  // Reserved up front (not ftruncate): a tmpfs page that cannot be backed
+  // would be a SIGBUS at first touch instead of this error.
+  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
     ::close(fd);
     shm_unlink(name.c_str());
-    throw_error(ErrorKind::kInternal, "rank ", rank, ": cannot size shared memory ", name, " to ",
-                bytes, " bytes (is /dev/shm large enough?): ", errno_string(err));
+    throw_error(ErrorKind::kInternal, "rank ", rank, ": cannot reserve ", bytes,
+                " bytes of shared memory for ", name,
+                " (the links to this rank): ", errno_string(err),
+                err == ENOSPC ? " (/dev/shm is too small: every rank on the host needs this "
+                                "much; df -h /dev/shm, or RINGREDUCE_SHM_SLOTS / "
+                                "RINGREDUCE_SHM_SLOT_BYTES to need less)"
+                              : "");
   }
   seg.base_ = shm_map(fd, bytes, name);
   seg.bytes_ = bytes;

@@ -105,6 +105,23 @@ def test_allreduce_average_scaling_and_op_spellings():
         assert got[-1].dtype == torch.float32
 
 
+def test_a_failed_handle_raises_on_every_wait():
+    """Like the numpy-level handle: a second synchronize() of a failed collective raises
+    again (it returned None), and poll() says it is done."""
+
+    def fn(rank):
+        h = rrt.allreduce_async(torch.ones(2 + rank), name="mismatch")
+        errors = []
+        for _ in range(2):
+            try:
+                rrt.synchronize(h)
+            except rr.MismatchError as err:
+                errors.append(type(err).__name__)
+        return errors, rrt.poll(h)
+
+    assert run(2, fn) == [(["MismatchError"] * 2, True)] * 2
+
+
 def test_bad_arguments_are_clear():
     rrt.init()
     try:

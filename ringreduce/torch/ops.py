@@ -53,11 +53,11 @@ class Handle:
         return not self._pending or self._inner.done()
 
     def wait(self) -> Any:
-        """Block until complete and return the result; raises the collective's error."""
+        """Block until complete and return the result; raises the collective's error
+        (again on every later call, as the numpy-level handle does)."""
         if self._pending:
-            self._pending = False
-            self._result = self._finish(self._inner.wait())
-            self._finish = None
+            result = self._finish(self._inner.wait())  # raises; then _pending stays
+            self._pending, self._result, self._finish = False, result, None
         return self._result
 
 

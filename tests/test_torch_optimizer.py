@@ -665,6 +665,30 @@ def test_changing_gradients_in_flight_is_refused(order):
         assert torch.equal(out[0], out[1])
 
 
+def test_a_parameter_unfrozen_after_wrapping_is_averaged():
+    """Gradual unfreezing: fc1 is frozen when the optimizer is wrapped, then unfrozen; from
+    then on its gradient is averaged like the others (the ranks see different data)."""
+
+    def fn(rank):
+        model = make_net()
+        model.fc1.weight.requires_grad_(False)
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        x = torch.full((1, 6), float(rank + 1), dtype=torch.float64)
+        for unfreeze in (False, True, False):
+            if unfreeze:
+                model.fc1.weight.requires_grad_(True)
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    a, b = run(2, fn)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not torch.equal(a["fc1.weight"], make_net().fc1.weight)
+
+
 def test_rewrapping_leaves_one_hook_per_parameter():
     """Each newer optimizer replaces the older one's hook (they must not pile up)."""
 

@@ -167,6 +167,7 @@ class _DistributedMixin:
         self._rr_synchronized = False
         self._rr_should_sync = True
         self._rr_original: Callable[[], Any] = lambda: None
+        self._rr_frozen: dict = {}  # parameter -> name, for those without requires_grad
         self._rr_register(named)
         agree("DistributedOptimizer", [(s.name, (tuple(s.param.shape), str(s.param.dtype)))
                                        for s in self._rr_order], " on the parameters")
@@ -174,8 +175,12 @@ class _DistributedMixin:
     def _rr_register(self, named: dict) -> None:
         ref = self._rr_ref
         for p, name in named.items():
-            if p in self._rr_slots or not p.requires_grad:
+            if p in self._rr_slots:
                 continue
+            if not p.requires_grad:  # frozen: registered if it is unfrozen later
+                self._rr_frozen[p] = name
+                continue
+            self._rr_frozen.pop(p, None)
             slot = self._rr_slots[p] = _Slot(p, self._rr_prefix + name, self._rr_passes)
             self._rr_order.append(slot)
             sref = weakref.ref(slot)
@@ -256,6 +261,10 @@ class _DistributedMixin:
         (inside ``skip_synchronize()`` for Horovod compatibility; a ``step()``
         right after ``synchronize()`` does not communicate again anyway).
         """
+        if self._rr_frozen and any(p.requires_grad for p in self._rr_frozen):
+            # Unfrozen since (fine-tuning): reduced from now on. This step's gradient
+            # came without a hook; the presence count below sends it.
+            self._rr_register(dict(self._rr_frozen))
         slots = [s for s in self._rr_order if _owner(s.param) is self._rr_ref]
         try:
             if self._rr_partial:  # partially accumulated (< k passes): send what there is

@@ -91,6 +91,15 @@ def test_a_tensor_submitted_with_the_last_join_runs_before_the_join_completes():
     assert neg.pending == 0
 
 
+def test_a_stall_report_does_not_count_joined_ranks_as_missing():
+    neg = co.Negotiator(3, stall_check=1.0)
+    neg.join(2)
+    neg.submit(0, t("x"), 0.0)
+    (w,) = neg.decide(2.0)
+    assert w["type"] == "stall-warning", w
+    assert "submitted by rank 0, missing on rank 1," in w["message"], w["message"]
+
+
 def test_join_rejects_collectives_that_need_every_rank():
     neg = co.Negotiator(2)
     neg.join(1)

@@ -158,8 +158,9 @@ std::vector<Response> Negotiator::decide(double now) {
 }
 
 std::string Negotiator::missing_ranks(const Pending& p) const {
-  std::vector<int> have, miss;
-  for (int r = 0; r < opt_.size; ++r) (p.submitted[r] ? have : miss).push_back(r);
+  std::vector<int> have, miss;  // a joined rank is not missing: it will contribute zeros
+  for (int r = 0; r < opt_.size; ++r)
+    if (p.submitted[r] || !joined_[r]) (p.submitted[r] ? have : miss).push_back(r);
   return cat("submitted by ", rank_list(have), ", missing on ", rank_list(miss));
 }
 

@@ -279,3 +279,34 @@ def test_ranks_in_different_pid_namespaces_talk_over_tcp():
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "rank 0 to 1: tcp sum 2.0" in outs[0] and "rank 1 to 0: tcp sum 2.0" in outs[1], outs
+
+
+_KEEPALIVE = """
+import os, subprocess, time
+from ringreduce.testing import make_world
+w = make_world(2, ["host-a", "host-b"])
+assert w[0].transport_to(1) == "tcp"
+time.sleep(1.0)  # idle: the keepalive timer is the one armed
+out = subprocess.run(["ss", "-tnpo", "state", "established"], capture_output=True,
+                     text=True).stdout
+print("\\n".join(l for l in out.splitlines() if f"pid={os.getpid()}," in l))
+for c in w:
+    c.close()
+"""
+
+
+def test_tcp_links_probe_an_idle_peer():
+    """A host that vanishes without a FIN is found by keepalive probes on every link (the
+    idle liveness check alone would see 'no data' forever)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2)")
+    run = subprocess.run([sys.executable, "-c", _KEEPALIVE], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = [x for x in run.stdout.splitlines() if x.strip()]
+    assert len(lines) >= 2, run.stdout
+    assert all("keepalive" in x for x in lines), run.stdout

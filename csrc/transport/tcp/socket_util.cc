@@ -148,6 +148,15 @@ void set_nonblocking(int fd) {
 void tune_data_socket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A host that vanishes without closing its sockets (power loss, a cut
+  // link) sends no FIN: keepalive probes of an idle connection find out in
+  // about 10 s (5 s idle, then 5 unanswered probes a second apart), where the
+  // idle liveness check (a peek) would see "no data" forever.
+  int idle = 5, interval = 1, count = 5;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
   int buf = 4 << 20;
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));

@@ -310,3 +310,43 @@ def test_tcp_links_probe_an_idle_peer():
     lines = [x for x in run.stdout.splitlines() if x.strip()]
     assert len(lines) >= 2, run.stdout
     assert all("keepalive" in x for x in lines), run.stdout
+
+
+_BLACKHOLE = """
+import os, socket, time
+os.environ["RINGREDUCE_CONNECT_TIMEOUT_SECONDS"] = "2"
+from ringreduce import _core
+lst = socket.socket()
+lst.bind(("127.0.0.1", 0))
+lst.listen(0)
+port = lst.getsockname()[1]
+fill = []
+for _ in range(4):  # fill the accept queue: later SYNs are dropped, as by a firewall
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+        s.connect(("127.0.0.1", port))
+    except BlockingIOError:
+        pass
+    fill.append(s)
+time.sleep(0.2)
+ctx = _core.Context(1, 2, b"s" * 32, "host-b")
+rank0 = f"rank=0\\npid=1\\nhost=host-a\\naddr=127.0.0.1\\nport={port}\\n"
+t0 = time.monotonic()
+try:
+    ctx.connect([rank0, ctx.local_info().decode()])
+    print("connected")
+except Exception as e:
+    print(type(e).__name__, f"after {time.monotonic() - t0:.1f} s: {e}")
+"""
+
+
+def test_connecting_to_a_peer_that_drops_syns_keeps_the_deadline():
+    """A peer address that never answers (SYNs dropped) fails after
+    RINGREDUCE_CONNECT_TIMEOUT_SECONDS, not after the kernel's minutes of SYN retries."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _BLACKHOLE], capture_output=True, text=True,
+                         timeout=60)
+    assert "RingReduceTimeoutError after 2." in run.stdout, (run.stdout, run.stderr[-1000:])

@@ -93,12 +93,32 @@ Fd accept_until(int listen_fd, Deadline deadline, std::string* peer_addr) {
   }
 }
 
+// One attempt, bounded by the deadline: a blocking connect() to an address
+// that drops SYNs would wait for the kernel's own timeout (minutes). Returns
+// 0 with `fd` connected (and blocking again), or the error.
+static int connect_once(int fd, const sockaddr_in& addr, Deadline deadline) {
+  const int flags = fcntl(fd, F_GETFL);
+  fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int err = 0;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) err = errno;
+  if (err == EINPROGRESS) {
+    pollfd pf{fd, POLLOUT, 0};
+    socklen_t len = sizeof(err);
+    if (poll(&pf, 1, ms_left(deadline)) <= 0)
+      err = ETIMEDOUT;
+    else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
+      err = errno;
+  }
+  fcntl(fd, F_SETFL, flags);
+  return err;
+}
+
 Fd connect_until(const std::string& host, int port, Deadline deadline) {
   sockaddr_in addr = resolve(host, port);
   while (true) {
     Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) return fd;
-    int err = errno;
+    const int err = connect_once(fd.get(), addr, deadline);
+    if (err == 0) return fd;
     if (Clock::now() > deadline)
       throw_error(ErrorKind::kTimeout, "cannot connect to ", host, ":", port, ": ",
                   errno_string(err));

@@ -310,6 +310,16 @@ def test_a_tensor_submitted_right_before_the_last_join_completes():
             c.close()
 
 
+def test_a_tensor_named_join_does_not_block_join():
+    def body(c):
+        h = c.allreduce_async(np.ones(3, np.float32), op=rr.Sum, name="join")
+        last = c.join()
+        return last, h.wait().tolist()
+
+    out = run_threaded(2, body, timeout=30)
+    assert [o[1] for o in out] == [[2.0] * 3] * 2 and out[0][0] == out[1][0]
+
+
 def test_join_neutral_elements_for_min_max_product():
     def body(c):
         if c.rank() == 1:

@@ -137,6 +137,7 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   const bool group = entries.size() > 1;
   for (const Entry& e : entries) {
     const std::string& n = e.meta.name;
+    if (e.join) continue;  // named "join", but not a tensor: a user's "join" may be in flight
     if (!n.empty() && (in_flight_.count(n) || (group && !batch.insert(n).second)))
       throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(e.meta.kind), " '",
                   n, "': a tensor of this name is already in flight on this rank; synchronize() ",

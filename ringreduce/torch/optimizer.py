@@ -41,6 +41,7 @@ from .sparse import SparseAllreduce
 __all__ = ["DistributedOptimizer"]
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Communicator -> count
+_CLASSES: dict = {}
 # id(parameter) -> (weak reference to the newest DistributedOptimizer over it, which alone
 # reduces its gradient; that optimizer's hook on it). Not an attribute of the parameter,
 # which torch.save would then try to pickle; keyed by id, so the per-gradient lookup hashes
@@ -52,7 +53,6 @@ def _owner(p: torch.Tensor) -> Any:
     """The weak reference to the DistributedOptimizer that reduces ``p``'s gradient."""
     entry = _OWNERS.get(id(p))
     return None if entry is None else entry[0]
-_CLASSES: dict = {}
 
 
 class _Slot:

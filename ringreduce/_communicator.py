@@ -68,6 +68,15 @@ def check_scales(prescale: Any, postscale: Any, op: str,
                             f"{reprlib.repr(postscale)}")
 
 
+def _oldest_done(q: deque) -> bool:
+    """Whether the oldest handle kept alive is done (False if another thread's
+    release_done() emptied the deque meanwhile: appends take no lock)."""
+    try:
+        return q[0].done()
+    except IndexError:
+        return False
+
+
 class Handle:
     """A collective in flight. Pass it to ``synchronize()`` or ``poll()``.
 
@@ -116,8 +125,8 @@ class Communicator:
         self._lock = threading.Lock()
         self._in_flight: deque[Handle] = deque()  # keeps buffers alive until complete
         self._prune_at = 64
-        self._groups = 0  # unnamed grouped calls in this join epoch
-        self._join_epoch = 0  # completed join()s: ranks' counts agree again after one
+        self._groups = 0  # unnamed grouped calls in the join epoch _groups_epoch
+        self._groups_epoch = 0
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -179,7 +188,7 @@ class Communicator:
         # length cap bounds how often such a queue is rescanned.
         q = self._in_flight
         q.append(h)
-        if q[0].done() or len(q) >= self._prune_at:
+        if len(q) >= self._prune_at or _oldest_done(q):
             self.release_done()
 
     def release_done(self) -> None:
@@ -210,7 +219,7 @@ class Communicator:
         if h is not None:  # _keep_alive, inlined: one Python frame less per gradient
             q = self._in_flight
             q.append(h)
-            if q[0].done() or len(q) >= self._prune_at:
+            if len(q) >= self._prune_at or _oldest_done(q):
                 self.release_done()
             return h
         arr = for_writing(x, "allreduce_", name)
@@ -298,8 +307,13 @@ class Communicator:
         """The group's name: ``name``, or the next deterministic one (hold ``_lock``)."""
         if name is not None:
             return name
-        epoch = f"{self._join_epoch}." if self._join_epoch else ""
-        return f"grouped_allreduce.noname.{epoch}{self._groups}"
+        # The engine's count of completed join()s, not one kept here: a join()
+        # interrupted by Ctrl-C still completes in the engine, as on the peers.
+        epoch = self._engine.join_epoch()
+        if epoch != self._groups_epoch:
+            self._groups_epoch, self._groups = epoch, 0
+        prefix = f"{epoch}." if epoch else ""
+        return f"grouped_allreduce.noname.{prefix}{self._groups}"
 
     def _submit_group(self, srcs: list, outs: list, op: int, name: Optional[str],
                       prescale: float, postscale: float) -> Any:
@@ -460,9 +474,6 @@ class Communicator:
         """
         core = self._engine.join()
         core.wait()
-        with self._lock:  # as the engine does for its unnamed calls
-            self._join_epoch += 1
-            self._groups = 0
         return core.join_result
 
     @staticmethod

@@ -320,6 +320,46 @@ def test_a_tensor_named_join_does_not_block_join():
     assert [o[1] for o in out] == [[2.0] * 3] * 2 and out[0][0] == out[1][0]
 
 
+def test_keep_alive_bookkeeping_is_safe_across_threads():
+    """Threads submitting while others release finished handles (rr.synchronize, blocking
+    calls do): a submit must never fail because another thread emptied the queue."""
+    import sys
+
+    (c,) = make_world(1)
+    errors, stop = [], threading.Event()
+
+    def submitter(k):
+        x = np.ones(4, np.float32)
+        try:
+            for _ in range(8000):
+                h = c.allreduce_async_(x, name=f"t{k}")
+                while not h.done():
+                    pass
+        except Exception as err:  # noqa: BLE001 - collected for the assertion
+            errors.append(repr(err))
+
+    def releaser():
+        while not stop.is_set():
+            c.release_done()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads as finely as possible
+    submitters = [threading.Thread(target=submitter, args=(k,)) for k in range(2)]
+    releasers = [threading.Thread(target=releaser) for _ in range(2)]
+    try:
+        for t in submitters + releasers:
+            t.start()
+        for t in submitters:
+            t.join(60)
+    finally:
+        stop.set()
+        for t in releasers:
+            t.join(10)
+        sys.setswitchinterval(old)
+        c.close()
+    assert errors == []
+
+
 def test_join_neutral_elements_for_min_max_product():
     def body(c):
         if c.rank() == 1:

@@ -247,3 +247,41 @@ def test_ctrl_c_interrupts_a_wait_for_a_peer_that_never_comes():
         line = next(x for x in run.stdout.splitlines() if x.startswith(form + " interrupted"))
         assert float(line.split()[-2]) < 2.0, run.stdout
         assert f"{form} result 2.0 2.0" in run.stdout, run.stdout
+
+
+_INTERRUPTED_JOIN = """
+import os, signal, threading, time
+import numpy as np
+from ringreduce.testing import make_world
+c0, c1 = make_world(2)
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+def rank1():
+    time.sleep(1.0)
+    c1.join()
+    print("rank 1 group", float(c1.grouped_allreduce_async([np.ones(2)]).wait()[0][0]),
+          flush=True)
+
+
+t = threading.Thread(target=rank1, daemon=True)
+t.start()
+try:
+    c0.join()
+except KeyboardInterrupt:
+    print("rank 0 interrupted in join", flush=True)
+time.sleep(1.5)  # rank 1's join completes the join in rank 0's engine too
+h = c0.grouped_allreduce_async([np.ones(2)])
+t.join(10)
+print("rank 0 group", float(h.wait()[0][0]) if h.done() else "stuck", flush=True)
+os._exit(0)
+"""
+
+
+def test_unnamed_groups_still_match_after_an_interrupted_join():
+    """A join() interrupted by Ctrl-C still completes in the engine when the others join;
+    the names of later unnamed groups must follow the engine's count of joins."""
+    run = subprocess.run([sys.executable, "-c", _INTERRUPTED_JOIN], capture_output=True,
+                         text=True, timeout=60)
+    assert "rank 0 interrupted in join" in run.stdout, (run.stdout, run.stderr[-1000:])
+    assert "rank 0 group 1.0" in run.stdout and "rank 1 group 1.0" in run.stdout, run.stdout

@@ -689,6 +689,46 @@ def test_a_parameter_unfrozen_after_wrapping_is_averaged():
     assert not torch.equal(a["fc1.weight"], make_net().fc1.weight)
 
 
+class _Tokens(torch.nn.Module):
+    """Parameters concatenated or stacked in forward (DeiT's class tokens, MoE experts):
+    autograd hands their gradients out as parts of one buffer, with one version counter."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a = torch.nn.Parameter(torch.arange(4.0).view(1, 4))
+        self.b = torch.nn.Parameter(torch.ones(1, 4))
+
+    def forward(self, x):
+        if self.how == "cat":
+            return (torch.cat([self.a, self.b, x]) ** 2).sum()
+        return (torch.stack([self.a, self.b]).sum(0) * x ** 2).sum()
+
+
+@pytest.mark.parametrize("how", ["cat", "stack"])
+@pytest.mark.parametrize("mode", ["fp16", "k2", "keep-grads"])
+def test_gradients_sharing_a_buffer_are_not_taken_for_changed_ones(how, mode):
+    """Their shared version counter moves when a sibling is accumulated or copied back;
+    that is no in-place change by the user, and the steps must run and agree."""
+
+    def fn(rank):
+        m = _Tokens(how)
+        kw = {"compression": rrt.Compression.fp16} if mode == "fp16" else {}
+        passes = 2 if mode == "k2" else 1
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                       named_parameters=m.named_parameters(),
+                                       backward_passes_per_step=passes, **kw)
+        for step in range(3):
+            opt.zero_grad(set_to_none=mode != "keep-grads")
+            for _ in range(passes):
+                m(torch.full((1, 4), float(rank + step))).backward()
+            opt.step()
+        return m.a.detach().clone(), m.b.detach().clone()
+
+    (a0, b0), (a1, b1) = run(2, fn)
+    assert torch.equal(a0, a1) and torch.equal(b0, b1)
+
+
 def test_rewrapping_leaves_one_hook_per_parameter():
     """Each newer optimizer replaces the older one's hook (they must not pile up)."""
 

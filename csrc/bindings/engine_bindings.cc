@@ -331,6 +331,7 @@ void bind_engine_class(py::module_& m) {
              return r ? py::cast(r) : py::none();
            })
       .def("join", &Engine::join, py::call_guard<py::gil_scoped_release>())
+      .def("join_epoch", &Engine::join_epoch)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }
 

@@ -196,6 +196,11 @@ std::shared_ptr<SharedRegion> Engine::create_shared(size_t bytes) {
   return ctx_->create_shared(bytes);
 }
 
+uint64_t Engine::join_epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return join_epoch_;
+}
+
 std::shared_ptr<HandleState> Engine::join() {
   Entry e;
   e.join = true;

@@ -72,6 +72,8 @@ class Engine {
   // Unnamed entries get "noname.<n>". Throws if the engine failed.
   std::shared_ptr<HandleState> submit(std::vector<Entry> entries);
   std::shared_ptr<HandleState> join();
+  // Completed join()s; changes before the completing join's handle resolves.
+  uint64_t join_epoch() const;
   // A buffer every rank maps (Context::create_shared), from the calling
   // thread; refused once the engine has failed or stopped.
   std::shared_ptr<SharedRegion> create_shared(size_t bytes);
@@ -123,7 +125,7 @@ class Engine {
 
   std::mutex shutdown_mu_;
   // Shared with submitting threads, under mu_.
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::deque<Entry> queue_;
   std::unordered_set<std::string> in_flight_;
   uint64_t noname_ = 0;

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -66,7 +67,7 @@ class _Slot:
     """
 
     __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx", "version",
-                 "__weakref__")
+                 "storage", "__weakref__")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param, self.name, self.label = param, name, f"gradient of {name!r}"
@@ -76,6 +77,7 @@ class _Slot:
         self.buf: Optional[torch.Tensor] = None  # None with a handle: sparse allreduce
         self.ctx: Any = None
         self.version = 0  # grad._version when its allreduce started
+        self.storage: tuple = (0, True)  # grad's storage: address, whether grad is all of it
 
 
 class _CachedClosure:
@@ -231,14 +233,18 @@ class _DistributedMixin:
                 buf = buf.contiguous()
             s.handle = self._rr_comm().allreduce_async_(to_numpy(buf, s.label), self._rr_op,
                                                         s.name, *self._rr_scale)
-            s.grad, s.buf, s.ctx, s.version = grad, buf, ctx, grad._version
+            s.grad, s.buf, s.ctx = grad, buf, ctx
+            storage = grad.untyped_storage()
+            s.version = grad._version
+            s.storage = (storage.data_ptr(),
+                         storage.nbytes() == grad.numel() * grad.element_size())
         self._rr_inflight.append(s)
 
-    def _rr_finish(self, s: _Slot) -> None:
+    def _rr_finish(self, s: _Slot, checked: bool) -> None:
         handle, grad, buf, ctx = s.handle, s.grad, s.buf, s.ctx
         s.handle = s.grad = s.buf = s.ctx = None
         result = handle.wait()
-        if buf is not None and grad._version != s.version:
+        if checked and buf is not None and grad._version != s.version:
             raise InvalidInputError(
                 f"DistributedOptimizer: the gradient of {s.name!r} was changed in place while "
                 "it was being averaged (clip_grad_norm_, GradScaler.unscale_ or another in-place "
@@ -306,11 +312,17 @@ class _DistributedMixin:
     def _rr_wait_all(self) -> None:
         first: Optional[BaseException] = None
         replaced = []
+        # A gradient sharing its storage (and so its version counter) with others, as
+        # autograd makes them for a torch.cat or torch.stack over parameters, changes
+        # version when they are accumulated or copied back: only the others are checked.
+        dense = [s.storage for s in self._rr_inflight if s.buf is not None]
+        shared = {a for a, whole in dense if not whole}
+        shared.update(a for a, n in Counter(a for a, _ in dense).items() if n > 1)
         try:
             for s in self._rr_inflight:
                 grad, buf = s.grad, s.buf
                 try:
-                    self._rr_finish(s)
+                    self._rr_finish(s, s.storage[0] not in shared)
                 except Exception as err:
                     first = first or err
                 if s.param.grad is not grad and buf is not None:

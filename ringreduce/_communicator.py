@@ -217,9 +217,12 @@ class Communicator:
         # its handle (a _core.ArrayHandle: wait() returns x) made there too.
         h = self._engine.allreduce_array(x, op, name, prescale_factor, postscale_factor)
         if h is not None:  # _keep_alive, inlined: one Python frame less per gradient
+            # Only the length cap here (a check of the oldest handle costs every
+            # gradient a call): DistributedOptimizer, rr.synchronize and the blocking
+            # calls release finished handles after their waits.
             q = self._in_flight
             q.append(h)
-            if len(q) >= self._prune_at or _oldest_done(q):
+            if len(q) >= self._prune_at:
                 self.release_done()
             return h
         arr = for_writing(x, "allreduce_", name)

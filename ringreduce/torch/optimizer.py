@@ -50,11 +50,6 @@ _CLASSES: dict = {}
 _OWNERS: dict = {}
 
 
-def _owner(p: torch.Tensor) -> Any:
-    """The weak reference to the DistributedOptimizer that reduces ``p``'s gradient."""
-    entry = _OWNERS.get(id(p))
-    return None if entry is None else entry[0]
-
 
 class _Slot:
     """One parameter's state: its name, the passes left before its allreduce starts,
@@ -67,7 +62,7 @@ class _Slot:
     """
 
     __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx", "version",
-                 "storage", "__weakref__")
+                 "__weakref__")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param, self.name, self.label = param, name, f"gradient of {name!r}"
@@ -77,7 +72,6 @@ class _Slot:
         self.buf: Optional[torch.Tensor] = None  # None with a handle: sparse allreduce
         self.ctx: Any = None
         self.version = 0  # grad._version when its allreduce started
-        self.storage: tuple = (0, True)  # grad's storage: address, whether grad is all of it
 
 
 class _CachedClosure:
@@ -145,6 +139,24 @@ def _zero_gradient(p: torch.Tensor, sparse_dims: int) -> torch.Tensor:
                                    p.shape, check_invariants=True)
 
 
+def _changed_in_place(inflight: list) -> set:
+    """The slots whose dense gradient was changed in place since its allreduce started.
+
+    A gradient that shares its storage, and so its version counter, with other gradients
+    (autograd hands them out so for a torch.cat or torch.stack over parameters) changes
+    version whenever any of them is accumulated into: those are not judged. Storages are
+    looked at only in the rare step where some version moved.
+    """
+    moved = [s for s in inflight if s.buf is not None and s.grad._version != s.version]
+    if not moved:
+        return set()
+    owners = Counter(s.grad.untyped_storage().data_ptr() for s in inflight
+                     if s.buf is not None)
+    return {s for s in moved
+            if owners[s.grad.untyped_storage().data_ptr()] == 1
+            and s.grad.untyped_storage().nbytes() == s.grad.nbytes}
+
+
 class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
 
@@ -188,8 +200,8 @@ class _DistributedMixin:
             sref = weakref.ref(slot)
 
             def hook(param: torch.Tensor, ref: Any = ref, sref: Any = sref) -> None:
-                opt, s = ref(), sref()
-                if opt is not None and s is not None and _owner(param) is ref:
+                opt, s, owner = ref(), sref(), _OWNERS.get(id(param))
+                if opt is not None and s is not None and owner is not None and owner[0] is ref:
                     opt._rr_hook(s)
 
             previous = _OWNERS.get(id(p))
@@ -233,18 +245,14 @@ class _DistributedMixin:
                 buf = buf.contiguous()
             s.handle = self._rr_comm().allreduce_async_(to_numpy(buf, s.label), self._rr_op,
                                                         s.name, *self._rr_scale)
-            s.grad, s.buf, s.ctx = grad, buf, ctx
-            storage = grad.untyped_storage()
-            s.version = grad._version
-            s.storage = (storage.data_ptr(),
-                         storage.nbytes() == grad.numel() * grad.element_size())
+            s.grad, s.buf, s.ctx, s.version = grad, buf, ctx, grad._version
         self._rr_inflight.append(s)
 
-    def _rr_finish(self, s: _Slot, checked: bool) -> None:
+    def _rr_finish(self, s: _Slot, changed: bool) -> None:
         handle, grad, buf, ctx = s.handle, s.grad, s.buf, s.ctx
         s.handle = s.grad = s.buf = s.ctx = None
         result = handle.wait()
-        if checked and buf is not None and grad._version != s.version:
+        if changed:
             raise InvalidInputError(
                 f"DistributedOptimizer: the gradient of {s.name!r} was changed in place while "
                 "it was being averaged (clip_grad_norm_, GradScaler.unscale_ or another in-place "
@@ -271,7 +279,9 @@ class _DistributedMixin:
             # Unfrozen since (fine-tuning): reduced from now on. This step's gradient
             # came without a hook; the presence count below sends it.
             self._rr_register(dict(self._rr_frozen))
-        slots = [s for s in self._rr_order if _owner(s.param) is self._rr_ref]
+        ref, owners = self._rr_ref, _OWNERS
+        slots = [s for s in self._rr_order
+                 if (owners.get(id(s.param)) or (None,))[0] is ref]
         try:
             if self._rr_partial:  # partially accumulated (< k passes): send what there is
                 for s in slots:
@@ -312,17 +322,12 @@ class _DistributedMixin:
     def _rr_wait_all(self) -> None:
         first: Optional[BaseException] = None
         replaced = []
-        # A gradient sharing its storage (and so its version counter) with others, as
-        # autograd makes them for a torch.cat or torch.stack over parameters, changes
-        # version when they are accumulated or copied back: only the others are checked.
-        dense = [s.storage for s in self._rr_inflight if s.buf is not None]
-        shared = {a for a, whole in dense if not whole}
-        shared.update(a for a, n in Counter(a for a, _ in dense).items() if n > 1)
+        changed = _changed_in_place(self._rr_inflight)  # before any result is copied back
         try:
             for s in self._rr_inflight:
                 grad, buf = s.grad, s.buf
                 try:
-                    self._rr_finish(s, s.storage[0] not in shared)
+                    self._rr_finish(s, s in changed)
                 except Exception as err:
                     first = first or err
                 if s.param.grad is not grad and buf is not None:

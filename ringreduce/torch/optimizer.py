@@ -50,7 +50,6 @@ _CLASSES: dict = {}
 _OWNERS: dict = {}
 
 
-
 class _Slot:
     """One parameter's state: its name, the passes left before its allreduce starts,
     and that allreduce while it is in flight (``handle is None`` when nothing is).
@@ -322,8 +321,8 @@ class _DistributedMixin:
     def _rr_wait_all(self) -> None:
         first: Optional[BaseException] = None
         replaced = []
-        changed = _changed_in_place(self._rr_inflight)  # before any result is copied back
         try:
+            changed = _changed_in_place(self._rr_inflight)  # before results are copied back
             for s in self._rr_inflight:
                 grad, buf = s.grad, s.buf
                 try:

@@ -44,9 +44,7 @@ void* create_own(const std::string& name, int rank, size_t bytes) {
   if (fd < 0)
     throw_error(ErrorKind::kInternal, "rank ", rank, ": cannot create shared memory ", name, ": ",
                 errno_string(errno));
-  // Reserved up front: a tmpfs page that cannot be backed later would be a
-  // SIGBUS at first touch instead of an error here.
-  const int err = posix_fallocate(fd, 0, static_cast<off_t>(kHeaderBytes + bytes));
+  const int err = reserve_shm(fd, kHeaderBytes + bytes);
   if (err != 0) {
     ::close(fd);
     shm_unlink(name.c_str());

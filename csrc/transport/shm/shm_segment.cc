@@ -87,9 +87,7 @@ ShmSegment ShmSegment::create(const std::string& name, int rank, uint32_t nrings
   ShmSegment seg;
   seg.name_ = name;
   seg.owner_ = true;
-  // Reserved up front (not ftruncate): a tmpfs page that cannot be backed
-  // would be a SIGBUS at first touch instead of this error.
-  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+  if (const int err = reserve_shm(fd, bytes); err != 0) {
     ::close(fd);
     shm_unlink(name.c_str());
     throw_error(ErrorKind::kInternal, "rank ", rank, ": cannot reserve ", bytes,
@@ -197,6 +195,14 @@ std::string ShmSegment::closed_reason() const {
   const SegmentHeader* h = header();
   if (!h || !h->closed.load()) return "";
   return std::string(h->closed_reason, strnlen(h->closed_reason, sizeof(h->closed_reason)));
+}
+
+int reserve_shm(int fd, size_t bytes) {
+  int err;
+  do {
+    err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  } while (err == EINTR);
+  return err;
 }
 
 bool process_alive(int pid) {

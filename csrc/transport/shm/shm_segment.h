@@ -82,6 +82,12 @@ class ShmSegment {
 // True if process `pid` exists and is not a zombie.
 bool process_alive(int pid);
 
+// posix_fallocate of a shm file's first `bytes`, retried when a signal
+// interrupts it (tmpfs checks for them): 0 or the error number. Reserving up
+// front turns a /dev/shm too small into this error instead of a SIGBUS at the
+// first touch of a page that cannot be backed.
+int reserve_shm(int fd, size_t bytes);
+
 // Maps `bytes` of the shm object open on `fd` (pre-faulted) and closes `fd`.
 void* shm_map(int fd, size_t bytes, const std::string& name);
 // Opens a peer's shm object `name`, retrying until it exists and is sized

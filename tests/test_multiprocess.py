@@ -6,7 +6,11 @@ The workers in tests/workers/ check their own results and log ``OK rank r``.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Optional
 
@@ -16,6 +20,8 @@ from procs import (
     MPIRUN,
     ROOT,
     Job,
+    base_env,
+    free_port,
     pid_alive,
     require_mpirun,
     run_env_launch,
@@ -210,11 +216,6 @@ def test_a_small_dev_shm_is_an_error_not_a_crash():
     """The shm links are reserved up front: in a /dev/shm too small for them (a container's
     64 MiB default against many ranks), connecting raises naming /dev/shm, where touching
     an unbacked tmpfs page used to kill the process with SIGBUS."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs unshare as root to mount a small /dev/shm")
@@ -243,13 +244,6 @@ def test_ranks_in_different_pid_namespaces_talk_over_tcp():
     """Shared-memory links judge a local peer's death by its pid, meaningless across PID
     namespaces (containers of one pod share hostname and boot id): such ranks must count
     as different hosts. Rank 1 runs in a new PID namespace, with the same host id."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    from procs import base_env, free_port
-
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs unshare as root for a PID namespace")
@@ -298,10 +292,6 @@ for c in w:
 def test_tcp_links_probe_an_idle_peer():
     """A host that vanishes without a FIN is found by keepalive probes on every link (the
     idle liveness check alone would see 'no data' forever)."""
-    import shutil
-    import subprocess
-    import sys
-
     if shutil.which("ss") is None:
         pytest.skip("needs ss (iproute2)")
     run = subprocess.run([sys.executable, "-c", _KEEPALIVE], capture_output=True, text=True,
@@ -344,9 +334,6 @@ except Exception as e:
 def test_connecting_to_a_peer_that_drops_syns_keeps_the_deadline():
     """A peer address that never answers (SYNs dropped) fails after
     RINGREDUCE_CONNECT_TIMEOUT_SECONDS, not after the kernel's minutes of SYN retries."""
-    import subprocess
-    import sys
-
     run = subprocess.run([sys.executable, "-c", _BLACKHOLE], capture_output=True, text=True,
                          timeout=60)
     assert "RingReduceTimeoutError after 2." in run.stdout, (run.stdout, run.stderr[-1000:])

@@ -86,6 +86,13 @@ def make_net(seed=0):
     return seeded(seed, lambda: Net().double())
 
 
+def wrapped_net():
+    """make_net() and a DistributedOptimizer over SGD(lr=0.1) holding its parameters."""
+    model = make_net()
+    return model, rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters())
+
+
 def data(steps, batch, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 6, generator=g, dtype=torch.float64),
@@ -189,9 +196,7 @@ def test_gradient_accumulation_matches_big_batch():
 
 def test_too_many_backward_passes_is_reported():
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         x = torch.ones(2, 6, dtype=torch.float64)
         model(x).sum().backward()
         with pytest.raises(rr.InvalidInputError, match="more than backward_passes_per_step"):
@@ -264,9 +269,7 @@ def test_parameter_used_on_some_ranks_only():
     needs_engine()
 
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         x = torch.full((2, 6), 1.0, dtype=torch.float64)
         out = model(x).sum() if rank == 0 else model.fc1(x).sum()
         out.backward()
@@ -282,9 +285,7 @@ def test_parameter_used_on_some_ranks_only():
 
 def test_zero_grad_between_backward_and_step_is_reported():
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         model(torch.ones(2, 6, dtype=torch.float64)).sum().backward()
         with pytest.raises(rr.InvalidInputError, match="zero_grad.*before step") as info:
             opt.zero_grad()
@@ -298,9 +299,7 @@ def test_zero_grad_between_backward_and_step_is_reported():
 
 def test_model_zero_grad_between_backward_and_step_is_reported():
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         model(torch.ones(2, 6, dtype=torch.float64)).sum().backward()
         model.zero_grad()
         with pytest.raises(rr.InvalidInputError, match="replaced or set to None"):
@@ -645,9 +644,7 @@ def test_changing_gradients_in_flight_is_refused(order):
     after synchronize() it is the documented recipe and works."""
 
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         model(torch.full((1, 6), float(rank + 1), dtype=torch.float64)).sum().backward()
         if order == "clip, then step":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
@@ -750,9 +747,7 @@ def test_a_wrapped_model_can_still_be_saved_whole():
     import pickle
 
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         model(torch.ones(1, 6, dtype=torch.float64)).sum().backward()
         opt.step()
         buf = io.BytesIO()
@@ -974,9 +969,7 @@ def test_a_dropped_model_and_optimizer_are_freed():
     import weakref
 
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         model(torch.ones(1, 6, dtype=torch.float64)).sum().backward()
         opt.step()
         refs = [weakref.ref(model.fc1.weight), weakref.ref(opt)]
@@ -994,9 +987,7 @@ def test_a_step_keeps_no_gradient_alive():
     import weakref
 
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         model(torch.ones(1, 6, dtype=torch.float64)).sum().backward()
         opt.step()
         # The storages: the numpy views the allreduces ran on share them, not the tensors.
@@ -1043,9 +1034,7 @@ def test_an_interrupted_step_leaves_the_optimizer_usable(where):
     hooks submitted every gradient): the next steps run normally."""
 
     def fn(rank):
-        model = make_net()
-        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        model, opt = wrapped_net()
         x = torch.full((1, 6), float(rank + 1), dtype=torch.float64)
         model(x).sum().backward()
         where(opt)

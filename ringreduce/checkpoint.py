@@ -9,18 +9,21 @@ either the previous checkpoint or the new one, never a torn file::
 
     atomic_write("ckpt.npz", lambda f: np.savez(f, w=w))
 
-Framework helpers (``ringreduce.torch.save_checkpoint``) add the rank-0-only
-policy and the load-on-rank-0-then-broadcast side on top of this.
+The rank-0 policy is here too, for every framework layer: ``save_on_root`` writes on
+one rank only, ``load_on_root`` reads on one rank and broadcasts what it read (or
+its reason for failing) to every rank. ``ringreduce.torch``, ``ringreduce.tensorflow``
+and ``ringreduce.keras`` plug their file formats into them.
 """
 
 from __future__ import annotations
 
 import os
-from typing import IO, Callable
+from typing import IO, Any, Callable, Optional
 
 from .exceptions import RingReduceError
 
-__all__ = ["CheckpointError", "atomic_write", "fsync_dir", "remove_stale_temp_files"]
+__all__ = ["CheckpointError", "atomic_write", "fsync_dir", "load_on_root",
+           "remove_stale_temp_files", "save_on_root"]
 
 
 class CheckpointError(RingReduceError):
@@ -140,3 +143,77 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
             raise CheckpointError(f"cannot write checkpoint {path!r}: {err}") from err
         raise
     fsync_dir(directory)
+
+
+def save_on_root(comm: Any, path: str, root_rank: int, write: Callable[[IO[bytes]], None]) -> bool:
+    """Write ``path`` atomically on ``root_rank`` only; other ranks return False at once.
+
+    Not collective.
+
+    Parameters
+    ----------
+    comm : Communicator
+        Tells this rank.
+    path : str
+        Target file.
+    root_rank : int
+        The rank that writes.
+    write : callable
+        ``write(f)`` writes the content to a binary file object.
+
+    Returns
+    -------
+    bool
+        True on the rank that wrote the file.
+    """
+    if comm.rank() != root_rank:
+        return False
+    atomic_write(path, write)
+    return True
+
+
+def load_on_root(comm: Any, path: str, root_rank: int, read: Callable[[str], Any],
+                 missing_ok: bool = False) -> Optional[Any]:
+    """Read ``path`` on ``root_rank`` with ``read(path)`` and return what it read on every rank.
+
+    Collective. Only the root opens the file; the others need not see it. Any
+    failure of ``read`` (its exception's message; a ``CheckpointError``'s message as
+    it is) reaches every rank as the same ``CheckpointError``.
+
+    Parameters
+    ----------
+    comm : Communicator
+        The ranks.
+    path : str
+        The checkpoint file.
+    root_rank : int
+        The rank that reads.
+    read : callable
+        ``read(path)`` returns the (picklable) contents or raises.
+    missing_ok : bool
+        Return None on every rank if the file does not exist.
+
+    Raises
+    ------
+    CheckpointError
+        On every rank alike, if the file is missing or ``read`` failed.
+    """
+    error, missing, data = None, False, None
+    if comm.rank() == root_rank:
+        if not os.path.exists(path):
+            error, missing = f"no checkpoint at {path!r}", True
+        else:
+            try:
+                data = read(path)
+            except CheckpointError as err:  # the reader's own words
+                error = str(err)
+            except Exception as err:  # any failure must reach every rank
+                error = f"cannot read checkpoint {path!r}: {type(err).__name__}: {err}"
+    error, missing, data = comm.broadcast_object((error, missing, data), root_rank,
+                                                 name="load_checkpoint")
+    if missing and missing_ok:
+        return None
+    if error is not None:
+        raise CheckpointError(f"load_checkpoint on rank {comm.rank()}: rank {root_rank} "
+                              f"reports: {error}")
+    return data

@@ -7,11 +7,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ringreduce.exceptions import InvalidInputError, RingReduceError
+from ringreduce._state import agree as _agree
+from ringreduce._state import collect_slots, join_skeleton, split_skeleton, wait_all
+from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import comm
 from .movement import broadcast_async_
-from .ops import Handle
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
            "broadcast_parameters"]
@@ -29,46 +30,9 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> list:
     return comm().allgather_object(obj, name)
 
 
-def wait_all(handles: Iterable[Handle]) -> list:
-    """Synchronize every handle (even after one failed), then raise the first error."""
-    results, first = [], None
-    for h in handles:
-        try:
-            results.append(h.wait())
-        except RingReduceError as err:
-            first = first or err
-            results.append(None)
-    if first is not None:
-        raise first
-    return results
-
-
 def agree(what: str, signature: Any, describe: str = "") -> None:
-    """Raise the same InvalidInputError on every rank unless ``signature`` is equal everywhere.
-
-    Collective. ``signature`` is a picklable summary (e.g. names, shapes, dtypes).
-    """
-    everyone = comm().allgather_object(signature, name=f"{what}.signature")
-    if all(s == everyone[0] for s in everyone):
-        return
-    lines = []
-    for r, s in enumerate(everyone):
-        if s != everyone[0]:
-            lines.append(f"rank {r} has {_diff(everyone[0], s)} compared to rank 0")
-    raise InvalidInputError(f"{what}: ranks disagree{describe}: " + "; ".join(lines) +
-                            ". Every rank must build the same model and optimizer.")
-
-
-def _diff(a: Any, b: Any) -> str:
-    if isinstance(a, list) and isinstance(b, list):
-        da, db = dict(a), dict(b)
-        extra = sorted(set(db) - set(da))[:5]
-        missing = sorted(set(da) - set(db))[:5]
-        changed = sorted(k for k in set(da) & set(db) if da[k] != db[k])[:5]
-        parts = [f"extra {extra}" if extra else "", f"missing {missing}" if missing else "",
-                 ", ".join(f"{k!r}: {db[k]} instead of {da[k]}" for k in changed)]
-        return "; ".join(p for p in parts if p) or "a different order"
-    return f"{b!r} instead of {a!r}"
+    """``ringreduce._state.agree`` on the current communicator (collective)."""
+    _agree(comm(), what, signature, describe)
 
 
 def _named_tensors(params: Params, what: str) -> list[tuple[str, torch.Tensor]]:
@@ -130,41 +94,8 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
         wait_all(handles)
 
 
-class _Slot:
-    """Stands for the i-th tensor of an optimizer state_dict while its skeleton is pickled."""
-
-    __slots__ = ("index", "shape", "dtype")
-
-    def __init__(self, index: int, shape: tuple, dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-    def __getstate__(self) -> tuple:
-        return self.index, self.shape, self.dtype
-
-    def __setstate__(self, state: tuple) -> None:
-        self.index, self.shape, self.dtype = state
-
-
-def _split(obj: Any, tensors: list) -> Any:
-    """Replace tensors in ``obj`` (dicts, lists, tuples) by _Slots, collecting them."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return {k: _split(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_split(v, tensors) for v in obj)
-    return obj
-
-
-def _join(obj: Any, tensors: list) -> Any:
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _join(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_join(v, tensors) for v in obj)
-    return obj
+def _describe(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype
 
 
 def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
@@ -192,7 +123,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                                 f"{type(optimizer).__name__}")
     c = comm()
     tensors: list = []
-    skeleton = _split(optimizer.state_dict(), tensors) if c.rank() == root_rank else None
+    skeleton = split_skeleton(optimizer.state_dict(), tensors, torch.is_tensor,
+                              _describe) if c.rank() == root_rank else None
     skeleton, groups = broadcast_object((skeleton, _group_sizes(optimizer)), root_rank,
                                         name=f"{what}.skeleton")
     mine = _group_sizes(optimizer)
@@ -202,23 +134,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if errors:
         raise InvalidInputError(f"{what}: " + "; ".join(errors))
     if c.rank() != root_rank:
-        slots: list = []
-        _collect_slots(skeleton, slots)
-        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots,
-                                                                        key=lambda s: s.index)]
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in collect_slots(skeleton)]
     with torch.no_grad():
         wait_all([broadcast_async_(t, root_rank, name=f"{what}.{i}")
                   for i, t in enumerate(tensors)])
     if c.rank() != root_rank:
-        optimizer.load_state_dict(_join(skeleton, tensors))
-
-
-def _collect_slots(obj: Any, out: list) -> None:
-    if isinstance(obj, _Slot):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect_slots(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect_slots(v, out)
+        optimizer.load_state_dict(join_skeleton(skeleton, tensors))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from ringreduce.checkpoint import CheckpointError, atomic_write
+from ringreduce.checkpoint import CheckpointError, load_on_root, save_on_root
 
 from ._tensors import comm
 
@@ -51,23 +50,25 @@ def save_checkpoint(path: str, root_rank: int = 0, **state: Any) -> bool:
     if comm().rank() != root_rank:
         return False
     payload = {key: _plain(value) for key, value in state.items()}
-    atomic_write(path, lambda f: torch.save(payload, f))
-    return True
+    return save_on_root(comm(), path, root_rank, lambda f: torch.save(payload, f))
 
 
-def _read(path: str, weights_only: bool) -> tuple[Optional[str], Any]:
-    """(error, contents) of the checkpoint at ``path``; error is a message or None."""
-    if not os.path.exists(path):
-        return f"no checkpoint at {path!r}", None
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # any failure must reach every rank
-        hint = " (saved objects other than tensors and plain Python values need " \
-               "weights_only=False)" if weights_only and "weights_only" in str(err) else ""
-        return f"cannot read checkpoint {path!r}: {type(err).__name__}: {err}{hint}", None
-    if not isinstance(data, dict):
-        return f"{path!r} is not a checkpoint written by save_checkpoint()", None
-    return None, data
+def _reader(weights_only: bool) -> Callable[[str], dict]:
+    def read(path: str) -> dict:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=weights_only)
+        except Exception as err:
+            if weights_only and "weights_only" in str(err):
+                raise CheckpointError(
+                    f"cannot read checkpoint {path!r}: {type(err).__name__}: {err} (saved "
+                    "objects other than tensors and plain Python values need "
+                    "weights_only=False)") from err
+            raise
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path!r} is not a checkpoint written by save_checkpoint()")
+        return data
+
+    return read
 
 
 def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False,
@@ -103,17 +104,9 @@ def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False,
     CheckpointError
         On every rank alike, if the file is missing, unreadable or lacks a target's key.
     """
-    c = comm()
-    error, data = _read(path, weights_only) if c.rank() == root_rank else (None, None)
-    missing = error is not None and data is None and not os.path.exists(path) \
-        if c.rank() == root_rank else False
-    error, missing, data = c.broadcast_object((error, missing, data), root_rank,
-                                              name="load_checkpoint")
-    if missing and missing_ok:
+    data = load_on_root(comm(), path, root_rank, _reader(weights_only), missing_ok)
+    if data is None:
         return None
-    if error is not None:
-        raise CheckpointError(f"load_checkpoint on rank {c.rank()}: rank {root_rank} reports: "
-                              f"{error}")
     absent = sorted(k for k in targets if k not in data)
     if absent:
         raise CheckpointError(f"load_checkpoint: {path!r} has no entries {absent} (it holds "

@@ -15,7 +15,6 @@ result (a torch tensor) and ``poll(handle)`` tells whether it is ready.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -25,6 +24,7 @@ import torch
 import ringreduce as _rr
 from ringreduce import Average, Communicator, Max, Min, Product, Sum
 from ringreduce._communicator import check_scales
+from ringreduce._horovod import resolve_op as _resolve_op
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
@@ -74,27 +74,8 @@ def poll(handle: Any) -> bool:
 
 
 def resolve_op(average: Any, op: Optional[int], what: str) -> int:
-    """The reduction op from Horovod's ``average=`` flag or ``op=``.
-
-    The second positional argument may also be an op (``allreduce(t, rr.Sum)``,
-    as in ``ringreduce.allreduce``).
-    """
-    if op is not None and average is not None:
-        raise InvalidInputError(f"{what}: pass either op= or the deprecated average=, not both")
-    if op is None:
-        if average is None:
-            return Average
-        if isinstance(average, bool):
-            return Average if average else Sum
-        op = average
-    try:  # an integer, as the numpy layer requires: 1.0 or 1+0j hash like Average
-        code = None if isinstance(op, bool) else operator.index(op)
-    except TypeError:
-        code = None
-    if code not in _OPS:
-        raise InvalidInputError(f"{what}: op must be one of ringreduce.torch.Sum, Average, Min, "
-                                f"Max, Product; got {op!r}")
-    return code
+    """The reduction op from Horovod's ``average=`` flag or ``op=`` (see ``_horovod``)."""
+    return _resolve_op(average, op, what, "ringreduce.torch")
 
 
 def _writable(t: torch.Tensor, what: str) -> tuple[np.ndarray, Callable[[Any], torch.Tensor]]:

@@ -20,7 +20,6 @@ How it works (Horovod's design):
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from ringreduce import Average, Communicator, Sum
-from ringreduce._communicator import check_scales
+from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, to_numpy
@@ -160,7 +159,7 @@ class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
 
     def _rr_setup(self, named: dict, compression: type[Compressor], passes: int, op: int,
-                  predivide: float, sparse_as_dense: bool) -> None:
+                  scales: tuple[float, float], sparse_as_dense: bool) -> None:
         self._rr_comm: Callable[[], Communicator] = binder()
         c = self._rr_comm()
         index = _INSTANCES.get(c, 0)
@@ -169,7 +168,7 @@ class _DistributedMixin:
         self._rr_compression = compression
         self._rr_passes = passes
         self._rr_op = op
-        self._rr_scale = (1.0 / predivide, predivide) if op == Average else (1.0, 1.0)
+        self._rr_scale = scales
         self._rr_sparse_as_dense = sparse_as_dense
         self._rr_slots: dict = {}  # parameter -> _Slot
         self._rr_order: list = []  # the slots, sorted by name (the same order on every rank)
@@ -464,30 +463,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidInputError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
                                 f"{type(optimizer).__name__}")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(
-            backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise InvalidInputError(f"DistributedOptimizer: backward_passes_per_step must be an int "
-                                f">= 1, got {backward_passes_per_step!r}")
-    if op not in (Average, Sum):
-        raise InvalidInputError("DistributedOptimizer: op must be ringreduce.torch.Average or "
-                                f"Sum, got {op!r}")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor needs "
-                                "op=Average")
-    try:
-        predivide = check_scales(gradient_predivide_factor, 1.0, "DistributedOptimizer")[0]
-    except InvalidInputError:
-        predivide = math.nan
-    if not (predivide > 0 and math.isfinite(predivide) and math.isfinite(1.0 / predivide)):
-        raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor must be a "
-                                "finite number > 0 whose inverse is finite, got "
-                                f"{gradient_predivide_factor!r}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-        raise InvalidInputError(f"DistributedOptimizer: num_groups must be an int >= 0, got "
-                                f"{num_groups!r}")
-    if groups is not None and not isinstance(groups, (int, list, tuple)):
-        raise InvalidInputError("DistributedOptimizer: groups must be None, an int or a list "
-                                f"of lists of parameters, got {type(groups).__name__}")
+    what = "DistributedOptimizer"
+    check_passes(what, backward_passes_per_step)
+    scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
+                              "ringreduce.torch")
     named = _param_names(optimizer, named_parameters)
     base = type(optimizer)
     cls = _CLASSES.get(base)
@@ -499,7 +478,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     # per-instance method overrides such as an LR scheduler's wrapper of the old step().
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                           if k not in ("step", "zero_grad")})
-    dist._rr_setup(named, compression, backward_passes_per_step, op,
-                   predivide, sparse_as_dense)
+    dist._rr_setup(named, compression, backward_passes_per_step, op, scales, sparse_as_dense)
     dist._rr_original = weakref.ref(optimizer)
     return dist

@@ -1,0 +1,85 @@
+"""Gradient compression, written once for every framework: send floats as fp16 or bf16.
+
+Horovod's interface: ``compress(tensor) -> (compressed, ctx)`` before the allreduce
+and ``decompress(tensor, ctx)`` after it. The policy is the same everywhere: only
+floating-point tensors wider than the wire type are cast; integers and floats that
+are already narrow pass through unchanged. A framework layer subclasses
+``CastCompressor`` with four one-line hooks (its dtype, cast and type queries) and
+exposes ``Compression.none / .fp16 / .bf16``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CastCompressor", "Compressor", "NoneCompressor"]
+
+
+class Compressor:
+    """Interface of a gradient compressor (subclass it for your own)."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Return the tensor to send and a context for ``decompress``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Return the reduced tensor in the caller's representation."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Send tensors as they are."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Return ``tensor`` itself and no context."""
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Return ``tensor`` itself."""
+        return tensor
+
+
+class CastCompressor(Compressor):
+    """Cast floating-point tensors wider than ``wire`` to it, and back afterwards.
+
+    Framework layers set ``wire`` and implement the hooks below.
+    """
+
+    wire: Any = None
+
+    @staticmethod
+    def dtype_of(tensor: Any) -> Any:
+        """The tensor's dtype (framework hook)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def is_float(dtype: Any) -> bool:
+        """Whether ``dtype`` is a floating-point type (framework hook)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def itemsize(dtype: Any) -> int:
+        """Bytes per element of ``dtype`` (framework hook)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def cast(tensor: Any, dtype: Any) -> Any:
+        """``tensor`` converted to ``dtype`` (framework hook)."""
+        raise NotImplementedError
+
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+        """Cast floating-point tensors wider than the wire type; keep the original dtype."""
+        dtype = cls.dtype_of(tensor)
+        if cls.is_float(dtype) and cls.itemsize(dtype) > cls.itemsize(cls.wire):
+            return cls.cast(tensor, cls.wire), dtype
+        return tensor, None
+
+    @classmethod
+    def decompress(cls, tensor: Any, ctx: Any) -> Any:
+        """Cast back to the dtype ``compress`` saw (if it cast at all)."""
+        return tensor if ctx is None else cls.cast(tensor, ctx)

@@ -17,7 +17,7 @@ import atexit
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -111,6 +111,20 @@ def use_communicator(comm: Communicator) -> Iterator[Communicator]:
 
 def _override() -> Optional[Communicator]:
     return _thread.comm
+
+
+def _binder() -> Callable[[], Communicator]:
+    """A function returning the communicator that is current now.
+
+    Long-lived objects of the framework layers (optimizers, autograd contexts,
+    traced graphs) keep it so that their later collectives (from hooks, backward,
+    graph execution on another thread) reach the same communicator; without an
+    override it follows ``init()``/``shutdown()`` of the process default.
+    """
+    override = _thread.comm
+    if override is not None:
+        return lambda: override
+    return _comm
 
 
 def _comm() -> Communicator:

@@ -65,3 +65,24 @@ def for_writing(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
     if not flags.writeable:
         raise InvalidInputError(f"{what}: the array is read-only; in-place operations write to it")
     return arr
+
+
+ALIGNMENT = 64  # bytes: what TensorFlow needs to adopt memory without a copy (and SIMD likes)
+
+
+def empty_aligned(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
+
+    Out-of-place results are allocated this way so that frameworks can adopt them
+    without copying (TensorFlow copies DLPack memory that is less aligned).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def empty_aligned_like(a: np.ndarray) -> np.ndarray:
+    """``empty_aligned(a.shape, a.dtype)``."""
+    return empty_aligned(a.shape, a.dtype)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import _core
-from ._arrays import for_reading, for_writing
+from ._arrays import empty_aligned_like, for_reading, for_writing
 from ._dtypes import dtype_code
 from .exceptions import InvalidInputError, call_label
 
@@ -234,7 +234,7 @@ class Communicator:
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
         """Start an allreduce; ``synchronize(handle)`` returns the result as a new array."""
         src = for_reading(x, "allreduce", name)
-        out = np.empty_like(src)
+        out = empty_aligned_like(src)
         core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor,
                                       "allreduce")
         return self._track(core, lambda _: out, (src, out))
@@ -282,9 +282,16 @@ class Communicator:
                                 postscale_factor: float = 1.0) -> Handle:
         """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
         srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
-        outs = [np.empty_like(s) for s in srcs]
+        outs = [empty_aligned_like(s) for s in srcs]
         core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: outs, (srcs, outs))
+
+    def grouped_allreduce(self, xs: Sequence[Any], op: int = Average,
+                          name: Optional[str] = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list:
+        """Allreduce all of ``xs`` as one fused unit; returns a list of new arrays."""
+        return self._wait(self.grouped_allreduce_async(xs, op, name, prescale_factor,
+                                                       postscale_factor))
 
     def grouped_allreduce_async_(self, xs: Sequence[Any], op: int = Average,
                                  name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -358,7 +365,9 @@ class Communicator:
     def broadcast_async(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start a broadcast into a new array."""
         what = call_label("broadcast", name)
-        arr = np.array(for_reading(x, what, None), copy=True)
+        src = for_reading(x, what, None)
+        arr = empty_aligned_like(src)
+        arr[...] = src
         return self.broadcast_async_(arr, root_rank, name)
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:

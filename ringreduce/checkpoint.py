@@ -22,7 +22,7 @@ from typing import IO, Any, Callable, Optional
 
 from .exceptions import RingReduceError
 
-__all__ = ["CheckpointError", "atomic_write", "fsync_dir", "load_on_root",
+__all__ = ["CheckpointError", "atomic_save_path", "atomic_write", "fsync_dir", "load_on_root",
            "remove_stale_temp_files", "save_on_root"]
 
 
@@ -33,9 +33,9 @@ class CheckpointError(RingReduceError):
     """
 
 
-def _temp_path(path: str) -> str:
+def _temp_path(path: str, suffix: str = "") -> str:
     directory, base = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{base}.{os.getpid()}.tmp")
+    return os.path.join(directory, f".{base}.{os.getpid()}.tmp{suffix}")
 
 
 def _open_temp(tmp: str) -> IO[bytes]:
@@ -97,9 +97,10 @@ def remove_stale_temp_files(path: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        pid = name[len(prefix):-len(".tmp")] if name.startswith(prefix) else ""
-        if name.endswith(".tmp") and pid.isdigit() and int(pid) != os.getpid() \
-                and not _pid_alive(int(pid)):
+        # .<base>.<pid>.tmp, or .<base>.<pid>.tmp<suffix> (atomic_save_path)
+        pid, tmp, _ = name[len(prefix):].partition(".tmp") if name.startswith(prefix) \
+            else ("", "", "")
+        if tmp and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             try:
                 os.unlink(os.path.join(directory, name))
                 removed.append(os.path.join(directory, name))
@@ -133,6 +134,43 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(err, OSError):
+            raise CheckpointError(f"cannot write checkpoint {path!r}: {err}") from err
+        raise
+    fsync_dir(directory)
+
+
+def atomic_save_path(path: str, save: Callable[[str], None], suffix: str = "") -> None:
+    """``atomic_write`` for writers that need a file name (``keras.Model.save``, which
+    insists on a ``.keras`` suffix): ``save(tmp)`` writes a temporary file beside
+    ``path`` whose name ends in ``suffix``; it is fsynced and renamed over ``path``.
+
+    Parameters
+    ----------
+    path : str
+        Final path; its directory is created if missing.
+    save : callable
+        ``save(tmp_path)`` writes the whole file.
+    suffix : str
+        What the temporary file's name must end with (e.g. ``".keras"``).
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = _temp_path(path, suffix)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        remove_stale_temp_files(path)
+        save(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException as err:
         try:

@@ -12,13 +12,12 @@ instead of the process's default communicator (``ringreduce.init()``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 import ringreduce as _rr
-from ringreduce import Communicator
 from ringreduce.exceptions import InvalidInputError
 
 # One override mechanism for every framework layer: ringreduce's own.
@@ -26,17 +25,7 @@ use_communicator = _rr.use_communicator
 comm = _rr._comm
 
 
-def binder() -> Callable[[], Communicator]:
-    """A function returning the communicator that is current now.
-
-    Long-lived objects (optimizers, autograd contexts) keep it so that their
-    later collectives (from hooks, backward) reach the same communicator; without
-    an override it follows ``init()``/``shutdown()`` of the process default.
-    """
-    override = _rr._override()
-    if override is not None:
-        return lambda: override
-    return _rr._comm
+binder = _rr._binder
 
 
 def _bfloat16() -> Any:

@@ -1,0 +1,126 @@
+"""ringreduce for Keras 3, with the names of ``horovod.tensorflow.keras`` / ``horovod.keras``::
+
+    import keras
+    import ringreduce.keras as rr          # `import ringreduce.keras as hvd` works too
+
+    rr.init()
+    opt = rr.DistributedOptimizer(keras.optimizers.Adam(1e-3 * rr.size()))
+    model.compile(optimizer=opt, loss=..., metrics=[...])
+    model.fit(x, y, callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0),
+                               rr.callbacks.MetricAverageCallback(),
+                               rr.callbacks.LearningRateWarmupCallback(initial_lr=...,
+                                                                       warmup_epochs=2),
+                               rr.callbacks.ModelCheckpoint("ckpt.keras")],  # rank 0 writes
+              verbose=1 if rr.rank() == 0 else 0)
+
+Backends: TensorFlow (the one Horovod supported) and torch; see ``optimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from ringreduce import (
+    Average,
+    InvalidInputError,
+    Max,
+    Min,
+    MismatchError,
+    NotInitializedError,
+    PeerLostError,
+    Product,
+    RingReduceError,
+    RingReduceTimeoutError,
+    Sum,
+    _binder,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    use_communicator,
+)
+from ringreduce.checkpoint import CheckpointError
+
+from . import callbacks
+from .optimizer import DistributedOptimizer
+from .saving import load_model, save_model
+
+if keras.backend.backend() == "tensorflow":
+    from ringreduce.tensorflow import (
+        Compression,
+        allgather,
+        allreduce,
+        alltoall,
+        broadcast,
+        broadcast_variables,
+        grouped_allreduce,
+        reducescatter,
+    )
+else:  # the torch backend: ringreduce.torch's collectives and compressors
+    from ringreduce.torch import (
+        Compression,
+        allgather,
+        allreduce,
+        alltoall,
+        broadcast,
+        grouped_allreduce,
+        reducescatter,
+    )
+
+    def broadcast_variables(variables: Any, root_rank: int = 0) -> None:
+        """Overwrite Keras ``variables`` with ``root_rank``'s values (eager)."""
+        callbacks.broadcast_keras_variables(_binder()(), list(variables), root_rank,
+                                            "broadcast_variables")
+
+__all__ = [
+    "Average", "CheckpointError", "Compression", "DistributedOptimizer", "InvalidInputError",
+    "Max", "Min", "MismatchError", "NotInitializedError", "PeerLostError", "Product",
+    "RingReduceError", "RingReduceTimeoutError", "Sum", "allgather", "allgather_object",
+    "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
+    "broadcast_object", "broadcast_variables", "callbacks", "cross_rank", "cross_size",
+    "grouped_allreduce", "init", "is_initialized", "join", "load_model", "local_rank",
+    "local_size", "rank", "reducescatter", "save_model", "shutdown", "size",
+    "use_communicator",
+]
+
+
+def join() -> int:
+    """Declare that this rank has no more data; returns the last rank to join."""
+    return _binder()().join()
+
+
+def barrier() -> None:
+    """Wait until every rank has called ``barrier()``."""
+    _binder()().barrier()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Any = None) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank."""
+    return _binder()().broadcast_object(obj, root_rank, name)
+
+
+def allgather_object(obj: Any, name: Any = None) -> list:
+    """Return every rank's picklable ``obj`` as a list in rank order."""
+    return _binder()().allgather_object(obj, name)
+
+
+def broadcast_global_variables(root_rank: int, model: Any = None) -> None:
+    """Horovod's ``hvd.broadcast_global_variables`` for Keras: broadcast ``model``'s
+    variables and its optimizer's from ``root_rank`` (any backend; eager)."""
+    if model is None:
+        raise InvalidInputError("broadcast_global_variables: Keras 3 has no global variables; "
+                                "pass the model (or use callbacks."
+                                "BroadcastGlobalVariablesCallback)")
+    variables = list(model.variables)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and opt.built:
+        variables += list(opt.variables)
+    callbacks.broadcast_keras_variables(_binder()(), variables, root_rank,
+                                        "broadcast_global_variables")

@@ -1,0 +1,247 @@
+"""Keras callbacks with the names of ``horovod.tensorflow.keras.callbacks``.
+
+They run eagerly between steps, so they use the framework-neutral numpy collectives
+(one copy of each value, once per epoch or once per training): they work with any
+Keras backend. Every ringreduce callback also makes ``model.fit`` raise a failed
+collective's own ``RingReduceError`` (``PeerLostError``, ``MismatchError``...) instead
+of TensorFlow's wrapper around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import keras
+import numpy as np
+
+import ringreduce as _rr
+from ringreduce._state import agree, wait_all
+from ringreduce.checkpoint import atomic_save_path
+
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback", "MetricAverageCallback", "ModelCheckpoint"]
+
+
+def _translate_errors(model: Any) -> None:
+    """Wrap the model's train/test functions so that a collective's error comes out as
+    itself (TensorFlow backend; other backends raise it directly)."""
+    if keras.backend.backend() != "tensorflow":
+        return
+    from ringreduce.tensorflow._bridge import run_translated
+
+    for attr in ("train_function", "test_function"):
+        fn = getattr(model, attr, None)
+        if fn is not None and not getattr(fn, "_rr_translated", False):
+            def wrapped(*args: Any, _fn: Callable = fn, **kwargs: Any) -> Any:
+                return run_translated(_fn, *args, **kwargs)
+
+            wrapped._rr_translated = True  # type: ignore[attr-defined]
+            setattr(model, attr, wrapped)
+
+
+class _Callback(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self._rr_get = _rr._binder()
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Install the error translation on the model's compiled functions."""
+        _translate_errors(self.model)
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        """Same for evaluation."""
+        _translate_errors(self.model)
+
+
+def broadcast_keras_variables(comm: Any, variables: list, root_rank: int, what: str) -> None:
+    """Overwrite Keras variables with ``root_rank``'s values (eager; any backend)."""
+    agree(comm, what, [(i, (tuple(v.shape), str(v.dtype))) for i, v in enumerate(variables)],
+          " on the variables to broadcast")
+    arrays = [np.array(keras.ops.convert_to_numpy(v), order="C") for v in variables]
+    handles = [comm.broadcast_async_(a, root_rank, f"{what}.{i}") for i, a in enumerate(arrays)]
+    wait_all(handles)
+    for v, a in zip(variables, arrays):
+        v.assign(a)
+
+
+class BroadcastGlobalVariablesCallback(_Callback):
+    """At the start of training, copy ``root_rank``'s model and optimizer variables to
+    every rank (the optimizer is built first if it is not yet).
+
+    Parameters
+    ----------
+    root_rank : int
+        The rank whose values win (0 in Horovod's recipe).
+    device : str
+        Horovod's; ignored.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        """Broadcast once per callback."""
+        super().on_train_begin(logs)
+        if self.broadcast_done:
+            return
+        opt = getattr(self.model, "optimizer", None)
+        variables = list(self.model.variables)
+        if opt is not None:
+            if not opt.built:
+                opt.build(self.model.trainable_variables)
+            variables += list(opt.variables)
+        c = self._rr_get()
+        broadcast_keras_variables(c, variables, c._check_root(self.root_rank,
+                                                              "BroadcastGlobalVariablesCallback"),
+                                  "BroadcastGlobalVariablesCallback")
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(_Callback):
+    """At the end of every epoch, replace each metric in ``logs`` by its average over ranks
+    (training and validation). Put it before callbacks that read the metrics
+    (``ModelCheckpoint``, ``ReduceLROnPlateau``, ``EarlyStopping``)."""
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Average ``logs`` in place (one allreduce of all metrics, by sorted name)."""
+        if not logs:
+            return
+        c = self._rr_get()
+        names = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        agree(c, "MetricAverageCallback", names, " on the metric names")
+        values = np.array([float(logs[k]) for k in names], np.float64)
+        averaged = c.allreduce(values, _rr.Average, name="MetricAverageCallback")
+        for k, v in zip(names, averaged):
+            logs[k] = float(v)
+
+
+class LearningRateScheduleCallback(_Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to
+    ``end_epoch`` (Horovod's callback).
+
+    Parameters
+    ----------
+    initial_lr : float
+        The base learning rate (already scaled by ``size()`` if you scale it).
+    multiplier : float or callable
+        A constant factor, or ``multiplier(epoch)`` (epoch fractional unless ``staircase``).
+    start_epoch, end_epoch : int
+        The epochs ``[start, end)`` this schedule applies to (end None: to the end).
+    staircase : bool
+        Change the rate at epoch boundaries only; otherwise at every batch with a
+        fractional epoch.
+    momentum_correction : bool
+        Horovod's; accepted and not applied: Keras 3 compiles an SGD optimizer's
+        momentum into the train step as a constant, so it cannot be changed per batch.
+    steps_per_epoch : int, optional
+        Batches per epoch, for the fractional epoch; by default Keras's ``params["steps"]``.
+    verbose : int
+        Print the rate when it changes at an epoch start (rank 0 only).
+    """
+
+    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
+                 start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
+                 verbose: int = 0) -> None:
+        super().__init__()
+        self.initial_lr = float(initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda _e: multiplier)
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase, self.momentum_correction = staircase, momentum_correction
+        self.steps_per_epoch, self.verbose = steps_per_epoch, verbose
+        self.current_epoch = 0
+
+    def _active(self, epoch: float) -> bool:
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _set(self, epoch: float) -> None:
+        lr = self.initial_lr * float(self.multiplier(epoch))
+        self.model.optimizer.learning_rate = lr
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Set the rate for this epoch (staircase) or its first batch."""
+        self.current_epoch = epoch
+        if self._active(epoch):
+            self._set(epoch)
+            if self.verbose and self._rr_get().rank() == 0:
+                lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+                print(f"\nEpoch {epoch + 1}: learning rate {lr:.6g}")
+
+    def on_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Set the rate for a fractional epoch (``staircase=False``)."""
+        if self.staircase:
+            return
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
+            return
+        epoch = self.current_epoch + batch / steps
+        if self._active(epoch):
+            self._set(epoch)
+
+    on_train_batch_begin = on_batch_begin
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size()`` up to ``initial_lr`` over
+    ``warmup_epochs``, batch by batch (Goyal et al., "Accurate, Large Minibatch SGD";
+    Horovod's callback). ``initial_lr`` is the rate for the full ``size()`` ranks."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
+                 verbose: int = 0) -> None:
+        size = _rr._binder()().size()
+
+        def multiplier(epoch: float) -> float:
+            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch, verbose=verbose)
+        self.warmup_epochs = warmup_epochs
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """At the end of warmup the rate is exactly ``initial_lr``."""
+        if epoch + 1 == self.warmup_epochs:
+            self.model.optimizer.learning_rate = self.initial_lr
+            if self.verbose and self._rr_get().rank() == 0:
+                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                      f"{self.initial_lr:g}.")
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """``keras.callbacks.ModelCheckpoint`` that writes on ``root_rank`` only, atomically
+    (temporary file beside the target, fsync, rename): a crash never leaves a torn file.
+
+    Same arguments as Keras's, plus ``root_rank`` (default 0). Use it on every rank:
+    the others skip saving.
+    """
+
+    def __init__(self, *args: Any, root_rank: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.root_rank = root_rank
+        self._rr_get = _rr._binder()
+
+    def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
+        if self._rr_get().rank() != self.root_rank:
+            return
+        model = self.model
+        real_save, real_weights = model.save, model.save_weights
+
+        def save(filepath: str, *a: Any, **kw: Any) -> None:
+            atomic_save_path(filepath, lambda tmp: real_save(tmp, *a, **kw), ".keras")
+
+        def save_weights(filepath: str, *a: Any, **kw: Any) -> None:
+            atomic_save_path(filepath, lambda tmp: real_weights(tmp, *a, **kw), ".weights.h5")
+
+        # Instance attributes in front of the methods for the duration of the call
+        # (object's own setattr: Keras layers track what is assigned to them).
+        object.__setattr__(model, "save", save)
+        object.__setattr__(model, "save_weights", save_weights)
+        try:
+            super()._save_model(epoch, batch, logs)
+        finally:
+            object.__delattr__(model, "save")
+            object.__delattr__(model, "save_weights")
+

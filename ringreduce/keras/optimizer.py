@@ -1,0 +1,198 @@
+"""DistributedOptimizer for Keras 3: ``apply()`` uses gradients averaged over all ranks.
+
+Keras 3 calls ``optimizer.apply(grads, variables)`` (through ``apply_gradients``) from
+``model.fit``'s train step; the wrapper puts one method in front of the optimizer's
+class, so any Keras optimizer (Adam, SGD, LossScaleOptimizer, a custom subclass) keeps
+its state, hyper-parameters and serialization. The wrapped optimizer *is* the one
+passed in (its class is swapped for a subclass with the same name and module), so a
+model saved with it loads as the plain optimizer class, and ``load_model`` wraps it.
+
+Backends: TensorFlow (one fused graph op per step, see ringreduce.tensorflow) and
+torch (eager ``ringreduce.torch.grouped_allreduce``). JAX's trainer updates through
+``stateless_apply`` inside ``jax.jit``, which a host collective cannot join: refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from ringreduce import Average
+from ringreduce._horovod import check_passes, optimizer_scales
+from ringreduce.compression import Compressor, NoneCompressor
+from ringreduce.exceptions import InvalidInputError
+
+__all__ = ["DistributedOptimizer"]
+
+_CLASSES: dict = {}
+
+
+class _TorchReducer:
+    """The torch backend's averaging: eager, one grouped allreduce of the dense gradients."""
+
+    def __init__(self, compression: type[Compressor], op: int, scales: tuple) -> None:
+        import ringreduce.torch as rrt
+
+        wire = getattr(compression, "wire", None)  # a torch or a TensorFlow dtype
+        name = getattr(wire, "name", None) or str(wire).rsplit(".", 1)[-1]
+        self.compression = {"float16": rrt.Compression.fp16,
+                            "bfloat16": rrt.Compression.bf16}.get(name, rrt.Compression.none)
+        if compression is not NoneCompressor and wire is None:
+            raise InvalidInputError("DistributedOptimizer: with the torch backend only "
+                                    "Compression.none, .fp16 and .bf16 are available")
+        self.op, self.scales, self.rrt = op, scales, rrt
+        self.get = self.rrt._tensors.binder()
+
+    def __call__(self, grads: list) -> list:
+        if self.get().size() == 1:
+            return grads
+        dense = [i for i, g in enumerate(grads) if g is not None]
+        if not dense:
+            return grads
+        with self.rrt.use_communicator(self.get()):
+            reduced = self.rrt.grouped_allreduce(
+                [grads[i].detach() for i in dense], compression=self.compression, op=self.op,
+                prescale_factor=self.scales[0], postscale_factor=self.scales[1],
+                name="DistributedOptimizer")
+        out = list(grads)
+        for i, r in zip(dense, reduced):
+            out[i] = r
+        return out
+
+
+class _DistributedKerasMixin:
+    """Put in front of the optimizer's class (see the module docstring)."""
+
+    def _rr_setup(self, reduce: Any, passes: int, average_aggregated: bool) -> None:
+        object.__setattr__(self, "_rr_reduce", reduce)
+        object.__setattr__(self, "_rr_passes", passes)
+        object.__setattr__(self, "_rr_average_aggregated", average_aggregated)
+        object.__setattr__(self, "_rr_aggregation", None)
+        object.__setattr__(self, "_rr_local", [])
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        """Average ``grads`` over all ranks, then apply them as the wrapped optimizer does.
+
+        With ``backward_passes_per_step=k > 1`` the gradients of k calls are summed
+        locally (divided by k with ``average_aggregated_gradients=True``) and averaged
+        and applied on every k-th call only; ``iterations`` counts applications.
+        """
+        grads = list(grads)
+        if self._rr_passes == 1:
+            return super().apply(self._rr_reduce(grads), trainable_variables)
+        if trainable_variables is not None and not self.built:
+            self.build(list(trainable_variables))  # before any branch: variables are made once
+        if keras.backend.backend() == "tensorflow":
+            return self._rr_aggregate_graph(grads, trainable_variables)
+        return self._rr_aggregate_eager(grads, trainable_variables)
+
+    def _rr_aggregate_graph(self, grads: list, trainable_variables: Any) -> Any:
+        from ringreduce.tensorflow.gradients import LocalAggregation
+
+        if self._rr_aggregation is None:
+            object.__setattr__(self, "_rr_aggregation", LocalAggregation(
+                self._rr_passes, self._rr_average_aggregated, "DistributedOptimizer"))
+
+        def update(local: list) -> None:
+            super(_DistributedKerasMixin, self).apply(self._rr_reduce(local),
+                                                      trainable_variables)
+
+        return self._rr_aggregation.step(grads, update)
+
+    def _rr_aggregate_eager(self, grads: list, trainable_variables: Any) -> Any:
+        local = self._rr_local
+        if not local:
+            local.extend(None if g is None else g.detach().clone() for g in grads)
+        else:
+            for i, g in enumerate(grads):
+                if g is not None:
+                    local[i] = g.detach().clone() if local[i] is None else local[i] + g
+        if len(local) and getattr(self, "_rr_count", 0) + 1 < self._rr_passes:
+            object.__setattr__(self, "_rr_count", getattr(self, "_rr_count", 0) + 1)
+            return None
+        object.__setattr__(self, "_rr_count", 0)
+        summed = [None if s is None else (s / self._rr_passes if self._rr_average_aggregated
+                                          else s) for s in local]
+        local.clear()
+        return super().apply(self._rr_reduce(summed), trainable_variables)
+
+
+def _reducer(what: str, compression: type[Compressor], sparse_as_dense: bool, op: int,
+             gradient_predivide_factor: float, num_groups: Any, groups: Any) -> Any:
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from ringreduce.tensorflow.gradients import GradientAverager
+
+        return GradientAverager(what, compression, sparse_as_dense, op,
+                                gradient_predivide_factor, num_groups, groups)
+    if backend == "torch":
+        scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
+                                  "ringreduce.keras")
+        return _TorchReducer(compression, op, scales)
+    raise InvalidInputError(
+        f"{what}: Keras's {backend!r} backend is not supported: its trainer updates the "
+        "weights inside a compiled function that a host collective cannot join; use the "
+        "tensorflow or torch backend (KERAS_BACKEND=tensorflow)")
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None,  # noqa: N802
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: type[Compressor] = NoneCompressor,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: int = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None) -> keras.optimizers.Optimizer:
+    """Make a Keras 3 optimizer apply gradients averaged over all ranks (Horovod's signature).
+
+    Parameters
+    ----------
+    optimizer : keras.optimizers.Optimizer
+        Any Keras optimizer; it is returned, wrapped in place (its class gains the
+        averaging ``apply``; state, hyper-parameters and config are kept).
+    name, device_dense, device_sparse :
+        Horovod's; ignored.
+    compression : Compressor
+        ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
+    sparse_as_dense : bool
+        Reduce IndexedSlices gradients (embeddings) as dense tensors instead of
+        allgathering them.
+    gradient_predivide_factor : float
+        With Average: divide by it before the sum and by ``size / factor`` after.
+    op : int
+        ``Average`` (default) or ``Sum``.
+    backward_passes_per_step : int
+        Sum this many steps' gradients locally before averaging and applying them.
+    average_aggregated_gradients : bool
+        Divide that local sum by ``backward_passes_per_step``.
+    num_groups, groups :
+        Horovod's fusion hints; accepted and ignored (one fused group per step).
+
+    Returns
+    -------
+    keras.optimizers.Optimizer
+        ``optimizer`` itself.
+    """
+    what = "DistributedOptimizer"
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise InvalidInputError(f"{what}: expected a keras.optimizers.Optimizer, got "
+                                f"{type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedKerasMixin):
+        raise InvalidInputError(f"{what}: this optimizer is already a DistributedOptimizer")
+    passes = check_passes(what, backward_passes_per_step)
+    reduce = _reducer(what, compression, sparse_as_dense, op, gradient_predivide_factor,
+                      num_groups, groups)
+    base = type(optimizer)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(base.__name__, (_DistributedKerasMixin, base),
+                                    {"__module__": base.__module__,
+                                     "__qualname__": base.__qualname__})
+    optimizer.__class__ = cls
+    optimizer._rr_setup(reduce, passes, average_aggregated_gradients)
+    return optimizer
+
+
+def is_distributed(optimizer: Any) -> bool:
+    """Whether ``optimizer`` was wrapped by ``DistributedOptimizer``."""
+    return isinstance(optimizer, _DistributedKerasMixin)

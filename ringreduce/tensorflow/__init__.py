@@ -1,0 +1,146 @@
+"""ringreduce for TensorFlow, with the names of ``horovod.tensorflow``::
+
+    import tensorflow as tf
+    import ringreduce.tensorflow as rr     # `import ringreduce.tensorflow as hvd` works too
+
+    rr.init()
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model(x), y)
+    tape = rr.DistributedGradientTape(tape)          # gradients averaged over ranks
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    if first_step:
+        rr.broadcast_variables(model.variables, root_rank=0)
+        rr.broadcast_variables(opt.variables, root_rank=0)
+
+Collectives are graph ops (eager, ``tf.function`` and ``tf.compat.v1`` graphs); the
+C++ core is not compiled against TensorFlow and tensors reach it without copies
+(see ``_bridge``). Keras users import ``ringreduce.keras``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from ringreduce import (
+    Average,
+    InvalidInputError,
+    Max,
+    Min,
+    MismatchError,
+    NotInitializedError,
+    PeerLostError,
+    Product,
+    RingReduceError,
+    RingReduceTimeoutError,
+    Sum,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    use_communicator,
+)
+from ringreduce.checkpoint import CheckpointError
+from ringreduce.compression import Compressor
+
+from ._bridge import comm as _comm
+from ._bridge import run_translated
+from .compression import Compression
+from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from .tape import DistributedGradientTape
+from .tf1 import BroadcastGlobalVariablesHook, DistributedTF1Optimizer
+from .variables import (
+    broadcast_global_variables,
+    broadcast_variables,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "Average", "BroadcastGlobalVariablesHook", "CheckpointError", "Compression", "Compressor",
+    "DistributedGradientTape", "DistributedOptimizer", "InvalidInputError", "Max", "Min",
+    "MismatchError", "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
+    "RingReduceTimeoutError", "Sum", "allgather", "allgather_object", "allreduce", "alltoall",
+    "barrier", "broadcast", "broadcast_global_variables", "broadcast_object",
+    "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_initialized", "join",
+    "load_checkpoint", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "rocm_built",
+    "run_translated", "save_checkpoint", "shutdown", "size", "use_communicator",
+]
+
+
+def join() -> int:
+    """Declare that this rank has no more data; returns the last rank to join.
+
+    Until every rank has joined, this rank takes part in the others' allreduce /
+    allgather / broadcast with neutral elements (Average divides by the ranks that
+    contributed). Eager only: call it between steps, outside ``tf.function``.
+    """
+    return _comm().join()
+
+
+def barrier() -> None:
+    """Wait until every rank has called ``barrier()``."""
+    _comm().barrier()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Any = None) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank (eager)."""
+    return _comm().broadcast_object(obj, root_rank, name)
+
+
+def allgather_object(obj: Any, name: Any = None) -> list:
+    """Return every rank's picklable ``obj`` as a list in rank order (eager)."""
+    return _comm().allgather_object(obj, name)
+
+
+def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = False,  # noqa: N802
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: type[Compressor] = Compression.none,
+                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None) -> Any:
+    """Wrap an optimizer so that it applies gradients averaged over all ranks.
+
+    A ``tf.compat.v1.train.Optimizer`` gets a ``DistributedTF1Optimizer`` (TF1
+    graphs); a Keras 3 optimizer gets ``ringreduce.keras.DistributedOptimizer``, as
+    in Horovod. See those for the arguments; ``device_*`` and ``use_locking`` are
+    Horovod's and ignored (``use_locking`` is passed to the TF1 base class).
+    """
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return DistributedTF1Optimizer(optimizer, name, use_locking, compression,
+                                       sparse_as_dense, backward_passes_per_step, op,
+                                       gradient_predivide_factor, average_aggregated_gradients,
+                                       num_groups, groups)
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        from ringreduce.keras import DistributedOptimizer as keras_optimizer
+
+        return keras_optimizer(optimizer, name, compression=compression,
+                               sparse_as_dense=sparse_as_dense,
+                               backward_passes_per_step=backward_passes_per_step, op=op,
+                               gradient_predivide_factor=gradient_predivide_factor,
+                               average_aggregated_gradients=average_aggregated_gradients,
+                               num_groups=num_groups, groups=groups)
+    raise InvalidInputError(f"DistributedOptimizer: expected a tf.compat.v1.train.Optimizer or "
+                            f"a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+
+
+def _no() -> bool:
+    return False
+
+
+# Horovod's build and backend queries: ringreduce has its own TCP/shared-memory transport
+# (no MPI, Gloo, NCCL, DDL or oneCCL inside) and CPU tensors.
+mpi_built = gloo_built = nccl_built = ddl_built = ccl_built = cuda_built = rocm_built = _no
+mpi_enabled = gloo_enabled = mpi_threads_supported = _no

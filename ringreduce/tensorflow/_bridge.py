@@ -1,0 +1,195 @@
+"""Plumbing of ringreduce.tensorflow: collectives as graph ops, tensors as arrays without copies.
+
+Nothing here is compiled against TensorFlow. A collective is one ``tf.py_function``
+whose body hands its inputs to the C++ engine and returns the engine's results, so the
+same op runs eagerly, inside ``tf.function`` (``model.fit``'s steps) and in
+``tf.compat.v1`` graphs. XLA cannot compile a Python call: a ``jit_compile=True``
+function that contains a collective fails to compile (Keras picks XLA only on GPUs).
+
+Zero copies on the way in and out, measured in ``tests/test_tensorflow_ops.py``:
+
+* in: an eager CPU tensor is viewed as a numpy array through DLPack
+  (``np.from_dlpack``), read-only, sharing the tensor's buffer;
+* out: results are written by the engine into 64-byte-aligned numpy arrays
+  (``ringreduce._arrays.empty_aligned``) which TensorFlow adopts through DLPack
+  (less aligned memory it would copy), and ``tf.py_function`` passes them on as they are.
+
+bfloat16 crosses as int16 bits (``tf.bitcast`` outside the Python call, a
+``ml_dtypes.bfloat16`` view inside): DLPack has no bfloat16 for numpy.
+
+Errors: the body's ``RingReduceError`` becomes a TensorFlow ``OpError`` whose message
+carries ours; ``translate`` finds the original exception again (kept in a small
+registry), so eager calls, ``model.fit`` (through ringreduce.keras's callbacks) and
+``run_translated`` re-raise ``PeerLostError``, ``MismatchError``... themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+import ringreduce as _rr
+from ringreduce._arrays import ALIGNMENT
+from ringreduce._dtypes import dtype_code
+from ringreduce.exceptions import InvalidInputError, RingReduceError
+
+__all__ = ["binder", "call", "check_tensor", "comm", "run_translated", "translate", "translated"]
+
+comm = _rr._comm
+binder = _rr._binder
+Body = Callable[[list], Sequence[np.ndarray]]
+
+
+def _bfloat16() -> Any:
+    import ml_dtypes  # a dependency of TensorFlow itself
+
+    return ml_dtypes.bfloat16
+
+
+def check_tensor(t: Any, what: str) -> tf.Tensor:
+    """``t`` as a tensor of a dtype the engine reduces, or a clear InvalidInputError."""
+    if isinstance(t, tf.IndexedSlices):
+        raise InvalidInputError(f"{what}: got tf.IndexedSlices; convert it with "
+                                "tf.convert_to_tensor, or use allreduce (which gathers them)")
+    if not tf.is_tensor(t):
+        try:
+            t = tf.convert_to_tensor(t)
+        except (TypeError, ValueError) as err:
+            raise InvalidInputError(f"{what}: expected a tensor, got {type(t).__name__} "
+                                    f"({err})") from err
+    if t.dtype == tf.bfloat16:
+        return t
+    if t.dtype in (tf.string, tf.resource, tf.variant) or not t.dtype.is_numpy_compatible:
+        raise InvalidInputError(f"{what}: dtype {t.dtype.name} is not supported; supported "
+                                "dtypes are uint8, int8, int32, int64, float16, bfloat16, "
+                                "float32, float64, bool (cast first, e.g. tf.cast(x, tf.int32))")
+    dtype_code(np.dtype(t.dtype.as_numpy_dtype), what)  # raises for int16, complex...
+    return t
+
+
+def _to_array(t: tf.Tensor, bf16: bool) -> np.ndarray:
+    """A read-only numpy view of an eager CPU tensor (DLPack: no copy)."""
+    a = np.from_dlpack(t)
+    return a.view(_bfloat16()) if bf16 else a
+
+
+def _to_tensor(a: np.ndarray, bf16: bool) -> tf.Tensor:
+    """A tensor over ``a``'s memory when it is aligned and contiguous (otherwise a copy)."""
+    if bf16:
+        a = a.view(np.int16)
+    if a.flags.c_contiguous and a.ctypes.data % ALIGNMENT == 0:
+        return tf.experimental.dlpack.from_dlpack(a.__dlpack__())
+    return tf.convert_to_tensor(a)
+
+
+# -------------------------------------------------------------------- errors
+class _Registry:
+    """The last few RingReduceErrors raised inside graph ops, to re-raise them outside."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.recent: deque = deque(maxlen=32)
+
+    def remember(self, err: RingReduceError) -> None:
+        with self.lock:
+            self.recent.append(err)
+
+    def find(self, message: str) -> Optional[RingReduceError]:
+        with self.lock:
+            for err in reversed(self.recent):
+                if str(err) and str(err) in message:
+                    return err
+        return None
+
+
+_ERRORS = _Registry()
+
+
+def translate(err: BaseException) -> BaseException:
+    """The RingReduceError behind a TensorFlow ``OpError`` raised by a collective, or ``err``."""
+    if isinstance(err, tf.errors.OpError):
+        found = _ERRORS.find(err.message)
+        if found is not None:
+            return found
+    return err
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Re-raise a collective's RingReduceError itself instead of TensorFlow's wrapper."""
+    try:
+        yield
+    except tf.errors.OpError as err:
+        original = translate(err)
+        if original is err:
+            raise
+        raise original.with_traceback(None) from err
+
+
+def run_translated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` (e.g. a ``tf.function`` or a Session's ``run``), re-raising the
+    RingReduceError of a failed collective inside it as itself.
+
+    Parameters
+    ----------
+    fn : callable
+        What to run.
+    *args, **kwargs
+        Its arguments.
+    """
+    with translated():
+        return fn(*args, **kwargs)
+
+
+# -------------------------------------------------------------------- the op
+def call(body: Body, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+         what: str) -> list:
+    """Run ``body(arrays) -> arrays`` on the engine as one graph op.
+
+    Parameters
+    ----------
+    body : callable
+        Receives numpy views of ``inputs`` (in an eager context, on whichever thread
+        TensorFlow runs the op) and returns one numpy array per ``out_dtypes``.
+    inputs : sequence of tf.Tensor
+        Checked with ``check_tensor``.
+    out_dtypes : sequence of tf.DType
+        The outputs' dtypes.
+    what : str
+        The call and tensor, for messages.
+
+    Returns
+    -------
+    list of tf.Tensor
+        Shapes are unknown to the graph: callers set what they know.
+    """
+    in_bf16 = [t.dtype == tf.bfloat16 for t in inputs]
+    out_bf16 = [d == tf.bfloat16 for d in out_dtypes]
+    wire = [tf.bitcast(t, tf.int16) if b else t for t, b in zip(inputs, in_bf16)]
+
+    def run(*tensors: tf.Tensor) -> list:
+        arrays = [_to_array(t, b) for t, b in zip(tensors, in_bf16)]
+        try:
+            outs = body(arrays)
+        except RingReduceError as err:
+            _ERRORS.remember(err)
+            raise
+        return [_to_tensor(np.asarray(a), b) for a, b in zip(outs, out_bf16)]
+
+    touts = [tf.int16 if b else d for d, b in zip(out_dtypes, out_bf16)]
+    with translated():
+        outs = tf.py_function(run, wire, touts, name=_op_name(what))
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    return [tf.bitcast(o, tf.bfloat16) if b else o for o, b in zip(outs, out_bf16)]
+
+
+def _op_name(what: str) -> str:
+    """A graph-op name from a label such as ``allreduce 'grad.0'``."""
+    cleaned = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in what)
+    return "ringreduce_" + cleaned.strip("_")[:60]

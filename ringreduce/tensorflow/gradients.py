@@ -1,0 +1,160 @@
+"""Gradient averaging, shared by DistributedGradientTape, the TF1 DistributedOptimizer and
+ringreduce.keras's DistributedOptimizer.
+
+Protocol of one averaging (one graph op per call site and step):
+
+* ``None`` gradients stay ``None`` (a variable the loss does not reach, as in one
+  process). Every rank traces the same model, so the same gradients are ``None``
+  everywhere; if not, the fused group has a different member count on some rank and
+  every rank gets a ``MismatchError`` (never a hang).
+* Dense gradients (and, with ``sparse_as_dense``, IndexedSlices made dense) are
+  compressed, then reduced as **one** grouped allreduce: the engine negotiates them
+  as a unit and reduces them in one fused ring, whatever their number.
+* IndexedSlices are allgathered (indices and values); Average divides the values.
+
+``LocalAggregation`` adds Horovod's ``backward_passes_per_step=k`` for graphs: the
+gradients of k passes are summed in local variables (optionally divided by k) and
+averaged across ranks only on every k-th pass; in between nothing is communicated.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+
+from ringreduce._horovod import check_passes, optimizer_scales
+from ringreduce.compression import Compressor
+
+from ._bridge import binder
+from .ops import _allreduce_dense, _allreduce_sparse
+
+__all__ = ["GradientAverager", "LocalAggregation"]
+
+_COUNTERS: dict = {}
+
+
+def instance_name(kind: str) -> str:
+    """``kind``, then ``kind.1``, ``kind.2``...: names of the wrappers created in this
+    process, in creation order (the same on every rank of one script)."""
+    n = next(_COUNTERS.setdefault(kind, itertools.count()))
+    return kind if n == 0 else f"{kind}.{n}"
+
+
+class GradientAverager:
+    """Averages a list of gradients over the ranks (see the module docstring).
+
+    Parameters
+    ----------
+    what : str
+        The wrapper's name, for messages and the group's name.
+    compression : Compressor
+        ``Compression.none`` / ``.fp16`` / ``.bf16``.
+    sparse_as_dense : bool
+        Reduce IndexedSlices as dense tensors.
+    op : int
+        ``Average`` or ``Sum``.
+    gradient_predivide_factor : float
+        With Average: divide by it before the sum, by ``size / factor`` after.
+    num_groups, groups :
+        Horovod's fusion hints; checked, otherwise ignored (the engine fuses the group).
+    unique : bool
+        Name the group ``what``, ``what.1``, ... per instance (optimizers, made once),
+        rather than ``what`` alone (tapes, made every step: one name keeps the
+        engine's response cache warm).
+    """
+
+    def __init__(self, what: str, compression: type[Compressor], sparse_as_dense: bool,
+                 op: int, gradient_predivide_factor: float, num_groups: Any = 0,
+                 groups: Any = None, unique: bool = True) -> None:
+        self.scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
+                                       "ringreduce.tensorflow")
+        self.what, self.op = what, op
+        self.compression, self.sparse_as_dense = compression, bool(sparse_as_dense)
+        self.name = instance_name(what) if unique else what
+        self.get = binder()
+
+    def __call__(self, grads: Sequence[Any]) -> list:
+        """The averaged gradients, in order (``None`` stays ``None``)."""
+        grads = list(grads)
+        if self.get().size() == 1:
+            return grads
+        out: list = [None] * len(grads)
+        dense, ctxs = [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:
+                    out[i] = _allreduce_sparse(g, self.op, f"{self.name}.sparse{i}", self.get)
+                    continue
+                g = tf.convert_to_tensor(g)
+            compressed, ctx = self.compression.compress(g)
+            dense.append((i, compressed))
+            ctxs.append(ctx)
+        if dense:
+            reduced = _allreduce_dense([t for _, t in dense], self.op, self.name,
+                                       *self.scales, self.get)
+            for (i, _), r, ctx in zip(dense, reduced, ctxs):
+                out[i] = self.compression.decompress(r, ctx)
+        return out
+
+
+class LocalAggregation:
+    """Horovod's ``backward_passes_per_step`` in a graph: sum k passes locally, reduce on the k-th.
+
+    Parameters
+    ----------
+    passes : int
+        k >= 1.
+    average_aggregated : bool
+        Divide the local sum by k before it is averaged across ranks (Horovod's
+        ``average_aggregated_gradients``).
+    what : str
+        For messages.
+    """
+
+    def __init__(self, passes: int, average_aggregated: bool, what: str) -> None:
+        self.passes = check_passes(what, passes)
+        self.average_aggregated = bool(average_aggregated)
+        self.counter: Optional[tf.Variable] = None
+        self.sums: list = []
+
+    def build(self, grads: Sequence[Any]) -> None:
+        """Create the counter and one accumulator per gradient (once; outside any cond)."""
+        if self.counter is not None:
+            return
+        with tf.init_scope():
+            self.counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                       name="rr_aggregation_counter")
+            self.sums = [None if g is None else
+                         tf.Variable(tf.zeros(g.dense_shape if isinstance(g, tf.IndexedSlices)
+                                              else g.shape, g.dtype),
+                                     trainable=False, name="rr_aggregated_gradient")
+                         for g in grads]
+
+    def step(self, grads: Sequence[Any], on_update: Callable[[list], Any]) -> Any:
+        """Accumulate ``grads``; on the k-th pass call ``on_update(local sums)`` and reset.
+
+        Returns the result of a ``tf.cond`` (graph) or of the branch taken (eager).
+        """
+        self.build(grads)
+        adds = [s.assign_add(tf.convert_to_tensor(g)) for s, g in zip(self.sums, grads)
+                if g is not None]
+        with tf.control_dependencies(adds):
+            count = self.counter.assign_add(1)
+
+        def update() -> Any:
+            scale = 1.0 / self.passes if self.average_aggregated else 1.0
+            local = [None if s is None else (s * scale if scale != 1.0 else tf.identity(s))
+                     for s in self.sums]
+            result = on_update(local)
+            with tf.control_dependencies([r for r in tf.nest.flatten(result)
+                                          if r is not None] or None):
+                resets = [s.assign(tf.zeros_like(s)) for s in self.sums if s is not None]
+                return tf.group(resets)
+
+        return tf.cond(count % self.passes == 0, update, tf.no_op)
+

@@ -20,11 +20,13 @@ averaged across ranks only on every k-th pass; in between nothing is communicate
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+from ringreduce import Communicator
 from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.compression import Compressor
 
@@ -33,13 +35,16 @@ from .ops import _allreduce_dense, _allreduce_sparse
 
 __all__ = ["GradientAverager", "LocalAggregation"]
 
-_COUNTERS: dict = {}
+# Communicator -> kind -> count: per communicator, so ranks that are threads of one
+# process (tests) count their own wrappers as separate processes would.
+_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def instance_name(kind: str) -> str:
-    """``kind``, then ``kind.1``, ``kind.2``...: names of the wrappers created in this
-    process, in creation order (the same on every rank of one script)."""
-    n = next(_COUNTERS.setdefault(kind, itertools.count()))
+def instance_name(kind: str, comm: Communicator) -> str:
+    """``kind``, then ``kind.1``, ``kind.2``...: names of the wrappers created on ``comm``,
+    in creation order (the same on every rank of one script)."""
+    counters = _COUNTERS.setdefault(comm, {})
+    n = next(counters.setdefault(kind, itertools.count()))
     return kind if n == 0 else f"{kind}.{n}"
 
 
@@ -73,8 +78,8 @@ class GradientAverager:
                                        "ringreduce.tensorflow")
         self.what, self.op = what, op
         self.compression, self.sparse_as_dense = compression, bool(sparse_as_dense)
-        self.name = instance_name(what) if unique else what
         self.get = binder()
+        self.name = instance_name(what, self.get()) if unique else what
 
     def __call__(self, grads: Sequence[Any]) -> list:
         """The averaged gradients, in order (``None`` stays ``None``)."""
@@ -156,5 +161,5 @@ class LocalAggregation:
                 resets = [s.assign(tf.zeros_like(s)) for s in self.sums if s is not None]
                 return tf.group(resets)
 
-        return tf.cond(count % self.passes == 0, update, tf.no_op)
+        return tf.cond(tf.equal(count % self.passes, 0), update, tf.no_op)
 

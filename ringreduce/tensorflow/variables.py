@@ -52,7 +52,7 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
         agree(get(), what, _signature(variables), " on the variables to broadcast")
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
-    group = instance_name(what)
+    group = instance_name(what, get())
 
     def run(arrays: list) -> list:
         c = get()

@@ -1,0 +1,279 @@
+"""ringreduce.tensorflow with ranks as threads: collectives eager and in tf.function, dtypes,
+gradients, zero copies, DistributedGradientTape, TF1 graphs, errors, checkpoints.
+
+One process imports TensorFlow once (slow) and runs every case here; Keras ``fit`` and
+the faults run in real processes (test_tensorflow_multiprocess.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import ringreduce as rr  # noqa: E402
+import ringreduce.tensorflow as rtf  # noqa: E402
+from ringreduce.testing import run_threaded  # noqa: E402
+
+# Ranks as threads share one TensorFlow runtime: a collective op blocks its inter-op thread
+# until every rank's op runs, so the pool needs a thread per rank (real ranks are processes).
+try:
+    tf.config.threading.set_inter_op_parallelism_threads(8)
+except RuntimeError:  # the runtime started already (another test module imported it first)
+    pass
+
+DTYPES = [tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
+          tf.float64, tf.bool]
+
+
+def run(n, fn, return_exceptions=False):
+    def body(c):
+        with rtf.use_communicator(c):
+            return fn(c.rank())
+
+    return run_threaded(n, body, timeout=120, return_exceptions=return_exceptions)
+
+
+def contribution(rank, dtype, shape=(5, 3)):
+    rng = np.random.default_rng(rank)
+    if dtype == tf.bool:
+        return tf.constant(rng.random(shape) < 0.6)
+    values = rng.integers(1 if dtype.is_floating else 0, 4, shape)
+    return tf.cast(tf.constant(values), dtype)
+
+
+def test_horovod_names_and_queries():
+    for name in ("init", "shutdown", "rank", "size", "local_rank", "local_size", "allreduce",
+                 "grouped_allreduce", "allgather", "broadcast", "broadcast_variables",
+                 "broadcast_object", "allgather_object", "reducescatter", "alltoall", "join",
+                 "barrier", "DistributedOptimizer", "DistributedGradientTape",
+                 "BroadcastGlobalVariablesHook", "broadcast_global_variables", "Compression",
+                 "save_checkpoint", "load_checkpoint"):
+        assert hasattr(rtf, name), name
+    assert rtf.nccl_built() is False and rtf.mpi_built() is False
+    assert rtf.Compression.fp16.wire == tf.float16
+    with pytest.raises(rr.NotInitializedError):
+        rtf.allreduce(tf.ones([2]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_allreduce_every_dtype_eager_and_in_tf_function(dtype):
+    ops = [rr.Sum, rr.Min, rr.Max] + ([rr.Average] if dtype != tf.bool else [])
+
+    def fn(rank):
+        x = contribution(rank, dtype)
+        eager = [rtf.allreduce(x, op=op, name=f"e{op}").numpy() for op in ops]
+        graph = tf.function(lambda t: [rtf.allreduce(t, op=op, name=f"g{op}") for op in ops])
+        out = graph(x)
+        assert all(o.dtype == dtype and o.shape == x.shape for o in out)
+        return eager, [o.numpy() for o in out]
+
+    res = run(3, fn)
+    stack = np.stack([contribution(r, dtype).numpy().astype(np.float64) for r in range(3)])
+    expect = {rr.Sum: stack.sum(0), rr.Min: stack.min(0), rr.Max: stack.max(0),
+              rr.Average: stack.sum(0) / 3}
+    for eager, graph in res:
+        for op, e, g in zip(ops, eager, graph):
+            want = expect[op]
+            if dtype == tf.bool:
+                want = want > 0 if op != rr.Min else want == 1
+            if dtype.is_integer and op == rr.Average:
+                want = np.trunc(want)
+            np.testing.assert_allclose(e.astype(np.float64), want, rtol=1e-2)
+            np.testing.assert_array_equal(e, g)
+
+
+def test_data_movement_and_gradients():
+    def fn(rank):
+        v = tf.Variable(tf.fill([rank + 1, 2], float(rank + 1)))
+        with tf.GradientTape(persistent=True) as tape:
+            gathered = rtf.allgather(v * 1.0, name="g")
+            b = rtf.broadcast(v[:1] * 1.0, root_rank=1, name="b")
+            a = rtf.allreduce(v[:1] * 1.0, op=rr.Sum, name="a")
+            rs = rtf.reducescatter(tf.ones([3, 2]) * (rank + 1), op=rr.Sum, name="rs")
+            loss = tf.reduce_sum(gathered * gathered)
+            sums = [tf.reduce_sum(b), tf.reduce_sum(a)]
+        grads = [tape.gradient(loss, v), tape.gradient(sums[0], v), tape.gradient(sums[1], v)]
+        sent = tf.constant([10 * rank + i for i in range(3)])
+        received, splits = rtf.alltoall(sent, splits=[2, 1] if rank == 0 else [1, 2])
+        return (gathered.numpy(), b.numpy(), rs.numpy(), [g.numpy() for g in grads],
+                received.numpy(), splits.numpy())
+
+    r0, r1 = run(2, fn)
+    np.testing.assert_array_equal(r0[0], [[1, 1], [2, 2], [2, 2]])
+    np.testing.assert_array_equal(r0[1], [[2, 2]])
+    np.testing.assert_array_equal(r0[2], [[3, 3], [3, 3]])
+    np.testing.assert_array_equal(r1[2], [[3, 3]])
+    # d(sum over ranks of sum(gathered^2)) / dv = 2 * 2 * v (every rank's loss sees v)
+    np.testing.assert_array_equal(r0[3][0], 4 * np.ones([1, 2]))
+    np.testing.assert_array_equal(r1[3][0], 8 * np.ones([2, 2]))
+    np.testing.assert_array_equal(r1[3][1], [[2, 2], [0, 0]])  # root gets the Sum
+    np.testing.assert_array_equal(r0[3][1], [[0, 0]])
+    np.testing.assert_array_equal(r0[3][2], [[2, 2]])  # Sum allreduce: Sum of gradients
+    np.testing.assert_array_equal(r0[4], [0, 1, 10])
+    np.testing.assert_array_equal(r1[4], [2, 11, 12])
+    np.testing.assert_array_equal(r1[5], [1, 2])
+
+
+def test_tensors_reach_the_engine_and_come_back_without_copies():
+    from ringreduce.tensorflow import _bridge
+
+    x = tf.random.normal([1000])
+    view = _bridge._to_array(x, False)
+    assert view.ctypes.data == np.from_dlpack(x).ctypes.data  # no copy on the way in
+    from ringreduce._arrays import empty_aligned
+
+    out = empty_aligned((1000,), np.float32)
+    t = _bridge._to_tensor(out, False)
+    out[3] = 42.0
+    assert t.numpy()[3] == 42.0  # the tensor is the engine's output buffer
+    y = run(1, lambda rank: rtf.allreduce(x, op=rr.Sum).numpy())[0]
+    np.testing.assert_array_equal(y, x.numpy())
+
+
+def test_grouped_allreduce_compression_and_indexed_slices():
+    def fn(rank):
+        xs = [tf.fill([3], float(rank + 1)), tf.fill([2, 2], 2.0 * (rank + 1))]
+        g = rtf.grouped_allreduce(xs, op=rr.Sum, compression=rtf.Compression.fp16, name="grp")
+        fp16 = rtf.allreduce(tf.constant([1.0 / 3] * 4, tf.float64),
+                             compression=rtf.Compression.fp16)
+        sl = tf.IndexedSlices(tf.fill([1, 2], float(rank + 1)), tf.constant([rank]),
+                              tf.constant([2, 2]))
+        avg = rtf.allreduce(sl, op=rr.Average, name="slices")
+        pre = rtf.allreduce(tf.ones([2]), op=rr.Sum, prescale_factor=2.0, postscale_factor=0.5)
+        return ([t.numpy() for t in g], fp16.numpy(), fp16.dtype, avg.indices.numpy(),
+                tf.convert_to_tensor(avg).numpy(), pre.numpy())
+
+    for grouped, fp16, dtype, indices, dense, pre in run(2, fn):
+        np.testing.assert_array_equal(grouped[0], [3, 3, 3])
+        np.testing.assert_array_equal(grouped[1], np.full([2, 2], 6.0))
+        assert dtype == tf.float64 and abs(fp16[0] - 1 / 3) < 1e-3 and fp16[0] != 1 / 3
+        np.testing.assert_array_equal(indices, [0, 1])
+        np.testing.assert_array_equal(dense, [[0.5, 0.5], [1.0, 1.0]])
+        np.testing.assert_array_equal(pre, [2.0, 2.0])
+
+
+def _reference_step(weights, xs, ys):
+    w = tf.Variable(weights)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(tf.matmul(xs, w) - ys))
+    return tape.gradient(loss, w).numpy()
+
+
+def test_distributed_gradient_tape_averages_like_one_big_batch():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 1))
+    w0 = rng.normal(size=(3, 1))
+
+    def fn(rank):
+        w = tf.Variable(w0)
+        emb = tf.Variable(tf.ones([4, 2], tf.float64))
+
+        @tf.function
+        def step(xs, ys):
+            with tf.GradientTape() as tape:
+                pred = tf.matmul(xs, w) + tf.reduce_sum(tf.gather(emb, [rank]))
+                loss = tf.reduce_mean(tf.square(pred - ys))
+            tape = rtf.DistributedGradientTape(tape)
+            return tape.gradient(loss, [w, emb])
+
+        gw, gemb = step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        assert isinstance(gemb, tf.IndexedSlices)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(emb, [0, rank])) * (rank + 1)
+        dense = rtf.DistributedGradientTape(tape, sparse_as_dense=True).gradient(loss, emb)
+        return gw.numpy(), dense.numpy()
+
+    res = run(2, fn)
+    emb_offset = 2.0  # tf.reduce_sum of one embedding row of ones
+    want = _reference_step(w0, x, y - emb_offset)
+    for gw, dense in res:
+        np.testing.assert_allclose(gw, want, rtol=1e-12)
+        np.testing.assert_array_equal(dense[:2], [[2.0, 2.0], [1.0, 1.0]])
+
+
+def test_tf1_graph_optimizer_hook_and_local_aggregation():
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 1))
+    w0 = rng.normal(size=(3, 1))
+
+    def fn(rank, passes):
+        with tf.Graph().as_default():
+            w = tf.compat.v1.get_variable("w", initializer=w0 * (rank + 1))  # differ: bcast
+            xs = tf.compat.v1.placeholder(tf.float64, [None, 3])
+            ys = tf.compat.v1.placeholder(tf.float64, [None, 1])
+            loss = tf.reduce_mean(tf.square(tf.matmul(xs, w) - ys))
+            opt = rtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.125),
+                                           backward_passes_per_step=passes,
+                                           average_aggregated_gradients=True)
+            train = opt.minimize(loss)
+            hooks = [rtf.BroadcastGlobalVariablesHook(0)]
+            with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+                for k in range(passes):
+                    rows = slice(rank * 4 + k * 4 // passes, rank * 4 + (k + 1) * 4 // passes)
+                    sess.run(train, {xs: x[rows], ys: y[rows]})
+                return sess.run(w)
+
+    want = w0 - 0.125 * _reference_step(w0, x, y)  # exact in float32, as TF1 casts it
+    for passes in (1, 2):
+        for got in run(2, lambda rank, p=passes: fn(rank, p)):
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_broadcast_variables_checkpoints_and_objects(tmp_path):
+    path = str(tmp_path / "ckpt.pkl")
+
+    def fn(rank):
+        m = tf.Module()
+        m.w = tf.Variable(tf.fill([2, 2], float(rank)))
+        m.step = tf.Variable(rank, dtype=tf.int64)
+        rtf.broadcast_variables([m.w, m.step], root_rank=1)
+        wrote = rtf.save_checkpoint(path, model=m, epoch=4)
+        rtf.barrier()
+        m.w.assign(tf.zeros([2, 2]))
+        data = rtf.load_checkpoint(path, model=m)
+        obj = rtf.broadcast_object({"rank": rank}, root_rank=1)
+        return wrote, m.w.numpy(), int(m.step.numpy()), data["epoch"], obj
+
+    for rank, (wrote, w, step, epoch, obj) in enumerate(run(2, fn)):
+        assert wrote == (rank == 0) and epoch == 4 and obj == {"rank": 1} and step == 1
+        np.testing.assert_array_equal(w, np.ones([2, 2]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pkl"]
+
+
+def test_errors_are_ringreduce_errors_on_every_rank():
+    def mismatch(rank):
+        return rtf.allreduce(tf.ones([2 + rank]), name="bad")
+
+    errs = run(2, mismatch, return_exceptions=True)
+    assert all(isinstance(e, rr.MismatchError) for e in errs), errs
+    assert "rank 0 called allreduce float32[2]" in str(errs[0])
+
+    def in_graph(rank):
+        return tf.function(lambda: rtf.allreduce(tf.ones([2 + rank]), name="bad2"))()
+
+    errs = run(2, lambda rank: rtf.run_translated(in_graph, rank), return_exceptions=True)
+    assert all(isinstance(e, rr.MismatchError) for e in errs), errs
+
+    def bad_input(rank):
+        with pytest.raises(rr.InvalidInputError, match="int16 is not supported"):
+            rtf.allreduce(tf.ones([2], tf.int16))
+        with pytest.raises(rr.InvalidInputError, match="string"):
+            rtf.allreduce(tf.constant(["a"]))
+        with pytest.raises(rr.InvalidInputError, match="scalar"):
+            rtf.allgather(tf.constant(1.0))
+        with pytest.raises(rr.InvalidInputError, match="root_rank"):
+            rtf.broadcast(tf.ones([1]), root_rank=5)
+        with pytest.raises(rr.InvalidInputError, match="op must be"):
+            rtf.allreduce(tf.ones([1]), op=7)
+        with pytest.raises(rr.InvalidInputError, match="eager"):
+            rtf.broadcast_global_variables(0)
+        with pytest.raises(rr.InvalidInputError, match="GradientTape"):
+            rtf.DistributedGradientTape(object())
+        with pytest.raises(rr.InvalidInputError, match="gradient_predivide_factor"):
+            rtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                     op=rr.Sum, gradient_predivide_factor=2.0)
+        return True
+
+    assert run(2, bad_input) == [True, True]

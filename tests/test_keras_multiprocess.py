@@ -1,0 +1,39 @@
+"""ringreduce.keras in real processes (mpirun): model.fit equivalence, callbacks, checkpoints,
+load_model, and a rank dying inside model.fit. Two launches: TensorFlow imports are slow."""
+
+from __future__ import annotations
+
+import pytest
+from procs import run_env_launch, run_mpi
+
+pytest.importorskip("tensorflow")
+pytest.importorskip("keras")
+
+
+def test_keras_fit_equals_one_process_and_callbacks_work(tmp_path):
+    job = run_mpi(2, "keras_worker.py", [tmp_path, "check"], timeout=180)
+    job.check_ok(expect_ranks=2)
+    for r in range(2):
+        eq = {(e["opt"], e["passes"]): e for e in job.events("equivalence")[r]}
+        assert set(eq) == {("sgd", 1), ("adam", 1), ("sgd", 2)}
+        assert all(e["diff"] <= 1e-10 for e in eq.values()), eq
+        # k=2: one application per two batches, as many as the reference's big batches
+        assert eq[("sgd", 2)]["iterations"] == eq[("sgd", 2)]["ref_iterations"] == 4
+    cb = [job.event(r, "callbacks") for r in range(2)]
+    assert cb[0]["logs"] == cb[1]["logs"], "MetricAverageCallback left ranks' logs different"
+    lrs = cb[0]["lrs"]  # 2 batches per epoch, warmup over 2 epochs from 0.08/2 to 0.08
+    assert lrs[:4] == pytest.approx([0.04, 0.05, 0.06, 0.07]) and lrs[4:] == [0.08, 0.08], lrs
+    loaded = job.event(0, "loaded")
+    assert loaded["same"] and loaded["distributed"] == "_DistributedKerasMixin"
+    assert loaded["files"] == ["ckpt.keras"], loaded
+
+
+def test_a_rank_dying_inside_fit_raises_peer_lost_on_the_others(tmp_path):
+    # the env-var launch: mpirun would kill rank 0 as soon as rank 1 exits
+    job = run_env_launch(2, "keras_worker.py", [tmp_path, "die"], timeout=120)
+    assert not job.timed_out, job.describe()
+    err = job.event(0, "fit-error")
+    assert err is not None, job.describe()
+    assert err["cls"] == "PeerLostError" and err["rr"], err
+    assert "rank 1" in err["msg"], err
+    assert job.event(0, "fit-error-after")["seconds"] < 30

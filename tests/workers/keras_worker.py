@@ -1,0 +1,142 @@
+"""Keras 3 (TensorFlow backend) in real processes: fit equivalence, callbacks, load_model, faults.
+
+    mpirun -np 2 python keras_worker.py DIR [check|die]
+
+``check``: np=2 with half batches ends with the weights of one process training on the
+full batches (SGD and Adam, float64, also with backward_passes_per_step=2), metrics are
+averaged, the warmup schedule is Horovod's, the checkpoint callback writes on rank 0
+only and load_model resumes every rank. ``die``: rank 1 exits inside model.fit; rank 0
+must raise PeerLostError from fit within seconds (logged as an event).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+from workerlib import error_event, event, run, say, set_rank
+
+import ringreduce.keras as rr
+
+keras.backend.set_floatx("float64")
+RNG = np.random.default_rng(0)
+X, Y = RNG.normal(size=(32, 5)), RNG.normal(size=(32, 1))
+
+
+def make_model() -> keras.Model:
+    keras.utils.set_random_seed(1234)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def weights(model: keras.Model) -> np.ndarray:
+    return np.concatenate([np.ravel(v.numpy()) for v in model.weights])
+
+
+def batches(per_rank: int) -> tuple:
+    """Rank r's rows, and the same rows in the order one process sees them at batch n*B."""
+    n, r = rr.size(), rr.rank()
+    steps = len(X) // (per_rank * n)
+    mine = np.concatenate([np.arange((s * n + r) * per_rank, (s * n + r + 1) * per_rank)
+                           for s in range(steps)])
+    return X[mine], Y[mine]
+
+
+def equivalence(opt_name: str, passes: int) -> None:
+    make_opt = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+                "adam": lambda: keras.optimizers.Adam(0.01)}[opt_name]
+    per_rank = 4
+    model = make_model()
+    if rr.rank() == 1:  # different start: the broadcast callback must fix it
+        model.layers[0].kernel.assign(np.zeros((5, 4)))
+    opt = rr.DistributedOptimizer(make_opt(), backward_passes_per_step=passes,
+                                  average_aggregated_gradients=True)
+    model.compile(optimizer=opt, loss="mse")
+    xs, ys = batches(per_rank)
+    model.fit(xs, ys, batch_size=per_rank, epochs=2, shuffle=False, verbose=0,
+              callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0)])
+    ref = make_model()
+    ref.compile(optimizer=make_opt(), loss="mse")
+    ref.fit(X, Y, batch_size=per_rank * rr.size() * passes, epochs=2, shuffle=False, verbose=0)
+    diff = float(np.abs(weights(model) - weights(ref)).max())
+    event("equivalence", opt=opt_name, passes=passes, diff=diff,
+          iterations=int(opt.iterations.numpy()), ref_iterations=int(ref.optimizer.iterations))
+    if diff > 1e-10:
+        raise AssertionError(f"{opt_name} k={passes}: weights differ from one process by {diff}")
+
+
+class Record(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lrs: list = []
+        self.logs: list = []
+
+    def on_train_batch_begin(self, batch: int, logs: dict = None) -> None:
+        self.lrs.append(float(self.model.optimizer.learning_rate))
+
+    def on_epoch_end(self, epoch: int, logs: dict = None) -> None:
+        self.logs.append(dict(logs or {}))
+
+
+def callbacks_and_checkpoints(directory: str) -> None:
+    model = make_model()
+    model.compile(optimizer=rr.DistributedOptimizer(keras.optimizers.SGD(0.08)), loss="mse",
+                  metrics=["mae"])
+    record = Record()
+    path = os.path.join(directory, "ckpt.keras")
+    xs, ys = X[rr.rank() * 8:(rr.rank() + 1) * 8], Y[rr.rank() * 8:(rr.rank() + 1) * 8] * (
+        1 + rr.rank())
+    model.fit(xs, ys, batch_size=4, epochs=3, shuffle=False, verbose=0,
+              callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0),
+                         rr.callbacks.MetricAverageCallback(),
+                         rr.callbacks.LearningRateWarmupCallback(initial_lr=0.08,
+                                                                 warmup_epochs=2),
+                         record, rr.callbacks.ModelCheckpoint(path)])
+    event("callbacks", lrs=record.lrs, logs=record.logs)
+    rr.barrier()
+    loaded = rr.load_model(path)
+    same = bool(np.array_equal(weights(loaded), weights(model)))
+    event("loaded", same=same, distributed=type(loaded.optimizer).__mro__[1].__name__,
+          files=sorted(os.listdir(directory)))
+    if not same:
+        raise AssertionError("load_model returned other weights")
+
+
+def die() -> None:
+    class Exit(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: dict = None) -> None:
+            if rr.rank() == 1 and batch == 3:
+                os._exit(17)
+
+    model = make_model()
+    model.compile(optimizer=rr.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    start = time.time()
+    try:
+        model.fit(np.tile(X, (20, 1)), np.tile(Y, (20, 1)), batch_size=4, epochs=5, verbose=0,
+                  callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0), Exit()])
+    except Exception as err:  # noqa: BLE001 - the class is what is checked
+        error_event("fit-error", err)
+        event("fit-error-after", seconds=time.time() - start)
+        sys.exit(3)
+    raise AssertionError("fit finished although rank 1 died")
+
+
+def main() -> None:
+    rr.init()
+    set_rank(rr.rank())
+    if sys.argv[2] == "die":
+        die()
+    for opt_name in ("sgd", "adam"):
+        equivalence(opt_name, 1)
+    equivalence("sgd", 2)
+    callbacks_and_checkpoints(sys.argv[1])
+    rr.barrier()
+    say(f"OK rank {rr.rank()}")
+    rr.shutdown()
+
+
+if __name__ == "__main__":
+    run(main)

@@ -193,6 +193,43 @@ def test_distributed_gradient_tape_averages_like_one_big_batch():
         np.testing.assert_array_equal(dense[:2], [[2.0, 2.0], [1.0, 1.0]])
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_custom_loop_with_the_tape_ends_with_one_process_weights(opt):
+    import keras
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(3, 8, 3)), rng.normal(size=(3, 8, 1))
+    w0 = rng.normal(size=(3, 1))
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+            "adam": lambda: keras.optimizers.Adam(0.05)}[opt]
+
+    def train(rank, size, distributed):
+        w = tf.Variable(w0 * (rank + 1))  # different until the broadcast
+        o = make()
+        if distributed:
+            o.build([w])
+            rtf.broadcast_variables([w] + list(o.variables), root_rank=0)
+
+        @tf.function
+        def step(xs, ys, first):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(xs, w) - ys))
+            if distributed:
+                tape = rtf.DistributedGradientTape(tape)
+            o.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+            if first and distributed:  # Horovod's recipe (a no-op here: equal already)
+                rtf.broadcast_variables([w] + list(o.variables), root_rank=0)
+
+        for k in range(3):
+            rows = slice(rank * 8 // size, (rank + 1) * 8 // size)
+            step(x[k, rows], y[k, rows], k == 0)
+        return w.numpy()
+
+    want = train(0, 1, False)
+    for got in run(2, lambda rank: train(rank, 2, True)):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 def test_tf1_graph_optimizer_hook_and_local_aggregation():
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 1))

@@ -21,7 +21,7 @@ __all__ = ["broadcast_global_variables", "broadcast_variables", "load_checkpoint
 
 
 def _signature(variables: list) -> list:
-    return [(i, (tuple(v.shape), v.dtype.name)) for i, v in enumerate(variables)]
+    return [(i, (tuple(v.shape), tf.as_dtype(v.dtype).name)) for i, v in enumerate(variables)]
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
@@ -159,7 +159,7 @@ def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False,
         if kind != "variables" or variables is None:
             raise CheckpointError(f"load_checkpoint: {key!r} was saved as a plain value; "
                                   "read it from the returned dict instead")
-        got = [(tuple(v.shape), v.dtype.name) for v in variables]
+        got = [(tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables]
         want = [(a.shape, tf.as_dtype(a.dtype).name) for a in saved]
         if got != want:
             raise CheckpointError(

@@ -52,6 +52,12 @@ def test_horovod_names_and_queries():
                  "save_checkpoint", "load_checkpoint"):
         assert hasattr(rtf, name), name
     assert rtf.nccl_built() is False and rtf.mpi_built() is False
+    import ringreduce.keras as rk
+    import ringreduce.tensorflow.keras as hvd_keras
+
+    assert hvd_keras.DistributedOptimizer is rk.DistributedOptimizer
+    assert hvd_keras.callbacks.MetricAverageCallback
+    assert run(2, lambda rank: (int(rtf.size_op()), int(rtf.rank_op()))) == [(2, 0), (2, 1)]
     assert rtf.Compression.fp16.wire == tf.float16
     with pytest.raises(rr.NotInitializedError):
         rtf.allreduce(tf.ones([2]))

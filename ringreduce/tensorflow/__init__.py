@@ -71,7 +71,8 @@ __all__ = [
     "barrier", "broadcast", "broadcast_global_variables", "broadcast_object",
     "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
     "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_initialized", "join",
-    "load_checkpoint", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "load_checkpoint", "local_rank", "local_rank_op", "local_size", "local_size_op",
+    "mpi_built", "rank_op", "size_op", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "rocm_built",
     "run_translated", "save_checkpoint", "shutdown", "size", "use_communicator",
 ]
@@ -134,6 +135,30 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
                                num_groups=num_groups, groups=groups)
     raise InvalidInputError(f"DistributedOptimizer: expected a tf.compat.v1.train.Optimizer or "
                             f"a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+
+
+def _constant(value: int, name: str) -> tf.Tensor:
+    return tf.constant(value, tf.int32, name=name)
+
+
+def size_op(name: Any = None) -> tf.Tensor:
+    """Horovod's ``size_op``: ``size()`` as an int32 tensor."""
+    return _constant(_comm().size(), name or "size")
+
+
+def rank_op(name: Any = None) -> tf.Tensor:
+    """Horovod's ``rank_op``: ``rank()`` as an int32 tensor."""
+    return _constant(_comm().rank(), name or "rank")
+
+
+def local_size_op(name: Any = None) -> tf.Tensor:
+    """Horovod's ``local_size_op``."""
+    return _constant(_comm().local_size(), name or "local_size")
+
+
+def local_rank_op(name: Any = None) -> tf.Tensor:
+    """Horovod's ``local_rank_op``."""
+    return _constant(_comm().local_rank(), name or "local_rank")
 
 
 def _no() -> bool:

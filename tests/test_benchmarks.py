@@ -11,7 +11,7 @@ import shutil
 import subprocess
 
 import pytest
-from procs import ROOT, Job, run_mpi
+from procs import ROOT, Job, run_mpi, run_single
 
 BENCH = ROOT / "benchmarks"
 
@@ -85,3 +85,36 @@ def test_ring_ceiling_compiles_and_sums_right(tmp_path, floats, chunk, stores):
     form = ["stream"] if stores == "streaming" else []
     out = run_c(compile_c("ring_ceiling.c", tmp_path), str(floats), str(chunk), *form)
     assert f"{floats} floats" in out and f"{stores} stores" in out, out
+
+
+def test_ps_vs_ring_runs_and_checks_results():
+    """Sizes not divisible by 3 (ring chunks of unequal length), and one not a multiple of
+    the socket buffers; the exact check covers all three implementations."""
+    out = stdout(run_mpi(3, BENCH / "ps_vs_ring.py",
+                         ["--min-bytes", "4", "--max-bytes", "4M", "--factor", "32",
+                          "--iters", "2", "--warmup", "1", "--reps", "1"], timeout=120))
+    assert "# wrong results: none" in out, out
+    assert "# traffic per iteration:" in out and "# ps/ring time ratio at N=3" in out, out
+    for name in ("ps-tcp", "ring-tcp", "ringreduce"):
+        assert name in out, name
+    paced = stdout(run_mpi(3, BENCH / "ps_vs_ring.py",
+                           ["--min-bytes", "4K", "--max-bytes", "256K", "--factor", "8",
+                            "--iters", "2", "--warmup", "1", "--reps", "1",
+                            "--link-gbps", "1"], timeout=120))
+    assert "# wrong results: none" in paced and "# emulated links:" in paced, paced
+
+
+def test_keras_scaling_runs_both_libraries_at_both_sizes():
+    """The driver launches its own workers (env-var launch and TF_CONFIG); run_single keeps
+    launcher variables out of its environment and kills the whole process tree at the end."""
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("keras")
+    out = stdout(run_single(BENCH / "keras_scaling.py",
+                            ["--steps", "2", "--warmup", "1", "--repeats", "1", "--model",
+                             "small", "--timeout", "150"], timeout=240))
+    lines = out.splitlines()
+    for row in ("| ringreduce | 1 |", "| MWMS | 1 |", "| ringreduce | 2 |", "| MWMS | 2 |"):
+        assert any(line.startswith(row) for line in lines), (row, out)
+    assert out.count("# target:") == 2, out
+    assert "# check: trainable weights equal across ranks after training: OK" in out, out
+    assert "intra-op 1, inter-op 1" in out, out

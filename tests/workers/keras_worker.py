@@ -1,4 +1,5 @@
-"""Keras 3 (TensorFlow or torch backend, KERAS_BACKEND) in real processes: fit equivalence, callbacks, load_model, faults.
+"""Keras 3 (TensorFlow or torch backend: KERAS_BACKEND) in real processes: fit equivalence,
+callbacks, load_model, faults.
 
     mpirun -np 2 python keras_worker.py DIR [check|die]
 

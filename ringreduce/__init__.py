@@ -22,6 +22,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ._communicator import Average, Communicator, Handle, Max, Min, Product, Sum, reduce_isa
+from ._gpu import cuda_built, nccl_built
+from ._gpu import gpu_info as gpu_info  # in __all__ once ringreduce.torch re-exports it
+from ._gpu import nccl_version as nccl_version  # likewise
 from .exceptions import (
     InvalidInputError,
     MismatchError,
@@ -43,7 +46,7 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
     "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size", "synchronize",
-    "use_communicator",
+    "use_communicator", "cuda_built", "nccl_built",
 ]
 
 

@@ -5,4 +5,5 @@
 namespace rr {
 void bind_engine(pybind11::module_& m);
 void bind_coordination_testing(pybind11::module_& m);
+void bind_gpu(pybind11::module_& m);  // gpu_bindings.cc
 }  // namespace rr

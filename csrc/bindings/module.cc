@@ -73,4 +73,5 @@ PYBIND11_MODULE(_core, m) {
   rr::bind_rendezvous(m);
   rr::bind_engine(m);
   rr::bind_coordination_testing(m);
+  rr::bind_gpu(m);
 }

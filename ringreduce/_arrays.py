@@ -24,6 +24,11 @@ def as_array(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
     what = call_label(op, name)
     if isinstance(x, np.ndarray):
         return x
+    gpu = _gpu_memory(x)
+    if gpu:
+        from ._gpu import gpu_array_error
+
+        raise gpu_array_error(what, gpu)
     if hasattr(x, "__dlpack__"):
         try:
             return np.from_dlpack(x)
@@ -41,6 +46,21 @@ def as_array(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
             f"{what}: expected a numpy array, a DLPack tensor or a buffer, "
             f"got {type(x).__name__}"
         ) from err
+
+
+def _gpu_memory(x: Any) -> str:
+    """The kind of GPU memory ``x`` lives in ("CUDA device 0", ...), or "" for host memory."""
+    device = getattr(x, "__dlpack_device__", None)
+    if device is not None:
+        try:
+            kind, index = device()
+        except Exception:  # not a usable DLPack producer: from_dlpack will say so
+            return ""
+        from ._gpu import GPU_DLPACK_DEVICES
+
+        name = GPU_DLPACK_DEVICES.get(int(kind))
+        return f"{name} device {index}" if name else ""
+    return "CUDA" if hasattr(x, "__cuda_array_interface__") else ""
 
 
 def for_reading(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:

@@ -111,3 +111,31 @@ def gpu_info() -> dict:
 def cuda_device_count() -> int:
     """Visible CUDA devices; 0 without a CUDA build, a driver or a device."""
     return int(_gpu.cuda_device_count())
+
+
+#: DLPack device types of GPU memory a host pointer cannot read: CUDA, CUDA managed, ROCm.
+GPU_DLPACK_DEVICES = {2: "CUDA", 13: "CUDA managed", 10: "ROCm"}
+
+
+def gpu_status() -> str:
+    """One line: what this build and machine have for GPU arrays (for error messages)."""
+    info = gpu_info()
+    if info["cuda_built"]:
+        rt = info["cuda_runtime_version"]
+        build = f"built with CUDA {rt // 1000}.{rt % 1000 // 10}"
+    else:
+        build = "built without CUDA (no nvcc at build time)"
+    driver = info["cuda_error"] or f"{info['cuda_device_count']} CUDA device(s)"
+    nccl = f"NCCL {info['nccl_version_string']} at {info['nccl_path']}" \
+        if info["nccl_version"] else f"no NCCL ({info['nccl_error']})"
+    return f"this ringreduce is {build}; {driver}; {nccl}"
+
+
+def gpu_array_error(what: str, where: str) -> Exception:
+    """The InvalidInputError for an array in GPU memory, saying what is missing."""
+    from .exceptions import InvalidInputError
+
+    return InvalidInputError(
+        f"{what}: the array is in {where} memory, and GPU collectives (the NCCL executor) "
+        f"are not in this version of ringreduce yet ({gpu_status()}); copy it to host "
+        "memory first (CuPy: x.get(), torch: t.cpu(), TensorFlow: inside tf.device('/CPU:0'))")

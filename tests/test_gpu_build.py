@@ -545,3 +545,33 @@ def test_reference_casts():
     assert cast(nan, FLOAT64, FLOAT16, np.float16).view(np.uint16)[0] == 0x7F00
     with pytest.raises(InvalidInputError, match="not supported"):
         cast(np.zeros(2, np.int32), INT32, FLOAT16, np.float16)
+
+
+class _FakeCudaArray:
+    """Says it lives on CUDA device 1, as a CuPy array or a torch CUDA tensor does."""
+
+    def __dlpack_device__(self):
+        return (2, 1)
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a GPU array must be refused before it is read")
+
+
+class _FakeCaiArray:
+    __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (0, False),
+                                "version": 3}
+
+
+@pytest.mark.parametrize("array", [_FakeCudaArray(), _FakeCaiArray()], ids=["dlpack", "cai"])
+def test_a_gpu_array_is_refused_with_what_is_missing(array):
+    from ringreduce.testing import run_threaded
+
+    def fn(c):
+        with pytest.raises(rr.InvalidInputError) as info:
+            c.allreduce(array, name="g")
+        return str(info.value)
+
+    for msg in run_threaded(1, fn, timeout=30):
+        assert "allreduce 'g'" in msg and "CUDA" in msg and "memory" in msg, msg
+        assert ("NCCL" in msg) and ("driver" in msg or "device" in msg), msg
+        assert "x.get()" in msg and ".cpu()" in msg, msg

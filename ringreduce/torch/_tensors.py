@@ -58,8 +58,12 @@ def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     # is_cpu, and detach() only when needed: this runs once per gradient in
     # DistributedOptimizer's hooks (t.device builds an object, detach() a tensor).
     if not t.is_cpu:
+        if t.is_cuda:
+            from ringreduce._gpu import gpu_array_error
+
+            raise gpu_array_error(what, f"CUDA device {t.device.index}")
         raise InvalidInputError(f"{what}: tensor is on {t.device}; only CPU tensors are "
-                                "supported (move it with .cpu(), or use the GPU backend)")
+                                "supported (move it with .cpu())")
     if t.layout != torch.strided:
         raise InvalidInputError(f"{what}: tensor has layout {t.layout}; convert it with "
                                 ".to_dense() first")

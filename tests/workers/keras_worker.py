@@ -109,6 +109,12 @@ def callbacks_and_checkpoints(directory: str) -> None:
           files=sorted(os.listdir(directory)))
     if not same:
         raise AssertionError("load_model returned other weights")
+    schedule = Record()
+    model.fit(xs, ys, batch_size=4, epochs=3, shuffle=False, verbose=0,
+              callbacks=[rr.callbacks.LearningRateScheduleCallback(
+                  initial_lr=0.08, multiplier=lambda epoch: 0.5 ** epoch, start_epoch=1),
+                  schedule])
+    event("schedule", lrs=schedule.lrs)
 
 
 def die() -> None:

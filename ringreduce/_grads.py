@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._communicator import Average, Sum, _part
+from ._communicator import _OP_NAMES, Average, Sum, _part
 from .exceptions import InvalidInputError, call_label
 
 __all__ = ["allgather_grad", "alltoall_grad", "broadcast_grad", "reducescatter_grad"]
@@ -36,8 +36,8 @@ def reducescatter_grad(comm: Any, grad: np.ndarray, op: int, scale: float,
                        name: Optional[str]) -> np.ndarray:
     """Every rank's share gathered back, times the scale factors (and 1/size for Average)."""
     if op not in (Sum, Average):
-        raise InvalidInputError(f"{call_label('reducescatter', name)}: only Sum and Average "
-                                "are differentiable")
+        raise InvalidInputError(f"{call_label('reducescatter', name)}: op {_OP_NAMES[op]} has "
+                                "no gradient; only Sum and Average are differentiable")
     g = comm.allgather(np.ascontiguousarray(grad), _part(name, "grad"))
     scale = scale / comm.size() if op == Average else scale
     return g * np.asarray(scale, g.dtype) if scale != 1.0 else g

@@ -11,21 +11,17 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ringreduce import Average, Communicator, Sum
+from ringreduce import Average, Communicator
 from ringreduce._communicator import check_scales
+from ringreduce._grads import allgather_grad, alltoall_grad, broadcast_grad, reducescatter_grad
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
-from .ops import _OPS, Handle, Splits, _writable, resolve_op, synchronize
+from .ops import Handle, Splits, _writable, resolve_op, synchronize
 
 
 def _wants_grad(t: torch.Tensor, what: str) -> bool:
     return torch.is_grad_enabled() and check_tensor(t, what).requires_grad
-
-
-def _sum_grad(c: Communicator, grad: torch.Tensor, name: Optional[str]) -> torch.Tensor:
-    gname = f"{name}.grad" if name else None
-    return to_torch(c.allreduce(to_numpy(grad.contiguous(), "allreduce"), Sum, gname))
 
 
 # ------------------------------------------------------------- allgather
@@ -39,11 +35,8 @@ class _AllgatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         name, get_comm, rows = ctx.args
-        c = get_comm()
-        lname = f"{name}.grad.rows" if name else None
-        counts = c.allgather(np.array([rows], np.int64), lname)
-        offset = int(counts[:c.rank()].sum())
-        return _sum_grad(c, grad, name).narrow(0, offset, rows), None, None
+        g = allgather_grad(get_comm(), to_numpy(grad.contiguous(), "allgather"), rows, name)
+        return to_torch(g), None, None
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
@@ -80,9 +73,8 @@ class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         root_rank, name, get_comm = ctx.args
-        c = get_comm()
-        g = _sum_grad(c, grad, name)
-        return (g if c.rank() == root_rank else torch.zeros_like(g)), None, None, None
+        g = broadcast_grad(get_comm(), to_numpy(grad.contiguous(), "broadcast"), root_rank, name)
+        return to_torch(g), None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
@@ -123,14 +115,9 @@ class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         op, name, scale, get_comm = ctx.args
-        if op not in (Sum, Average):
-            raise InvalidInputError(f"{label('reducescatter', name)}: op {_OPS[op]} has no "
-                                    "gradient; only Sum and Average are differentiable")
-        c = get_comm()
-        g = to_torch(c.allgather(to_numpy(grad.contiguous(), "reducescatter"),
-                                 f"{name}.grad" if name else None))
-        scale = scale / c.size() if op == Average else scale
-        return (g * scale if scale != 1.0 else g), None, None, None, None, None
+        g = reducescatter_grad(get_comm(), to_numpy(grad.contiguous(), "reducescatter"), op,
+                               scale, name)
+        return to_torch(g), None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, op: int = Average, name: Optional[str] = None,
@@ -196,9 +183,8 @@ class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> tuple:
         name, get_comm, received = ctx.args
-        out, _ = get_comm().alltoall(to_numpy(grad.contiguous(), "alltoall"), received,
-                                     f"{name}.grad" if name else None)
-        return to_torch(out), None, None, None
+        g = alltoall_grad(get_comm(), to_numpy(grad.contiguous(), "alltoall"), received, name)
+        return to_torch(g), None, None, None
 
 
 def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None) -> Any:

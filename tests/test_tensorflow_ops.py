@@ -324,3 +324,21 @@ def test_errors_are_ringreduce_errors_on_every_rank():
         return True
 
     assert run(2, bad_input) == [True, True]
+
+
+def test_tape_options_predivide_sum_and_compression():
+    def fn(rank):
+        v = tf.Variable([1.0, 2.0])
+        out = {}
+        for key, kwargs in {"pre": {"gradient_predivide_factor": 2.0},
+                            "sum": {"op": rr.Sum},
+                            "bf16": {"compression": rtf.Compression.bf16}}.items():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(v * v) * (rank + 1)
+            out[key] = rtf.DistributedGradientTape(tape, **kwargs).gradient(loss, v).numpy()
+        return out
+
+    for out in run(2, fn):
+        np.testing.assert_allclose(out["pre"], [3.0, 6.0])  # (2v + 4v) / 2, in two halves
+        np.testing.assert_allclose(out["sum"], [6.0, 12.0])
+        np.testing.assert_allclose(out["bf16"], [3.0, 6.0])

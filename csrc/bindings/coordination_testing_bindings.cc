@@ -19,7 +19,9 @@ CollKind kind_from(const std::string& s) {
   throw_error(ErrorKind::kInvalidArgument, "unknown collective '", s, "'");
 }
 
-RequestMeta meta_from(const py::dict& d) {
+}  // namespace
+
+RequestMeta request_meta_from(const py::dict& d) {
   RequestMeta m;
   m.name = d["name"].cast<std::string>();
   m.kind = kind_from(d.contains("kind") ? d["kind"].cast<std::string>() : "allreduce");
@@ -30,8 +32,11 @@ RequestMeta meta_from(const py::dict& d) {
   m.prescale = d.contains("prescale") ? d["prescale"].cast<double>() : 1.0;
   m.postscale = d.contains("postscale") ? d["postscale"].cast<double>() : 1.0;
   m.group = d.contains("group") ? d["group"].cast<std::string>() : "";
+  m.device = d.contains("device") ? d["device"].cast<int32_t>() : -1;
   return m;
 }
+
+namespace {
 
 py::dict response_dict(const Response& r) {
   py::dict d;
@@ -63,7 +68,7 @@ void bind_coordination_testing(py::module_& parent) {
            py::arg("size"), py::arg("fusion_threshold") = 64 << 20, py::arg("stall_check") = 60.0,
            py::arg("stall_shutdown") = 0.0)
       .def("submit", [](Negotiator& n, int rank, const py::dict& meta,
-                        double now) { n.submit(rank, meta_from(meta), now); })
+                        double now) { n.submit(rank, request_meta_from(meta), now); })
       .def("join", &Negotiator::join, py::arg("rank"), py::arg("now") = 0.0)
       .def("decide", [](Negotiator& n, double now) { return response_dicts(n.decide(now)); })
       .def("next_deadline", &Negotiator::next_deadline)
@@ -72,7 +77,7 @@ void bind_coordination_testing(py::module_& parent) {
     std::vector<Response> ready;
     for (const auto& d : tensors) {
       Response r;
-      r.tensors.push_back(meta_from(d));
+      r.tensors.push_back(request_meta_from(d));
       r.contributors = d.contains("contributors") ? d["contributors"].cast<int>() : 2;
       ready.push_back(r);
     }
@@ -80,9 +85,9 @@ void bind_coordination_testing(py::module_& parent) {
   });
   py::class_<ResponseCache>(m, "ResponseCache")
       .def(py::init<size_t>())
-      .def("put", [](ResponseCache& c, const py::dict& d) { c.put(meta_from(d)); })
+      .def("put", [](ResponseCache& c, const py::dict& d) { c.put(request_meta_from(d)); })
       .def("lookup",
-           [](const ResponseCache& c, const py::dict& d) { return c.lookup(meta_from(d)); })
+           [](const ResponseCache& c, const py::dict& d) { return c.lookup(request_meta_from(d)); })
       .def("lru_order", &ResponseCache::lru_order)
       .def_property_readonly("slots", &ResponseCache::slots);
 }

@@ -30,7 +30,7 @@ void BatchWindow::submitted(bool first) {
   last_ns_.store(t, std::memory_order_relaxed);
 }
 
-bool BatchWindow::hold() {
+bool BatchWindow::hold(int64_t max_sleep_ns) {
   if (gap_ns_ <= 0 || signal_->waiting() || signal_->closed()) return false;
   const int64_t last = last_ns_.load(std::memory_order_relaxed);
   const int64_t first = first_ns_.load(std::memory_order_relaxed);
@@ -44,7 +44,7 @@ bool BatchWindow::hold() {
     if (signal_->waiting()) return false;
     if (t >= until) return true;
   }
-  signal_->sleep(std::min(until - t, kMaxSleepNs));
+  signal_->sleep(std::min(until - t, max_sleep_ns));
   return true;
 }
 

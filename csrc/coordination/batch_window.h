@@ -39,9 +39,10 @@ class BatchWindow {
   void submitted(bool first);
   // Engine thread, when it has local work and no round is running: returns
   // true after waiting in an open window (ask again), false to go ahead.
-  // One call sleeps at most kMaxSleepNs, so the engine still checks its
-  // peers' liveness while it holds work back under a long window.
-  bool hold();
+  // One call sleeps at most `max_sleep_ns` (kMaxSleepNs by default), so the
+  // engine still checks its peers' liveness (and polls executors with work
+  // in flight, with a shorter bound) while it holds work back.
+  bool hold(int64_t max_sleep_ns = kMaxSleepNs);
   static constexpr int64_t kMaxSleepNs = 100'000'000;
 
  private:

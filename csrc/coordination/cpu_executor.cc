@@ -34,7 +34,9 @@ class CpuExecutor : public Executor {
  public:
   CpuExecutor(Context& ctx, Timeline* timeline) : ctx_(ctx), timeline_(timeline) {}
 
-  void execute(const Response& r, const std::vector<Entry*>& local) override {
+  bool handles(int32_t device) const override { return device < 0; }
+
+  bool execute(const Response& r, const std::vector<Entry*>& local) override {
     const RequestMeta& m = r.tensors.front();
     if (timeline_) start_activity(r, cat(coll_name(m.kind)));
     switch (m.kind) {
@@ -53,6 +55,7 @@ class CpuExecutor : public Executor {
       case CollKind::kBarrier: barrier(ctx_, m.name); break;
     }
     if (timeline_) end_activity(r);
+    return true;
   }
 
  private:

@@ -56,7 +56,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
     negotiator_ = std::make_unique<Negotiator>(
         NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s, opt_.stall_shutdown_s},
         timeline_.get());
-  cpu_ = make_cpu_executor(*ctx_, timeline_.get());
+  executors_.push_back(make_cpu_executor(*ctx_, timeline_.get()));
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   RR_CHECK(wake_fd_ >= 0, "rank ", rank_, ": eventfd: ", errno_string(errno));
   ctx_->set_phase_observer(timeline_.get());
@@ -99,9 +99,6 @@ void Engine::validate(Entry& e) {
   const RequestMeta& m = e.meta;
   const char* what = coll_name(m.kind);
   Tensor t{e.in, m.shape, m.dtype, m.name};
-  if (m.device >= 0)
-    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", what, " '", m.name,
-                "': the tensor is on GPU ", m.device, ", and this build has no GPU backend");
   check_shape(*ctx_, t, what);
   switch (m.kind) {
     case CollKind::kAllreduce:
@@ -243,6 +240,11 @@ void Engine::shutdown() {
   if (timeline_) timeline_->close();
 }
 
+void Engine::set_device_executor_factory(ExecutorFactory f) {
+  std::lock_guard<std::mutex> lock(mu_);
+  device_factory_ = std::move(f);
+}
+
 EngineStats Engine::stats() const {
   EngineStats s;
   s.rounds = rounds_done_.load();
@@ -253,6 +255,13 @@ EngineStats Engine::stats() const {
 }
 
 // ------------------------------------------------------------ the thread
+namespace {
+// While an asynchronous executor has work in flight the idle thread polls it
+// for this long without sleeping, then sleeps at most kBusySleepNs at a time.
+constexpr double kBusySpinSeconds = 50e-6;
+constexpr int64_t kBusySleepNs = 1'000'000;
+}  // namespace
+
 void Engine::loop() {
   try {
     agree_on_settings();
@@ -263,6 +272,7 @@ void Engine::loop() {
       else
         worker_round();
       rounds_done_.fetch_add(1, std::memory_order_relaxed);
+      if (async_) poll_executors();
       if (timeline_) timeline_->flush();
     }
   } catch (const Error& e) {
@@ -286,7 +296,9 @@ Engine::Wake Engine::idle_wait() {
   double last_check = start;
   for (;;) {
     if (stop_.load()) return Wake::kStop;
-    if (has_work_.load() && batch_.hold()) {  // sleeps at most BatchWindow::kMaxSleepNs
+    const bool busy = async_busy();
+    if (busy) poll_executors();
+    if (has_work_.load() && batch_.hold(busy ? kBusySleepNs : BatchWindow::kMaxSleepNs)) {
       check_peers(last_check);
       continue;
     }
@@ -296,7 +308,7 @@ Engine::Wake Engine::idle_wait() {
       throw Error(e.kind(), cat("rank ", rank_, ": while idle: ", e.what()));
     }
     const double t = now();
-    if (t - start < ps.spin_seconds) {
+    if (t - start < ps.spin_seconds || (busy && t - start < kBusySpinSeconds)) {
       // Always yield: the caller this round woke must get a core at once,
       // and with every rank's engine spinning on a small machine it would
       // otherwise wait for the scheduler to preempt one.
@@ -304,7 +316,7 @@ Engine::Wake Engine::idle_wait() {
       continue;
     }
     check_peers(last_check);
-    double timeout = 0.1;
+    double timeout = busy ? kBusySleepNs * 1e-9 : 0.1;
     if (has_work_.load()) timeout = std::min(timeout, last_round_ + opt_.cycle_time_s - t);
     if (rank_ == 0) timeout = std::min(timeout, negotiator_->next_deadline() - t);
     block(static_cast<int64_t>(std::max(timeout, 0.0) * 1e9));

@@ -11,13 +11,16 @@
 //           future call raises the error, naming the rank and operation)
 //   any   --shutdown()-->  STOPPED (pending calls raise "shut down")
 // IDLE spins for the spin time, then sleeps on the shm doorbell or poll(),
-// waking every 100 ms to check that peers are alive. Local work waits in IDLE
+// waking every 100 ms to check that peers are alive (every 1 ms, polling the
+// executors, while GPU work is in flight: handles of asynchronous executors
+// resolve, and their names are released, only once poll() reports them). Local work waits in IDLE
 // while the caller is still submitting (BatchWindow, batch_window.h).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -81,6 +84,11 @@ class Engine {
   void shutdown();
   EngineStats stats() const;
   Context& context() { return *ctx_; }
+  // Makes the executor for a GPU the first time a response needs it; by
+  // default make_device_executor (executor.h). Tests put a GPU executor over
+  // FakeGpuOps here. Set it before submitting tensors for that GPU.
+  using ExecutorFactory = std::function<std::unique_ptr<Executor>(int32_t device)>;
+  void set_device_executor_factory(ExecutorFactory f);
 
  private:
   enum class Wake { kStop, kWork };
@@ -107,6 +115,11 @@ class Engine {
   std::vector<Response> decode_responses(const std::vector<uint8_t>& payload) const;
   void process(const std::vector<Response>& rs);
   void execute(const Response& r);
+  Executor& executor_for(const Response& r);
+  bool async_busy() const;
+  void poll_executors();
+  void resolve_names(const std::vector<std::string>& names);
+  void fail_names(const std::vector<std::string>& names, ErrorKind kind, const std::string& msg);
   void fail_entries(const Response& r, ErrorKind kind, const std::string& msg);
   void fail_all(ErrorKind kind, const std::string& why);
   void fail_engine(const Error& e);
@@ -120,13 +133,18 @@ class Engine {
   std::vector<int> workers_;                // rank 0: ranks 1 .. size - 1
   ResponseCache cache_;
   ControlChannel ctrl_;
-  std::unique_ptr<Executor> cpu_;
+  // By device (Executor::handles): the CPU executor first, GPU ones added
+  // when a response first needs them. Engine thread only.
+  std::vector<std::unique_ptr<Executor>> executors_;
+  std::map<int32_t, std::string> unusable_;  // device -> why no executor could be made
+  bool async_ = false;                       // some executor may complete later (poll)
   BatchWindow batch_;
 
   std::mutex shutdown_mu_;
   // Shared with submitting threads, under mu_.
   mutable std::mutex mu_;
   std::deque<Entry> queue_;
+  ExecutorFactory device_factory_;
   std::unordered_set<std::string> in_flight_;
   uint64_t noname_ = 0;
   uint64_t join_epoch_ = 0;  // completed join()s; with noname_, under mu_

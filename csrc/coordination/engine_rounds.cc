@@ -229,40 +229,107 @@ void Engine::execute(const Response& r) {
                   "', which this rank never submitted");
     local.push_back(it == pending_.end() ? nullptr : &it->second);
   }
+  bool done;
   try {
-    cpu_->execute(r, local);
+    done = executor_for(r).execute(r, local);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kMismatch && e.kind() != ErrorKind::kInvalidArgument) throw;
     fail_entries(r, e.kind(), e.what());
     return;
   }
-  // Names are released (one lock for the response) before handles resolve:
-  // a caller that saw its handle complete may submit the name again at once.
-  std::vector<std::shared_ptr<HandleState>> done;
+  if (!done) return;  // enqueued: poll_executors() completes it
   std::vector<std::string> names;
-  for (Entry* e : local) {
-    if (!e) continue;
-    done.push_back(std::move(e->handle));
-    names.push_back(e->meta.name);
+  for (Entry* e : local)
+    if (e) names.push_back(e->meta.name);
+  resolve_names(names);
+}
+
+// The executor whose handles(device) is true, made on first use for a GPU.
+// When none can be made, every later response for that device fails with
+// the same reason (kInvalidArgument: the entries fail, the engine goes on).
+Executor& Engine::executor_for(const Response& r) {
+  const int32_t device = r.tensors.front().device;
+  for (auto& ex : executors_)
+    if (ex->handles(device)) return *ex;
+  auto it = unusable_.find(device);
+  if (it == unusable_.end()) {
+    ExecutorFactory factory;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      factory = device_factory_;
+    }
+    try {
+      std::unique_ptr<Executor> ex =
+          factory ? factory(device) : make_device_executor(*ctx_, device);
+      if (!ex || !ex->handles(device))
+        throw_error(ErrorKind::kInternal, "no executor handles device ", device);
+      executors_.push_back(std::move(ex));
+      async_ = true;
+      return *executors_.back();
+    } catch (const Error& e) {
+      it = unusable_.emplace(device, e.what()).first;
+    }
   }
-  for (const std::string& n : names) pending_.erase(n);
-  release_names(names);
+  const RequestMeta& m = r.tensors.front();
+  throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
+              "': the tensor is on GPU ", device, ", which this process cannot use: ", it->second);
+}
+
+bool Engine::async_busy() const {
+  if (!async_) return false;
+  for (const auto& ex : executors_)
+    if (ex->busy()) return true;
+  return false;
+}
+
+void Engine::poll_executors() {
+  for (auto& ex : executors_) {
+    if (!ex->busy()) continue;
+    for (Completion& c : ex->poll()) {
+      if (c.ok)
+        resolve_names(c.names);
+      else
+        fail_names(c.names, c.kind, c.message);
+    }
+  }
+}
+
+// Names are released (one lock for the response) before handles resolve:
+// a caller that saw its handle complete may submit the name again at once.
+void Engine::resolve_names(const std::vector<std::string>& names) {
+  std::vector<std::shared_ptr<HandleState>> done;
+  std::vector<std::string> found;
+  for (const std::string& n : names) {
+    auto it = pending_.find(n);
+    if (it == pending_.end()) continue;  // failed meanwhile (shutdown)
+    done.push_back(std::move(it->second.handle));
+    found.push_back(n);
+    pending_.erase(it);
+  }
+  release_names(found);
   HandleState::resolve_all(done);
 }
 
-void Engine::fail_entries(const Response& r, ErrorKind kind, const std::string& msg) {
+void Engine::fail_names(const std::vector<std::string>& names, ErrorKind kind,
+                        const std::string& msg) {
   const std::string text = msg.rfind("rank ", 0) == 0 ? msg : cat("rank ", rank_, ": ", msg);
   std::vector<std::shared_ptr<HandleState>> failed;
-  std::vector<std::string> names;
-  for (const RequestMeta& m : r.tensors) {
-    auto it = pending_.find(m.name);
+  std::vector<std::string> found;
+  for (const std::string& n : names) {
+    auto it = pending_.find(n);
     if (it == pending_.end()) continue;
     failed.push_back(std::move(it->second.handle));
-    names.push_back(m.name);
+    found.push_back(n);
     pending_.erase(it);
   }
-  release_names(names);
+  release_names(found);
   for (auto& h : failed) h->fail_one(kind, text);
+}
+
+void Engine::fail_entries(const Response& r, ErrorKind kind, const std::string& msg) {
+  std::vector<std::string> names;
+  for (const RequestMeta& m : r.tensors) names.push_back(m.name);
+  fail_names(names, kind, msg);
 }
 
 }  // namespace rr

@@ -1,14 +1,23 @@
 // Op execution behind one interface, so a device backend (NCCL on GPU
-// buffers, a later issue) plugs in without the coordination code knowing:
-// the engine hands each agreed response to the executor for its device.
+// buffers) plugs in without the coordination code knowing: the engine keeps
+// a list of executors and hands each agreed response to the one that
+// handles its device (every tensor of a response is on one device; fusion
+// keys on it).
 //
 // `local[i]` is this rank's entry for response.tensors[i], or nullptr when
 // this rank has joined and takes part with a neutral contribution. The
 // executor fills the entries' results; the engine resolves their handles.
-// Errors propagate as rr::Error; the engine decides what they break.
+// Errors thrown by execute() propagate as rr::Error; the engine decides what
+// they break (kInvalidArgument / kMismatch fail the response's entries).
+//
+// Synchronous executors (the CPU one) finish in execute() and return true.
+// Asynchronous ones (the GPU one) enqueue the work and return false: the
+// entries stay pending, and the engine, which calls poll() in its loop while
+// busy() is true, completes them when poll() reports them.
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "coordination/handle.h"
@@ -19,15 +28,38 @@ namespace rr {
 
 class Timeline;
 
+// One response an asynchronous executor has finished (or failed): the
+// names of the entries this rank had in it (never the absent ones of a
+// joined rank, whose names a later call may reuse).
+struct Completion {
+  std::vector<std::string> names;
+  bool ok = true;
+  ErrorKind kind = ErrorKind::kInternal;  // when !ok
+  std::string message;                    // when !ok
+};
+
 class Executor {
  public:
   virtual ~Executor() = default;
-  virtual void execute(const Response& r, const std::vector<Entry*>& local) = 0;
+  // True if this executor runs tensors on `device` (-1: host memory).
+  virtual bool handles(int32_t device) const = 0;
+  // True when done (the engine resolves the entries now); false when
+  // enqueued (poll() reports it later).
+  virtual bool execute(const Response& r, const std::vector<Entry*>& local) = 0;
+  // Work enqueued by execute() that finished since the last call, in order.
+  virtual std::vector<Completion> poll() { return {}; }
+  // True while enqueued work has not been reported by poll().
+  virtual bool busy() const { return false; }
 };
 
 // Host memory: tensor fusion through a persistent fusion buffer, collectives
 // over the Context's shm / TCP links.
 std::unique_ptr<Executor> make_cpu_executor(Context& ctx, Timeline* timeline);
+
+// The executor for tensors on GPU `device`, made when the first response for
+// it arrives (gpu/gpu_executor_factory.cc). Throws rr::Error naming what is
+// missing (a CUDA build, a driver, a device, NCCL, a communicator).
+std::unique_ptr<Executor> make_device_executor(Context& ctx, int32_t device);
 
 // Fills `count` elements with the neutral element of `op` (0 for Sum and
 // Average, 1 for Product, the largest value for Min, the lowest for Max).

@@ -105,6 +105,13 @@ struct Entry {
   void* out = nullptr;          // allreduce / broadcast: the caller's result buffer
   std::vector<int64_t> splits;  // alltoall
   bool join = false;            // a join() marker rather than a tensor
+  // GPU tensors (meta.device >= 0): the stream that produced `in` (the
+  // framework's current stream at submit time; nullptr: the default stream)
+  // and, if the submitter recorded one there, the event marking the point
+  // the collective must wait for. The GPU executor makes its own stream wait
+  // on `gpu_ready_event`, or on an event it records on `gpu_stream` if none.
+  void* gpu_stream = nullptr;
+  void* gpu_ready_event = nullptr;
   std::shared_ptr<HandleState> handle;
   size_t index = 0;  // which of the handle's entries
 };

@@ -1,0 +1,155 @@
+// Unit-test access to the GPU executor without a GPU (submodule
+// ringreduce._core.gpu.testing): GpuExecutor driven over FakeGpuOps, whose
+// call log the tests compare, and an Engine given fake GPU executors. Device
+// addresses are plain integers here: nothing is ever dereferenced.
+#include <pybind11/stl.h>
+
+#include <deque>
+#include <map>
+
+#include "bindings/engine_bindings.h"
+#include "coordination/engine.h"
+#include "gpu/fake_gpu_ops.h"
+#include "gpu/gpu_executor.h"
+
+namespace py = pybind11;
+
+namespace rr {
+namespace {
+
+using gpu::EventState;
+using gpu::FakeGpuOps;
+using gpu::GpuExecutor;
+
+void* as_ptr(const py::dict& d, const char* key) {
+  if (!d.contains(key) || d[key].is_none()) return nullptr;
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(d[key].cast<uint64_t>()));
+}
+
+// One tensor of a test response: the metadata keys of request_meta_from, and
+// "in" / "out" device addresses ("in": None: this rank joined and lacks it),
+// "stream" / "event" (the producer's, as numbers).
+Entry entry_from(const py::dict& d, int32_t device) {
+  Entry e;
+  e.meta = request_meta_from(d);
+  e.meta.device = device;
+  e.in = as_ptr(d, "in");
+  e.out = d.contains("out") ? as_ptr(d, "out") : const_cast<void*>(e.in);
+  e.gpu_stream = as_ptr(d, "stream");
+  e.gpu_ready_event = as_ptr(d, "event");
+  return e;
+}
+
+py::list completions(std::vector<Completion> cs) {
+  py::list out;
+  for (Completion& c : cs) {
+    py::dict d;
+    d["names"] = c.names;
+    d["ok"] = c.ok;
+    d["message"] = c.message;
+    out.append(d);
+  }
+  return out;
+}
+
+// A GpuExecutor plus the entries it was given (kept alive while in flight).
+struct ExecutorUnderTest {
+  std::shared_ptr<FakeGpuOps> ops;
+  std::unique_ptr<GpuExecutor> ex;
+  std::deque<Entry> entries;
+  int size;
+};
+
+EventState state_from(const std::string& s) {
+  if (s == "pending") return EventState::kPending;
+  if (s == "done") return EventState::kDone;
+  if (s == "error") return EventState::kError;
+  throw_error(ErrorKind::kInvalidArgument, "event state must be pending, done or error: ", s);
+}
+
+}  // namespace
+
+void bind_gpu_testing(py::module_& parent) {
+  py::module_ m = parent.def_submodule("testing", "the GPU executor over a recording fake");
+  py::class_<FakeGpuOps, std::shared_ptr<FakeGpuOps>>(m, "FakeGpuOps")
+      .def(py::init<int>(), py::arg("nccl_version") = 22703)
+      .def("calls", &FakeGpuOps::calls)
+      .def("clear_calls", &FakeGpuOps::clear_calls)
+      .def("complete_all", &FakeGpuOps::complete_all, py::arg("sticky") = false)
+      .def(
+          "set_event",
+          [](FakeGpuOps& f, uint64_t id, const std::string& state, const std::string& error) {
+            f.set_event(id, state_from(state), error);
+          },
+          py::arg("id"), py::arg("state"), py::arg("error") = "")
+      .def("set_async_error", &FakeGpuOps::set_async_error)
+      .def("fail_next", &FakeGpuOps::fail_next);
+
+  py::class_<ExecutorUnderTest>(m, "GpuExecutor")
+      .def(py::init([](std::shared_ptr<FakeGpuOps> ops, int device, int rank, int size,
+                       uint64_t chunk_bytes) {
+             gpu::GpuExecutorOptions o;
+             o.device = device;
+             o.rank = rank;
+             o.size = size;
+             o.pack.chunk_bytes = chunk_bytes;
+             auto t = std::make_unique<ExecutorUnderTest>();
+             t->ops = ops;
+             t->ex = std::make_unique<GpuExecutor>(ops, o);
+             t->size = size;
+             return t;
+           }),
+           py::arg("ops"), py::arg("device") = 0, py::arg("rank") = 0, py::arg("size") = 2,
+           py::arg("chunk_bytes") = 0)
+      .def("init_comm",
+           [](ExecutorUnderTest& t, py::bytes id) { t.ex->init_comm(std::string(id)); })
+      // One response of `tensors` (dicts, see entry_from); returns execute()'s answer.
+      .def(
+          "execute",
+          [](ExecutorUnderTest& t, const std::vector<py::dict>& tensors, int contributors) {
+            Response r;
+            r.contributors = contributors > 0 ? contributors : t.size;
+            std::vector<Entry*> local;
+            for (const py::dict& d : tensors) {
+              Entry e = entry_from(d, 0);
+              r.tensors.push_back(e.meta);
+              if (!d.contains("in") || d["in"].is_none()) {
+                local.push_back(nullptr);
+                continue;
+              }
+              t.entries.push_back(std::move(e));
+              local.push_back(&t.entries.back());
+            }
+            return t.ex->execute(r, local);
+          },
+          py::arg("tensors"), py::arg("contributors") = 0)
+      .def("poll", [](ExecutorUnderTest& t) { return completions(t.ex->poll()); })
+      .def_property_readonly("busy", [](const ExecutorUnderTest& t) { return t.ex->busy(); })
+      .def("close", [](ExecutorUnderTest& t) { t.ex.reset(); });
+
+  // GPU `device` of `engine` gets a GpuExecutor over ops[device] (a fake),
+  // its communicator joined at once (no bootstrap needed by the fake).
+  m.def("use_fake_gpus", [](Engine& eng, std::map<int, std::shared_ptr<FakeGpuOps>> ops) {
+    const int rank = eng.context().rank(), size = eng.context().size();
+    eng.set_device_executor_factory([ops, rank, size](int32_t device) {
+      auto it = ops.find(device);
+      if (it == ops.end()) throw_error(ErrorKind::kInvalidArgument, "no fake for GPU ", device);
+      gpu::GpuExecutorOptions o;
+      o.device = device;
+      o.rank = rank;
+      o.size = size;
+      auto ex = std::make_unique<GpuExecutor>(it->second, o);
+      ex->init_comm(std::string(128, '\0'));
+      return std::unique_ptr<Executor>(std::move(ex));
+    });
+  });
+  // Submits one tensor (a dict as for GpuExecutor.execute) on `device`.
+  m.def("submit", [](Engine& eng, const py::dict& tensor, int32_t device) {
+    std::vector<Entry> v;
+    v.push_back(entry_from(tensor, device));
+    py::gil_scoped_release nogil;
+    return eng.submit(std::move(v));
+  });
+}
+
+}  // namespace rr

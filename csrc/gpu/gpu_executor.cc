@@ -1,0 +1,275 @@
+#include "gpu/gpu_executor.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "common/error.h"
+
+namespace rr {
+namespace gpu {
+namespace {
+
+uint64_t addr(const void* p) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+bool is_floating(DType t) {
+  return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 ||
+         t == DType::kFloat64;
+}
+
+std::vector<std::string> present_names(const Response& r, const std::vector<Entry*>& local) {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < local.size(); ++i)
+    if (local[i]) names.push_back(r.tensors[i].name);
+  return names;
+}
+
+}  // namespace
+
+GpuExecutor::GpuExecutor(std::shared_ptr<GpuOps> ops, GpuExecutorOptions opt)
+    : ops_(std::move(ops)), opt_(opt) {}
+
+GpuExecutor::~GpuExecutor() {
+  // The stream is destroyed first: that waits for work still enqueued (the
+  // engine has failed its entries at shutdown), so nothing below is in use.
+  try {
+    if (started_) ops_->stream_destroy(stream_);
+    for (GpuEvent e : all_events_) ops_->event_destroy(e);
+    if (fusion_addr_) ops_->free_device(fusion_addr_, nullptr);
+  } catch (const Error&) {  // a broken device: nothing left to release
+  }
+}
+
+void GpuExecutor::start() {
+  if (started_) return;
+  ops_->set_device(opt_.device);
+  stream_ = ops_->stream_create();
+  started_ = true;
+}
+
+void GpuExecutor::init_comm(const std::string& unique_id) {
+  start();
+  ops_->nccl_comm_init(unique_id, opt_.size, opt_.rank);
+  comm_ = true;
+}
+
+GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
+  const RequestMeta& m = r.tensors.front();
+  const int contributors = r.contributors > 0 ? r.contributors : opt_.size;
+  switch (m.op) {
+    case ReduceOp::kSum: return {DeviceOp::kSum, m.postscale};
+    case ReduceOp::kMin: return {DeviceOp::kMin, m.postscale};
+    case ReduceOp::kMax: return {DeviceOp::kMax, m.postscale};
+    case ReduceOp::kProduct: return {DeviceOp::kProd, m.postscale};
+    case ReduceOp::kAverage: break;
+  }
+  if (contributors == opt_.size && is_floating(m.dtype) && ops_->nccl_version() >= kNcclAvgVersion)
+    return {DeviceOp::kAvg, m.postscale};
+  return {DeviceOp::kSum, m.postscale / contributors};
+}
+
+bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
+  const RequestMeta& m = r.tensors.front();
+  const char* what = coll_name(m.kind);
+  // Refusals come before anything is enqueued.
+  if (m.kind != CollKind::kAllreduce && m.kind != CollKind::kBroadcast)
+    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
+                ": only allreduce and broadcast run on GPU so far");
+  const bool absent = std::any_of(local.begin(), local.end(), [](Entry* e) { return !e; });
+  if (absent && m.kind == CollKind::kAllreduce && m.op != ReduceOp::kSum &&
+      m.op != ReduceOp::kAverage)
+    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
+                ": a rank that joined contributes on GPU only to Sum and Average so far");
+  if (!broken_.empty()) {
+    Completion c;
+    c.names = present_names(r, local);
+    c.ok = false;
+    c.message = broken_;
+    finished_.push_back(std::move(c));
+    return false;
+  }
+  if (!comm_)
+    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': GPU ", opt_.device,
+                " has no NCCL communicator");
+  start();
+  InFlight f;
+  f.names = present_names(r, local);
+  wait_for_producers(local, f);
+  if (m.kind == CollKind::kBroadcast)
+    broadcast_one(r, local[0]);
+  else if (r.tensors.size() == 1)
+    allreduce_one(r, local[0]);
+  else
+    allreduce_fused(r, local);
+  f.done = take_event();
+  ops_->event_record(f.done, stream_);
+  in_flight_.push_back(std::move(f));
+  return false;
+}
+
+// One wait per distinct ready event; one recorded event per distinct
+// producer stream among the entries that brought no event.
+void GpuExecutor::wait_for_producers(const std::vector<Entry*>& local, InFlight& f) {
+  std::vector<void*> events, streams;
+  for (Entry* e : local) {
+    if (!e) continue;
+    if (e->gpu_ready_event) {
+      if (std::find(events.begin(), events.end(), e->gpu_ready_event) != events.end()) continue;
+      events.push_back(e->gpu_ready_event);
+      ops_->stream_wait_event(stream_, e->gpu_ready_event);
+      continue;
+    }
+    if (std::find(streams.begin(), streams.end(), e->gpu_stream) != streams.end()) continue;
+    streams.push_back(e->gpu_stream);
+    GpuEvent ev = take_event();
+    f.waits.push_back(ev);
+    ops_->event_record(ev, e->gpu_stream);
+    ops_->stream_wait_event(stream_, ev);
+  }
+}
+
+void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& local) {
+  const RequestMeta& m = r.tensors.front();
+  std::vector<PackEntry> entries;
+  for (size_t i = 0; i < r.tensors.size(); ++i)
+    entries.push_back(PackEntry{local[i] ? addr(local[i]->in) : 0, r.tensors[i].bytes()});
+  // The layout only: offsets from 0, descriptors rebuilt below for the
+  // entries this rank has (pack from the inputs, unpack to the outputs).
+  const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
+  const uint64_t buf = fusion(layout.bytes);
+  std::vector<CopyDesc> pack, unpack;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!local[i]) continue;
+    const uint64_t in = addr(local[i]->in);
+    const uint64_t out = local[i]->out ? addr(local[i]->out) : in;
+    const uint64_t fused = buf + layout.offsets[i];
+    for (uint64_t done = 0; done < entries[i].bytes; done += layout.chunk_bytes) {
+      const uint64_t n = std::min(layout.chunk_bytes, entries[i].bytes - done);
+      pack.push_back(CopyDesc{in + done, fused + done, n});
+      unpack.push_back(CopyDesc{out + done, fused + done, n});
+    }
+  }
+  if (!pack.empty()) ops_->launch_pack(pack, layout.launch, stream_);
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (!local[i] && entries[i].bytes)
+      ops_->memset_async(buf + layout.offsets[i], entries[i].bytes, stream_);
+  const uint64_t count = layout.bytes / dtype_size(m.dtype);
+  const ReducePlan p = plan_reduce(r);
+  if (m.prescale != 1.0) ops_->launch_scale(buf, count, m.dtype, m.prescale, stream_);
+  ops_->nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
+  if (p.postscale != 1.0) ops_->launch_scale(buf, count, m.dtype, p.postscale, stream_);
+  if (!unpack.empty()) ops_->launch_unpack(unpack, layout.launch, stream_);
+}
+
+void GpuExecutor::allreduce_one(const Response& r, Entry* e) {
+  const RequestMeta& m = r.tensors.front();
+  const uint64_t bytes = m.bytes();
+  const uint64_t count = bytes / dtype_size(m.dtype);
+  const ReducePlan p = plan_reduce(r);
+  uint64_t data;
+  if (e) {
+    uint64_t in = addr(e->in);
+    const uint64_t out = e->out ? addr(e->out) : in;
+    if (m.prescale != 1.0) {  // the input stays as the caller gave it
+      if (in != out) ops_->memcpy_async(out, in, bytes, stream_);
+      ops_->launch_scale(out, count, m.dtype, m.prescale, stream_);
+      in = out;
+    }
+    ops_->nccl_allreduce(in, out, count, m.dtype, p.op, stream_);
+    data = out;
+  } else {  // joined: zeros from scratch space
+    data = fusion(bytes);
+    ops_->memset_async(data, bytes, stream_);
+    ops_->nccl_allreduce(data, data, count, m.dtype, p.op, stream_);
+  }
+  if (p.postscale != 1.0) ops_->launch_scale(data, count, m.dtype, p.postscale, stream_);
+}
+
+void GpuExecutor::broadcast_one(const Response& r, Entry* e) {
+  const RequestMeta& m = r.tensors.front();
+  const uint64_t count = m.bytes() / dtype_size(m.dtype);
+  if (e) {
+    const uint64_t out = e->out ? addr(e->out) : addr(e->in);
+    const uint64_t in = e->in ? addr(e->in) : out;
+    ops_->nccl_broadcast(in, out, count, m.dtype, m.root, stream_);
+  } else {
+    const uint64_t buf = fusion(m.bytes());
+    ops_->nccl_broadcast(buf, buf, count, m.dtype, m.root, stream_);
+  }
+}
+
+// Grows by doubling; the old buffer is freed behind the work already on the
+// stream (in order, so nothing enqueued later can still use it).
+uint64_t GpuExecutor::fusion(uint64_t bytes) {
+  if (bytes <= fusion_bytes_) return fusion_addr_;
+  const uint64_t grown = std::max(bytes, 2 * fusion_bytes_);
+  if (fusion_addr_) ops_->free_device(fusion_addr_, stream_);
+  fusion_addr_ = 0;
+  fusion_bytes_ = 0;
+  fusion_addr_ = ops_->malloc_device(grown);
+  fusion_bytes_ = grown;
+  return fusion_addr_;
+}
+
+GpuEvent GpuExecutor::take_event() {
+  if (!free_events_.empty()) {
+    GpuEvent e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  GpuEvent e = ops_->event_create();
+  all_events_.push_back(e);
+  return e;
+}
+
+void GpuExecutor::release(InFlight& f) {
+  if (f.done) free_events_.push_back(f.done);
+  free_events_.insert(free_events_.end(), f.waits.begin(), f.waits.end());
+  f.done = nullptr;
+  f.waits.clear();
+}
+
+void GpuExecutor::fail_in_flight(const std::string& why) {
+  broken_ = why;
+  for (InFlight& f : in_flight_) {
+    Completion c;
+    c.names = std::move(f.names);
+    c.ok = false;
+    c.message = why;
+    finished_.push_back(std::move(c));
+  }
+  in_flight_.clear();  // their events may never complete: not reused
+  if (comm_) {
+    comm_ = false;
+    ops_->nccl_abort();
+  }
+}
+
+std::vector<Completion> GpuExecutor::poll() {
+  if (!in_flight_.empty()) {
+    const std::string nccl = comm_ ? ops_->nccl_async_error() : std::string();
+    if (!nccl.empty()) fail_in_flight(cat("NCCL failed on GPU ", opt_.device, ": ", nccl));
+    // One stream: work completes in the order it was enqueued.
+    while (!in_flight_.empty()) {
+      std::string cuda;
+      const EventState st = ops_->event_query(in_flight_.front().done, &cuda);
+      if (st == EventState::kPending) break;
+      if (st == EventState::kError) {
+        fail_in_flight(cat("CUDA failed on GPU ", opt_.device, ": ", cuda));
+        break;
+      }
+      Completion c;
+      c.names = std::move(in_flight_.front().names);
+      finished_.push_back(std::move(c));
+      release(in_flight_.front());
+      in_flight_.pop_front();
+    }
+  }
+  std::vector<Completion> out;
+  out.swap(finished_);
+  return out;
+}
+
+}  // namespace gpu
+}  // namespace rr

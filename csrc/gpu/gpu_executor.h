@@ -1,0 +1,103 @@
+// The executor for tensors on one GPU (plain C++: every CUDA / NCCL call goes
+// through GpuOps, so tests drive it with FakeGpuOps). It never blocks the
+// engine thread on the device: execute() enqueues a response's work on its own
+// stream and returns; poll() reports what has finished.
+//
+// Allreduce of several tensors (one fused response):
+//   1. the library stream waits for each tensor's producer (Entry's
+//      gpu_ready_event, or an event recorded now on its gpu_stream; one wait
+//      per distinct event / stream)
+//   2. one pack launch into the fusion buffer (layout from plan_pack; a
+//      joined rank's absent tensors are zero-filled instead: Sum / Average only)
+//   3. prescale launch (skipped when 1.0)
+//   4. the NCCL allreduce in place on the fusion buffer
+//   5. postscale launch (skipped when 1.0); for Average without ncclAvg
+//      (NCCL < 2.10, integer dtypes, or ranks that joined) NCCL sums and the
+//      1 / contributors is folded into this factor
+//   6. one unpack launch to the outputs, and an event recorded: its
+//      completion completes the response.
+// One tensor runs in place on its own buffers: no pack or unpack (a copy in
+// -> out first only when a prescale must not touch the input).
+// Broadcast runs NCCL's broadcast in -> out. Other collectives on GPU are
+// refused (kInvalidArgument) for now.
+//
+// Errors: an event that reports a CUDA error, or an NCCL asynchronous error
+// (checked on every poll while work is in flight), fails every response in
+// flight with that message, aborts the communicator, and fails every later
+// response on this device.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "coordination/executor.h"
+#include "gpu/gpu_ops.h"
+#include "gpu/pack_plan.h"
+
+namespace rr {
+namespace gpu {
+
+struct GpuExecutorOptions {
+  int device = 0;
+  int rank = 0;
+  int size = 1;
+  PackOptions pack;
+};
+
+class GpuExecutor : public Executor {
+ public:
+  GpuExecutor(std::shared_ptr<GpuOps> ops, GpuExecutorOptions opt);
+  ~GpuExecutor() override;
+  GpuExecutor(const GpuExecutor&) = delete;
+  GpuExecutor& operator=(const GpuExecutor&) = delete;
+
+  // Joins the NCCL communicator (every rank with the same 128-byte id).
+  void init_comm(const std::string& unique_id);
+
+  bool handles(int32_t device) const override { return device == opt_.device; }
+  bool execute(const Response& r, const std::vector<Entry*>& local) override;
+  std::vector<Completion> poll() override;
+  bool busy() const override { return !in_flight_.empty() || !finished_.empty(); }
+
+  // How an allreduce of `r` reduces: the NCCL op, and the factor applied
+  // after it (the request's postscale, with 1 / contributors folded in when
+  // Average runs as Sum).
+  struct ReducePlan {
+    DeviceOp op;
+    double postscale;
+  };
+  ReducePlan plan_reduce(const Response& r) const;
+
+ private:
+  struct InFlight {
+    std::vector<std::string> names;
+    GpuEvent done = nullptr;
+    std::vector<GpuEvent> waits;  // events recorded on producer streams
+  };
+  void start();
+  void wait_for_producers(const std::vector<Entry*>& local, InFlight& f);
+  void allreduce_fused(const Response& r, const std::vector<Entry*>& local);
+  void allreduce_one(const Response& r, Entry* e);
+  void broadcast_one(const Response& r, Entry* e);
+  uint64_t fusion(uint64_t bytes);
+  GpuEvent take_event();
+  void release(InFlight& f);
+  void fail_in_flight(const std::string& why);
+
+  std::shared_ptr<GpuOps> ops_;
+  GpuExecutorOptions opt_;
+  bool started_ = false;
+  bool comm_ = false;
+  GpuStream stream_ = nullptr;
+  uint64_t fusion_addr_ = 0, fusion_bytes_ = 0;
+  std::vector<GpuEvent> free_events_;
+  std::vector<GpuEvent> all_events_;
+  std::deque<InFlight> in_flight_;
+  std::vector<Completion> finished_;
+  std::string broken_;  // set once the device or communicator failed
+};
+
+}  // namespace gpu
+}  // namespace rr

@@ -1,0 +1,347 @@
+"""The GPU executor's planning, without a GPU: csrc/gpu/gpu_executor.cc driven over
+FakeGpuOps (csrc/gpu/fake_gpu_ops.cc), which logs every CUDA / NCCL call in order and is
+told when events finish or NCCL fails. Also the engine's side: executors chosen by
+device, completion only when poll() reports it, no fusion across devices, and a clear
+error when no GPU executor can be made."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from ringreduce._core import coordination as co
+from ringreduce._core.gpu import testing as gt
+
+import ringreduce as rr
+from ringreduce import _core
+from ringreduce.testing import make_world
+
+F32, I32 = 6, 2
+SUM, AVG, MIN = 0, 1, 2
+NCCL_2_27, NCCL_2_9 = 22703, 20903  # ncclAvg exists from 2.10 on
+FUSION = 0x10000000  # the fake's first device allocation
+
+
+def tensor(name, n, i=0, **kw):
+    """A float32 tensor on 'device memory' at made-up addresses (never dereferenced)."""
+    d = {"name": name, "shape": [n], "dtype": F32, "op": SUM,
+         "in": 0x7000000 + i * 0x100000, "out": 0x8000000 + i * 0x100000}
+    d.update(kw)
+    return d
+
+
+def executor(nccl_version=NCCL_2_27, size=2, **kw):
+    ops = gt.FakeGpuOps(nccl_version)
+    ex = gt.GpuExecutor(ops, device=0, rank=0, size=size, **kw)
+    ex.init_comm(bytes(128))
+    ops.clear_calls()
+    return ops, ex
+
+
+def verbs(ops):
+    return [c.split()[0] for c in ops.calls()]
+
+
+def call(ops, verb):
+    (line,) = [c for c in ops.calls() if c.startswith(verb + " ")]
+    return line.split()
+
+
+# ------------------------------------------------------------- executor alone
+def test_fused_allreduce_of_three_tensors_is_one_pack_one_reduce_one_unpack():
+    ops, ex = executor()
+    ts = [tensor(f"t{i}", n, i, stream=7, prescale=0.5, postscale=3.0)
+          for i, n in enumerate([10, 1000, 3])]
+    assert ex.execute([{**t, "op": SUM} for t in ts]) is False  # enqueued, not done
+    assert verbs(ops) == [
+        "event_create", "event_record", "stream_wait_event",  # wait for the producer stream
+        "malloc_device",  # the fusion buffer, once
+        "launch_pack", "launch_scale", "nccl_allreduce", "launch_scale", "launch_unpack",
+        "event_create", "event_record",  # the completion event, on the library stream
+    ]
+    calls = ops.calls()
+    assert calls[1] == "event_record event#1 stream#7"
+    assert calls[2] == "stream_wait_event stream#1 event#1"
+    # 256-byte aligned layout: offsets 0, 256, 256 + 4000 rounded up = 4352; 4364 bytes
+    pack = call(ops, "launch_pack")
+    assert pack[1] == "3" and pack[5:] == [
+        f"0x7000000->{FUSION:#x}:40", f"0x7100000->{FUSION + 256:#x}:4000",
+        f"0x7200000->{FUSION + 4352:#x}:12"]
+    unpack = call(ops, "launch_unpack")
+    assert unpack[5:] == [
+        f"{FUSION:#x}->0x8000000:40", f"{FUSION + 256:#x}->0x8100000:4000",
+        f"{FUSION + 4352:#x}->0x8200000:12"]
+    assert calls[5] == f"launch_scale {FUSION:#x} 1091 float32 0.5 stream#1"
+    assert calls[6] == f"nccl_allreduce {FUSION:#x} {FUSION:#x} 1091 float32 sum stream#1"
+    assert calls[7] == f"launch_scale {FUSION:#x} 1091 float32 3 stream#1"
+    assert calls[-1] == "event_record event#2 stream#1"
+
+
+def test_chunked_descriptors_still_one_launch_each():
+    ops, ex = executor(chunk_bytes=1024)
+    ex.execute([tensor("a", 1000, 0), tensor("b", 10, 1)])
+    assert verbs(ops).count("launch_pack") == 1 and verbs(ops).count("launch_unpack") == 1
+    assert call(ops, "launch_pack")[1] == "5"  # 4000 bytes in 4 chunks of <= 1024, plus one
+
+
+def test_fusion_buffer_is_reused_and_grows_behind_the_stream():
+    ops, ex = executor()
+    ex.execute([tensor("a", 10, 0), tensor("b", 10, 1)])
+    ex.execute([tensor("c", 10, 0), tensor("d", 10, 1)])
+    assert verbs(ops).count("malloc_device") == 1
+    ex.execute([tensor("e", 100000, 0), tensor("f", 10, 1)])
+    assert verbs(ops).count("malloc_device") == 2
+    assert f"free_device {FUSION:#x} stream#1" in ops.calls()
+
+
+def test_single_tensor_runs_in_place_without_pack():
+    ops, ex = executor()
+    ex.execute([tensor("x", 100, out=0x7000000)])  # in == out
+    assert verbs(ops) == ["event_create", "event_record", "stream_wait_event",
+                          "nccl_allreduce", "event_create", "event_record"]
+    assert call(ops, "nccl_allreduce")[1:4] == ["0x7000000", "0x7000000", "100"]
+
+
+def test_single_tensor_out_of_place_reduces_straight_into_the_output():
+    ops, ex = executor()
+    ex.execute([tensor("x", 100)])
+    assert call(ops, "nccl_allreduce")[1:3] == ["0x7000000", "0x8000000"]
+    assert "memcpy_async" not in verbs(ops)
+
+
+def test_single_tensor_prescale_never_touches_the_input():
+    ops, ex = executor()
+    ex.execute([tensor("x", 100, prescale=2.0)])
+    assert verbs(ops)[3:6] == ["memcpy_async", "launch_scale", "nccl_allreduce"]
+    assert call(ops, "memcpy_async")[1:4] == ["0x8000000", "0x7000000", "400"]
+    assert call(ops, "launch_scale")[1] == "0x8000000"
+    assert call(ops, "nccl_allreduce")[1:3] == ["0x8000000", "0x8000000"]
+
+
+@pytest.mark.parametrize("version, size, post, op, scales", [
+    (NCCL_2_27, 2, 1.0, "avg", []),        # ncclAvg, nothing to scale after
+    (NCCL_2_27, 2, 3.0, "avg", ["3"]),     # ncclAvg, then the postscale
+    (NCCL_2_9, 2, 1.0, "sum", ["0.5"]),    # no ncclAvg: Sum, then 1 / size
+    (NCCL_2_9, 4, 3.0, "sum", ["0.75"]),   # 1 / size folded into the postscale
+])
+def test_average_with_and_without_nccl_avg(version, size, post, op, scales):
+    ops, ex = executor(version, size=size)
+    ex.execute([tensor("x", 8, op=AVG, postscale=post)])
+    assert call(ops, "nccl_allreduce")[5] == op
+    assert [c.split()[4] for c in ops.calls() if c.startswith("launch_scale")] == scales
+
+
+def test_average_of_integers_and_with_joined_ranks_runs_as_sum():
+    ops, ex = executor(NCCL_2_27, size=4)
+    ex.execute([tensor("i", 8, op=AVG, dtype=I32)])
+    assert call(ops, "nccl_allreduce")[4:6] == ["int32", "sum"]
+    assert call(ops, "launch_scale")[2:5] == ["8", "int32", "0.25"]
+    ops.clear_calls()
+    ex.execute([tensor("j", 8, op=AVG)], contributors=2)  # two ranks joined
+    assert call(ops, "nccl_allreduce")[5] == "sum"
+    assert call(ops, "launch_scale")[4] == "0.5"  # divided by the contributors
+
+
+def test_no_scale_launches_at_one():
+    ops, ex = executor()
+    ex.execute([tensor("a", 8, 0), tensor("b", 8, 1)])
+    assert "launch_scale" not in verbs(ops)
+
+
+def test_producer_waits_one_per_event_or_stream():
+    ops, ex = executor()
+    ex.execute([tensor("a", 8, 0, event=900), tensor("b", 8, 1, event=900),
+                tensor("c", 8, 2, event=901), tensor("d", 8, 3, stream=5),
+                tensor("e", 8, 4, stream=5), tensor("f", 8, 5)])
+    waits = [c for c in ops.calls() if c.startswith(("stream_wait_event", "event_record"))]
+    assert waits[:5] == [
+        "stream_wait_event stream#1 event#900", "stream_wait_event stream#1 event#901",
+        "event_record event#1 stream#5", "stream_wait_event stream#1 event#1",
+        "event_record event#2 stream#default"]
+
+
+def test_poll_reports_nothing_until_the_event_is_done_and_keeps_order():
+    ops, ex = executor()
+    ex.execute([tensor("a", 8)])   # completion event#2 (event#1: the producer wait)
+    ex.execute([tensor("b", 8)])   # event#3 for the producer, event#4 completes
+    assert ex.poll() == [] and ex.busy
+    ops.set_event(4, "done")       # the later one alone cannot complete first
+    assert ex.poll() == []
+    ops.set_event(2, "done")
+    assert [c["names"] for c in ex.poll()] == [["a"], ["b"]]
+    assert not ex.busy and ex.poll() == []
+
+
+def test_events_are_reused_after_completion():
+    ops, ex = executor()
+    ex.execute([tensor("a", 8)])
+    ops.complete_all()
+    ex.poll()
+    ops.clear_calls()
+    ex.execute([tensor("b", 8)])
+    assert "event_create" not in verbs(ops)
+
+
+def test_nccl_async_error_fails_the_entries_with_nccls_message():
+    ops, ex = executor()
+    ex.execute([tensor("a", 8, 0), tensor("b", 8, 1)])
+    ex.execute([tensor("c", 8)])
+    ops.set_async_error("unhandled system error (2)")
+    out = ex.poll()
+    assert [c["names"] for c in out] == [["a", "b"], ["c"]]
+    assert all(not c["ok"] and "unhandled system error (2)" in c["message"] for c in out)
+    assert "NCCL failed on GPU 0" in out[0]["message"]
+    assert verbs(ops)[-1] == "nccl_abort"
+    # the communicator is gone: later work fails the same way, nothing is enqueued
+    ops.clear_calls()
+    assert ex.execute([tensor("d", 8)]) is False and ops.calls() == []
+    (late,) = ex.poll()
+    assert late["names"] == ["d"] and "unhandled system error" in late["message"]
+
+
+def test_cuda_error_on_the_event_fails_the_entries():
+    ops, ex = executor()
+    ex.execute([tensor("a", 8)])
+    ops.set_event(2, "error", "cudaErrorIllegalAddress: an illegal memory access")
+    (c,) = ex.poll()
+    assert not c["ok"] and "illegal memory access" in c["message"]
+
+
+def test_joined_rank_zero_fills_the_tensors_it_lacks():
+    ops, ex = executor()
+    ex.execute([tensor("a", 10, 0), {**tensor("b", 64, 1), "in": None}, tensor("c", 3, 2)],
+               contributors=1)
+    assert call(ops, "launch_pack")[1] == "2"
+    assert call(ops, "memset_async")[1:3] == [f"{FUSION + 256:#x}", "256"]
+    ops.complete_all()
+    assert ex.poll()[0]["names"] == ["a", "c"]  # only what this rank has
+
+
+def test_refusals_come_before_any_work():
+    ops, ex = executor()
+    with pytest.raises(rr.InvalidInputError, match="only allreduce and broadcast"):
+        ex.execute([tensor("g", 8, kind="allgather")])
+    with pytest.raises(rr.InvalidInputError, match="joined"):
+        ex.execute([tensor("a", 8, 0, op=MIN), {**tensor("b", 8, 1, op=MIN), "in": None}])
+    assert ops.calls() == []
+
+
+def test_broadcast_from_root():
+    ops, ex = executor()
+    ex.execute([tensor("w", 16, kind="broadcast", root=1)])
+    assert call(ops, "nccl_broadcast")[1:6] == ["0x7000000", "0x8000000", "16", "float32",
+                                                "root=1"]
+
+
+def test_close_waits_for_the_stream_and_releases_everything():
+    ops, ex = executor()
+    ex.execute([tensor("a", 8, 0), tensor("b", 8, 1)])
+    ops.clear_calls()
+    ex.close()
+    assert verbs(ops) == ["stream_destroy", "event_destroy", "event_destroy", "free_device"]
+
+
+# ----------------------------------------------------------- fusion by device
+def test_fusion_never_mixes_devices():
+    ts = [dict(name=n, shape=[4], device=d) for n, d in
+          [("a", 0), ("b", 1), ("c", 0), ("h", -1), ("d", 1), ("i", -1)]]
+    plan = [r["tensors"] for r in co.plan_fusion(ts, 1 << 20)]
+    assert plan == [["a", "c"], ["b", "d"], ["h", "i"]]
+
+
+def test_negotiated_responses_never_mix_devices():
+    neg = co.Negotiator(2)
+    for rank in (0, 1):
+        for n, d in [("a", 0), ("b", 1), ("c", 0), ("h", -1)]:
+            neg.submit(rank, dict(name=n, shape=[4], device=d), 0.0)
+    assert [r["tensors"] for r in neg.decide(0.0)] == [["a", "c"], ["b"], ["h"]]
+
+
+# ------------------------------------------------------------------ the engine
+def wait_done(h, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not h.done():
+        assert time.monotonic() < end, "handle did not complete"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def comm():
+    (c,) = make_world(1)
+    yield c
+    c.close()
+
+
+def test_engine_completes_gpu_work_only_when_its_event_fires(comm):
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    h = gt.submit(comm._engine, tensor("g", 8), 0)
+    end = time.monotonic() + 10
+    while not any(c.startswith("nccl_allreduce") for c in ops.calls()):
+        assert time.monotonic() < end
+        time.sleep(0.001)
+    time.sleep(0.05)
+    assert not h.done()
+    with pytest.raises(rr.InvalidInputError, match="already in flight"):
+        gt.submit(comm._engine, tensor("g", 8), 0)  # the name is still taken
+    ops.complete_all()
+    wait_done(h)
+    h.wait()
+    h2 = gt.submit(comm._engine, tensor("g", 8), 0)  # released once complete
+    ops.complete_all(sticky=True)
+    wait_done(h2)
+    # the CPU path is untouched alongside
+    x = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="cpu"), x)
+
+
+def test_engine_keeps_devices_apart(comm):
+    fakes = {0: gt.FakeGpuOps(), 1: gt.FakeGpuOps()}
+    for f in fakes.values():
+        f.complete_all(sticky=True)
+    gt.use_fake_gpus(comm._engine, fakes)
+    hs = [gt.submit(comm._engine, tensor(f"t{i}", 8, i), i % 2) for i in range(6)]
+    for h in hs:
+        wait_done(h)
+        h.wait()
+    for dev, f in fakes.items():
+        ins = set()
+        for c in f.calls():
+            if c.startswith("nccl_allreduce") and c.split()[1] != f"{FUSION:#x}":
+                ins.add(int(c.split()[1], 16))
+            if c.startswith("launch_pack"):
+                ins.update(int(d.split("->")[0], 16) for d in c.split()[5:])
+        assert ins == {0x7000000 + i * 0x100000 for i in range(dev, 6, 2)}, f.calls()
+
+
+def test_engine_fails_entries_with_nccls_async_error(comm):
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    h = gt.submit(comm._engine, tensor("g", 8), 0)
+    end = time.monotonic() + 10
+    while not any(c.startswith("nccl_allreduce") for c in ops.calls()):
+        assert time.monotonic() < end
+        time.sleep(0.001)
+    ops.set_async_error("remote process exited or there was a network error (6)")
+    wait_done(h)
+    with pytest.raises(rr.RingReduceError, match="rank 0: NCCL failed on GPU 0: remote process"):
+        h.wait()
+
+
+def test_gpu_tensor_without_a_usable_gpu_fails_clearly_and_the_engine_goes_on(comm):
+    h = gt.submit(comm._engine, tensor("g", 8), 0)
+    wait_done(h)
+    with pytest.raises(rr.InvalidInputError, match="allreduce 'g': the tensor is on GPU 0") as e:
+        h.wait()
+    reason = _core.gpu.cuda_unusable_reason()
+    if reason:  # no CUDA build, no driver, no device: that reason is given
+        assert reason in str(e.value)
+    else:  # a GPU and NCCL: the communicator's bootstrap is what is missing
+        assert "NCCL" in str(e.value)
+    h = gt.submit(comm._engine, tensor("g2", 8), 0)  # same answer, remembered
+    wait_done(h)
+    with pytest.raises(rr.InvalidInputError, match="GPU 0"):
+        h.wait()
+    x = np.ones(3, np.float32)
+    np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="after"), x)

@@ -46,7 +46,7 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
     "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size", "synchronize",
-    "use_communicator", "cuda_built", "nccl_built",
+    "use_communicator", "cuda_built", "nccl_built", "run",
 ]
 
 
@@ -322,3 +322,13 @@ def join() -> int:
     collectives with neutral contributions (zeros for Sum/Average).
     """
     return _comm().join()
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
+        np: int = 2, hosts: Any = None, timeout: Optional[float] = None,
+        env: Optional[dict] = None) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``np`` new ranks and return their values in rank order
+    (Horovod's ``horovod.run``; see ``ringreduce.launcher.run``). ``fn`` calls ``init()``."""
+    from .launcher import run as launch  # the launcher is imported only when used
+
+    return launch(fn, args, kwargs, np, hosts, timeout, env)

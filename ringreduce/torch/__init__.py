@@ -40,6 +40,7 @@ from ringreduce import (
     local_size,
     rank,
     reduce_isa,
+    run,
     shutdown,
     size,
     use_communicator,
@@ -98,7 +99,7 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "poll", "rank",
     "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shared_zeros",
-    "shutdown",
+    "run", "shutdown",
     "size", "synchronize", "use_communicator",
 ]
 

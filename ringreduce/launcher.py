@@ -1,0 +1,670 @@
+"""``ringrun`` and ``ringreduce.run``: start the ranks of a job with the env-var launch.
+
+In the spirit of ``horovodrun`` / ``horovod.run`` and ``torchrun``, and no more: the
+launcher starts ``-np`` ranks (locally, or on other hosts over ``ssh``), gives each the
+torchrun-style variables that ``ringreduce.init()`` reads (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) plus a fresh
+``RINGREDUCE_SECRET``, prefixes their output with the rank, forwards signals and stops
+the whole job when one rank fails. It is not a cluster manager: on clusters use
+``mpirun`` with a host list or ``srun``. ::
+
+    ringrun -np 4 python train.py
+    ringrun -H host1:2,host2:2 python train.py
+    python -m ringreduce -np 2 python train.py     # the same without the console script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Optional
+
+from .exceptions import InvalidInputError, RingReduceError
+
+__all__ = ["HostSlots", "launch", "main", "parse_hostfile", "parse_hosts", "run"]
+
+# What a rank inherits from the launcher's own launcher (mpirun, srun, torchrun, an outer
+# ringrun) would make ringreduce (or mpi4py) join the wrong job: scrubbed from every rank.
+SCRUBBED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "RINGREDUCE_SECRET", "RINGREDUCE_HOST_ID", "GROUP_RANK",
+                 "ROLE_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID",
+                 "SLURM_STEP_ID")
+SCRUBBED_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_", "I_MPI_", "MV2_",
+                     "TORCHELASTIC_")
+DEFAULT_SSH = ("ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no")
+DEFAULT_GRACE_SECONDS = 5.0
+TIMEOUT_EXIT_CODE = 124
+
+
+# --------------------------------------------------------------------------- hosts
+@dataclass(frozen=True)
+class HostSlots:
+    """One host entry: where to start ranks and how many at most."""
+
+    host: str
+    slots: int = 1
+
+
+def parse_hosts(spec: str) -> list[HostSlots]:
+    """Parse ``-H host1:2,host2:2`` (``host`` alone means one slot).
+
+    Parameters
+    ----------
+    spec : str
+        Comma-separated ``host[:slots]`` entries.
+
+    Returns
+    -------
+    list of HostSlots
+        The entries in order; ranks fill them in this order.
+    """
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        host, _, slots = item.rpartition(":") if ":" in item else (item, "", "1")
+        out.append(_host_slots(host, slots, item))
+    if not out:
+        raise InvalidInputError(f"no hosts in {spec!r}")
+    return out
+
+
+def parse_hostfile(path: str | os.PathLike) -> list[HostSlots]:
+    """Parse a host file: one ``host``, ``host:N`` or ``host slots=N`` per line.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file; ``#`` starts a comment, blank lines are skipped.
+
+    Returns
+    -------
+    list of HostSlots
+        The entries in file order.
+    """
+    out = []
+    for line in Path(path).read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = "1"
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key == "slots":
+                slots = value
+        if len(words) == 1 and ":" in words[0]:
+            out.extend(parse_hosts(words[0]))
+        else:
+            out.append(_host_slots(words[0], slots, line.strip()))
+    if not out:
+        raise InvalidInputError(f"no hosts in host file {path}")
+    return out
+
+
+def _host_slots(host: str, slots: str, text: str) -> HostSlots:
+    try:
+        n = int(slots)
+    except ValueError:
+        n = 0
+    if not host or n < 1:
+        raise InvalidInputError(f"bad host entry {text!r}: expected host[:slots] with slots >= 1")
+    return HostSlots(host, n)
+
+
+def is_local_host(host: str) -> bool:
+    """True for the names of this machine (ranks there are started without ssh)."""
+    name = socket.gethostname()
+    return host in ("localhost", "127.0.0.1", "::1", name, name.split(".")[0])
+
+
+# ---------------------------------------------------------------------------- plan
+@dataclass
+class RankSpec:
+    """How to start one rank."""
+
+    rank: int
+    host: str
+    argv: list[str]
+    env: dict[str, str]
+    remote: bool
+
+
+def _scrubbed_env(base: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in base.items()
+            if k not in SCRUBBED_VARS and not k.startswith(SCRUBBED_PREFIXES)}
+
+
+def _parse_env(items: Sequence[str], base: Mapping[str, str]) -> dict[str, str]:
+    """``VAR=VAL`` sets a variable; ``VAR`` alone forwards this process's value."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not name:
+            raise InvalidInputError(f"bad --env {item!r}: expected VAR=VAL or VAR")
+        if eq:
+            out[name] = value
+        elif name in base:
+            out[name] = base[name]
+    return out
+
+
+def _ssh_argv(ssh_command: Optional[str], ssh_port: Optional[int], host: str,
+              cmdline: str) -> list[str]:
+    """``<ssh command> <host> <command line>``, or ``{host}`` replaced where it appears."""
+    words = list(DEFAULT_SSH) if ssh_command is None else shlex.split(ssh_command)
+    if ssh_port is not None and words and os.path.basename(words[0]) == "ssh":
+        words[1:1] = ["-p", str(ssh_port)]
+    if any("{host}" in w for w in words):
+        return [w.replace("{host}", host) for w in words] + [cmdline]
+    return [*words, host, cmdline]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def plan(command: Sequence[str], np: Optional[int] = None,
+         hosts: Optional[Sequence[HostSlots]] = None, master_addr: Optional[str] = None,
+         master_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+         ssh_command: Optional[str] = None, ssh_port: Optional[int] = None,
+         base_env: Optional[Mapping[str, str]] = None) -> list[RankSpec]:
+    """Place ``np`` ranks on ``hosts`` (in order) and build each rank's argv and environment.
+
+    Local ranks get this environment (minus launcher variables) and run ``command``
+    directly; remote ranks run ``<ssh> host 'cd CWD; exec env VARS... command'`` with the
+    launch variables, every ``RINGREDUCE_*`` variable and ``env`` forwarded.
+    """
+    if not command:
+        raise InvalidInputError("no command given")
+    hosts = list(hosts) if hosts else [HostSlots("localhost", np or 1)]
+    total = sum(h.slots for h in hosts)
+    np = total if np is None else np
+    if np < 1 or np > total:
+        raise InvalidInputError(f"-np {np} does not fit the {total} slot(s) of the host list")
+    places = [h for h in hosts for _ in range(h.slots)][:np]
+    local = [is_local_host(h.host) for h in places]
+    if master_addr is None:
+        if all(local):
+            master_addr = "127.0.0.1"
+        else:
+            master_addr = socket.gethostname() if local[0] else places[0].host
+    base = _scrubbed_env(os.environ if base_env is None else base_env)
+    launch = {"WORLD_SIZE": str(np), "MASTER_ADDR": master_addr,
+              "MASTER_PORT": str(master_port or _free_port()),
+              "RINGREDUCE_SECRET": secrets.token_hex(32)}
+    extra = dict(env or {})
+    specs, cwd = [], os.getcwd()
+    for rank, place in enumerate(places):
+        same = [i for i, p in enumerate(places) if p == place]
+        mine = {**launch, "RANK": str(rank), "LOCAL_RANK": str(same.index(rank)),
+                "LOCAL_WORLD_SIZE": str(len(same))}
+        if local[rank]:
+            full = {"PYTHONUNBUFFERED": "1", **base, **mine, **extra}
+            specs.append(RankSpec(rank, place.host, list(command), full, False))
+            continue
+        forwarded = {k: v for k, v in base.items() if k.startswith("RINGREDUCE_")}
+        remote_env = {"PYTHONUNBUFFERED": "1", **forwarded, **mine,
+                      "RINGREDUCE_HOST_ID": f"ringrun:{place.host}", **extra}
+        assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in remote_env.items())
+        cmdline = (f"cd {shlex.quote(cwd)} 2>/dev/null; exec env {assignments} "
+                   + " ".join(shlex.quote(w) for w in command))
+        argv = _ssh_argv(ssh_command, ssh_port, place.host, cmdline)
+        specs.append(RankSpec(rank, place.host, argv, {"PYTHONUNBUFFERED": "1", **base}, True))
+    return specs
+
+
+# --------------------------------------------------------------------------- output
+def _binary(stream: IO) -> Callable[[bytes], None]:
+    """A writer of whole lines to ``stream`` (its binary buffer if it has one)."""
+    raw = getattr(stream, "buffer", None)
+
+    def write(data: bytes) -> None:
+        if raw is not None:
+            stream.flush()
+            raw.write(data)
+            raw.flush()
+        else:
+            stream.write(data.decode(errors="replace"))
+            stream.flush()
+
+    return write
+
+
+def _pump(pipe: IO[bytes], write: Callable[[bytes], None], prefix: bytes,
+          lock: threading.Lock) -> None:
+    """Copy ``pipe`` to ``write`` line by line, each line whole and prefixed."""
+    broken = False  # our own output closed (e.g. `ringrun ... | head`): keep draining
+    with pipe:
+        for line in iter(pipe.readline, b""):
+            if broken:
+                continue
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with lock:
+                try:
+                    write(prefix + line)
+                except (OSError, ValueError):
+                    broken = True
+
+
+def _say(text: str) -> None:
+    print(f"ringrun: {text}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ job
+@dataclass
+class Outcome:
+    """How a job ended: the launcher's exit code and, if one rank failed, which."""
+
+    code: int
+    failed_rank: Optional[int] = None
+    codes: list[Optional[int]] = field(default_factory=list)  # each rank's returncode
+
+
+class _Job:
+    """The running ranks: started in sessions of their own, watched, stopped together."""
+
+    def __init__(self, specs: Sequence[RankSpec], prefix: bool, grace: float) -> None:
+        self.specs = list(specs)
+        self.prefix = prefix
+        self.grace = grace
+        self.procs: list[Optional[subprocess.Popen]] = []
+        self.codes: list[Optional[int]] = [None] * len(self.specs)
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.signum: Optional[int] = None
+        self.kill_at: Optional[float] = None  # SIGKILL what is left at this time
+
+    def start(self) -> Optional[Outcome]:
+        """Start every rank; an Outcome if one cannot be started (the rest are stopped)."""
+        out, err = _binary(sys.stdout), _binary(sys.stderr)
+        for spec in self.specs:
+            try:
+                proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+            except OSError as e:
+                _say(f"cannot start rank {spec.rank} ({spec.argv[0]}): {e}")
+                self.stop(signal.SIGTERM)
+                self.wait_all()
+                return Outcome(127, spec.rank, self.codes)
+            self.procs.append(proc)
+            prefix = f"[{spec.rank}]: ".encode() if self.prefix else b""
+            for pipe, write in ((proc.stdout, out), (proc.stderr, err)):
+                t = threading.Thread(target=_pump, args=(pipe, write, prefix, self.lock),
+                                     daemon=True)
+                t.start()
+                self.threads.append(t)
+        return None
+
+    def running(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if self.codes[i] is None]
+
+    def reap(self) -> list[int]:
+        """Ranks that ended since the last call; leftovers of their sessions are SIGKILLed."""
+        ended = []
+        for i in self.running():
+            pid = self.procs[i].pid
+            try:  # WNOWAIT: the zombie keeps its group id ours until the leftovers are killed
+                status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                status = True
+            if status is None:
+                continue
+            self._signal_group(pid, signal.SIGKILL)
+            self.codes[i] = self.procs[i].wait()
+            ended.append(i)
+        return ended
+
+    @staticmethod
+    def _signal_group(pid: int, signum: int) -> None:
+        try:
+            os.killpg(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, signum: int) -> None:
+        """Send ``signum`` to every running rank's session; SIGKILL after the grace period."""
+        for i in self.running():
+            self._signal_group(self.procs[i].pid, signum)
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.grace
+
+    def kill_overdue(self) -> None:
+        if self.kill_at is not None and time.monotonic() >= self.kill_at:
+            for i in self.running():
+                self._signal_group(self.procs[i].pid, signal.SIGKILL)
+
+    def wait_all(self) -> None:
+        """Wait for the started ranks to end (stop() must have been called), then the output."""
+        while self.running():
+            self.reap()
+            self.kill_overdue()
+            time.sleep(0.02)
+        for t in self.threads:
+            t.join(timeout=5)
+
+    def describe(self, i: int) -> str:
+        return f"rank {i} (host {self.specs[i].host}, pid {self.procs[i].pid})"
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def _watch(job: _Job, timeout: Optional[float]) -> Outcome:
+    """Wait for the job; stop it on the first failure, a signal or the timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    outcome: Optional[Outcome] = None
+    handled_signal = None
+    while job.running():
+        for i in job.reap():
+            code = job.codes[i]
+            if code != 0 and outcome is None:
+                left = len(job.running())
+                tail = f"; stopping the other {left} rank{'s' * (left != 1)}" if left else ""
+                _say(f"{job.describe(i)} {_how(code)}{tail}")
+                outcome = Outcome(_exit_code(code), i)
+                job.stop(signal.SIGTERM)
+        if job.signum is not None and job.signum != handled_signal:
+            if handled_signal is not None:  # a second signal: no more grace
+                job.kill_at = time.monotonic()
+            else:
+                name = signal.Signals(job.signum).name
+                _say(f"received {name}; forwarding it to {len(job.running())} rank(s)")
+                job.stop(job.signum)
+                outcome = outcome or Outcome(128 + job.signum)
+            handled_signal = job.signum
+        if deadline is not None and outcome is None and time.monotonic() >= deadline:
+            _say(f"timed out after {timeout:g} s; stopping all {len(job.running())} "
+                 "running rank(s)")
+            outcome = Outcome(TIMEOUT_EXIT_CODE)
+            job.stop(signal.SIGTERM)
+        job.kill_overdue()
+        time.sleep(0.02)
+    job.wait_all()
+    outcome = outcome or Outcome(0)
+    outcome.codes = list(job.codes)
+    return outcome
+
+
+def launch(command: Sequence[str], np: Optional[int] = None,
+           hosts: Optional[Sequence[HostSlots]] = None, *, master_addr: Optional[str] = None,
+           master_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+           ssh_command: Optional[str] = None, ssh_port: Optional[int] = None,
+           prefix_output: bool = True, timeout: Optional[float] = None,
+           grace: float = DEFAULT_GRACE_SECONDS) -> Outcome:
+    """Run ``command`` as ``np`` ranks and wait for them (what ``ringrun`` does).
+
+    Parameters
+    ----------
+    command : sequence of str
+        The program of every rank, e.g. ``["python", "train.py"]``.
+    np : int, optional
+        Number of ranks; default: every slot of ``hosts`` (one rank without hosts).
+    hosts : sequence of HostSlots, optional
+        Where to start ranks, filled in order; default ``localhost`` with ``np`` slots.
+    master_addr, master_port : optional
+        Rank 0's rendezvous address; default the first host (127.0.0.1 for a local
+        job) and a free port.
+    env : mapping, optional
+        Extra variables for every rank.
+    ssh_command : str, optional
+        Command that runs a shell command line on a host: called as
+        ``<ssh_command> <host> <command line>``, or with ``{host}`` replaced where it
+        appears in ``ssh_command``. Default ``ssh -o BatchMode=yes -o StrictHostKeyChecking=no``.
+    ssh_port : int, optional
+        ``-p`` for ssh.
+    prefix_output : bool
+        Prefix each output line with ``[rank]: ``.
+    timeout : float, optional
+        Stop every rank after this many seconds (the code is then 124).
+    grace : float
+        Seconds between SIGTERM (or the forwarded signal) and SIGKILL.
+
+    Returns
+    -------
+    Outcome
+        ``code`` 0 if every rank exited 0; else the first failed rank's code (128+N for
+        signal N), 124 on timeout, 128+N when the launcher got signal N.
+    """
+    specs = plan(command, np, hosts, master_addr, master_port, env, ssh_command, ssh_port)
+    job = _Job(specs, prefix_output, grace)
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        def handler(signum: int, frame: Any) -> None:
+            job.signum = signum
+
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, handler)
+    try:
+        failed = job.start()
+        return failed if failed is not None else _watch(job, timeout)
+    finally:
+        if job.running():  # an exception in the launcher itself: leave nothing behind
+            job.stop(signal.SIGKILL)
+            job.wait_all()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ------------------------------------------------------------------------------ CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringrun", allow_abbrev=False,
+        description="Start the ranks of a ringreduce job (env-var launch; no MPI needed).",
+        epilog="Not a cluster manager: on clusters use `mpirun -hosts h1,h2 -ppn 4 python "
+               "train.py` (MPICH) or `srun -n 8 python train.py`.")
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=int,
+                   help="number of ranks (default: all slots of the host list)")
+    p.add_argument("-H", "--hosts", help="host1:slots,host2:slots,... (default localhost)")
+    p.add_argument("--hostfile", help="file with lines 'host', 'host:N' or 'host slots=N'")
+    p.add_argument("--ssh-command", help="runs a command line on a host: "
+                   "'<cmd> <host> <command line>' ({host} in it is replaced instead)")
+    p.add_argument("--ssh-port", type=int, help="ssh port (with the default ssh command)")
+    p.add_argument("--master-addr", help="rank 0's address (default: first host)")
+    p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    p.add_argument("--prefix-output", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefix each output line with '[rank]: ' (default on)")
+    p.add_argument("--timeout", type=float, help="stop all ranks after S seconds (exit 124)")
+    p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_SECONDS,
+                   help="seconds from SIGTERM to SIGKILL when stopping ranks (default 5)")
+    p.add_argument("--env", "-x", action="append", default=[], metavar="VAR[=VAL]",
+                   help="set VAR for every rank (VAR alone forwards its value); repeatable")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="program and its arguments")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``ringrun`` (and ``python -m ringreduce``).
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments without the program name; default ``sys.argv[1:]``.
+
+    Returns
+    -------
+    int
+        The exit code (see ``launch``).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--run-pickled"] and len(argv) == 2:
+        return _run_pickled(argv[1])
+    parser = _parser()
+    a = parser.parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        parser.error("no command given, e.g. ringrun -np 2 python train.py")
+    if a.np is None and not (a.hosts or a.hostfile):
+        parser.error("give -np N (or a host list with -H / --hostfile)")
+    try:
+        hosts = parse_hosts(a.hosts) if a.hosts else None
+        if a.hostfile:
+            hosts = (hosts or []) + parse_hostfile(a.hostfile)
+        outcome = launch(command, a.np, hosts, master_addr=a.master_addr,
+                         master_port=a.master_port, env=_parse_env(a.env, os.environ),
+                         ssh_command=a.ssh_command, ssh_port=a.ssh_port,
+                         prefix_output=a.prefix_output, timeout=a.timeout,
+                         grace=a.grace_period)
+    except (InvalidInputError, OSError) as e:
+        parser.error(str(e))
+    return outcome.code
+
+
+# ----------------------------------------------------------------- ringreduce.run
+class _RemoteTraceback(Exception):
+    """Carries a rank's traceback text as the ``__cause__`` of the re-raised error."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (),
+        kwargs: Optional[Mapping[str, Any]] = None, np: int = 2,
+        hosts: Optional[str | Sequence[HostSlots]] = None, timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``np`` new ranks; return their values in rank order.
+
+    Like ``horovod.run``: ``fn`` runs in fresh processes started as by ``ringrun`` and
+    must call ``ringreduce.init()`` itself. ``fn``, its arguments and its return value
+    travel by pickle (through a temporary directory, which remote hosts must share);
+    a function of the ``__main__`` script is found by re-running the script with
+    ``__name__ == "__mp_main__"``, as multiprocessing's spawn does, so guard its entry
+    point with ``if __name__ == "__main__":``.
+
+    Parameters
+    ----------
+    fn : callable
+        A picklable function (module level).
+    args, kwargs : optional
+        Its arguments.
+    np : int
+        Number of ranks.
+    hosts : str or sequence of HostSlots, optional
+        ``"host1:2,host2:2"`` or parsed entries; default all local.
+    timeout : float, optional
+        Seconds before the job is stopped (then RingReduceTimeoutError).
+    env : mapping, optional
+        Extra environment variables for the ranks.
+
+    Returns
+    -------
+    list
+        ``fn``'s return value on each rank, in rank order.
+
+    Raises
+    ------
+    Exception
+        The exception of the first rank that raised one, with that rank's traceback
+        text as its ``__cause__``; RingReduceError if a rank died without one.
+    """
+    from .exceptions import RingReduceTimeoutError
+
+    host_list = parse_hosts(hosts) if isinstance(hosts, str) else hosts
+    main_mod = sys.modules.get("__main__")
+    main_path = getattr(main_mod, "__file__", None) \
+        if getattr(fn, "__module__", None) == "__main__" else None
+    with tempfile.TemporaryDirectory(prefix="ringreduce-run-") as tmp:
+        payload = Path(tmp) / "call.pkl"
+        with open(payload, "wb") as f:
+            pickle.dump({"sys_path": [p or os.getcwd() for p in sys.path],
+                         "main_path": main_path and os.path.abspath(main_path),
+                         "call": pickle.dumps((fn, tuple(args), dict(kwargs or {})))}, f)
+        outcome = launch([sys.executable, "-m", "ringreduce", "--run-pickled",
+                          str(payload)], np, host_list, env=env, timeout=timeout)
+        results = {}
+        for r in range(np):
+            path = Path(tmp) / f"result-{r}.pkl"
+            if path.exists():
+                with open(path, "rb") as f:
+                    results[r] = pickle.load(f)
+    order = ([outcome.failed_rank] if outcome.failed_rank is not None else []) + list(range(np))
+    for r in order:
+        if r in results and not results[r]["ok"]:
+            _reraise(r, results[r])
+    if outcome.code == TIMEOUT_EXIT_CODE and outcome.failed_rank is None:
+        raise RingReduceTimeoutError(f"ringreduce.run: timed out after {timeout:g} s")
+    if outcome.code != 0 or len(results) != np:
+        who = f"rank {outcome.failed_rank}" if outcome.failed_rank is not None else "the job"
+        raise RingReduceError(f"ringreduce.run: {who} ended with exit code {outcome.code} "
+                              "and no result")
+    return [results[r]["value"] for r in range(np)]
+
+
+def _reraise(rank: int, result: Mapping[str, Any]) -> None:
+    cause = _RemoteTraceback(f"\n\nrank {rank} raised:\n{result['traceback']}")
+    err = None
+    if result["error"] is not None:
+        try:
+            err = pickle.loads(result["error"])
+        except Exception:
+            err = None
+    if not isinstance(err, BaseException):
+        err = RingReduceError(f"rank {rank} raised {result['text']}")
+    raise err from cause
+
+
+def _import_main(path: str) -> None:
+    """Load the caller's ``__main__`` script as multiprocessing's spawn does."""
+    import runpy
+    import types
+
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
+def _run_pickled(path: str) -> int:
+    """Rank side of ``run``: call the pickled function, write its result next to it."""
+    with open(path, "rb") as f:
+        payload = pickle.load(f)
+    sys.path[:0] = [p for p in payload["sys_path"] if p not in sys.path]
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if payload["main_path"]:
+            _import_main(payload["main_path"])
+        fn, args, kwargs = pickle.loads(payload["call"])
+        blob = pickle.dumps({"ok": True, "value": fn(*args, **kwargs)})
+        code = 0
+    except Exception as e:
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        try:
+            error: Optional[bytes] = pickle.dumps(e)
+            pickle.loads(error)
+        except Exception:
+            error = None
+        blob = pickle.dumps({"ok": False, "error": error, "text": f"{type(e).__name__}: {e}",
+                             "traceback": text})
+        code = 1
+    out = Path(path).with_name(f"result-{rank}.pkl")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, out)
+    return code
+

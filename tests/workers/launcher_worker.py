@@ -1,0 +1,56 @@
+"""Ranks for tests/test_launcher.py; ``launcher_worker.py MODE [ARGS]``.
+
+allreduce        init, Sum-allreduce rank+1, print the layout and the result
+fail R C         print pids; rank R exits with code C after 0.3 s, the others sleep
+sleep            print pids (and of a child ``sleep``), then sleep
+ignore-term      like sleep, but SIGTERM is ignored (only SIGKILL ends it)
+env              print the launch variables
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def pids() -> None:
+    child = subprocess.Popen(["sleep", "120"])
+    print(f"pid {os.getpid()} child {child.pid}", flush=True)
+
+
+def main() -> None:
+    mode, args = sys.argv[1], sys.argv[2:]
+    rank = int(os.environ.get("RANK", "0"))
+    if mode == "allreduce":
+        import numpy as np
+
+        import ringreduce as rr
+
+        rr.init()
+        total = rr.allreduce(np.array([rr.rank() + 1.0]), op=rr.Sum, name="x")[0]
+        sys.stdout.write(f"rank {rr.rank()} size {rr.size()} local {rr.local_rank()}/"
+                         f"{rr.local_size()} cross {rr.cross_rank()}/{rr.cross_size()} "
+                         f"sum {total:g} pid {os.getpid()}\n")
+        sys.stdout.flush()
+        print(f"stderr of rank {rr.rank()}", file=sys.stderr)
+        rr.shutdown()
+    elif mode == "fail":
+        pids()
+        if rank == int(args[0]):
+            time.sleep(0.3)
+            sys.exit(int(args[1]))
+        time.sleep(120)
+    elif mode in ("sleep", "ignore-term"):
+        if mode == "ignore-term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        pids()
+        time.sleep(120)
+    elif mode == "env":
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "RINGREDUCE_HOST_ID", "OMPI_COMM_WORLD_SIZE", "RR_EXTRA")
+        print(" ".join(f"{n}={os.environ.get(n, '-')}" for n in names))
+        print(f"secret {len(os.environ.get('RINGREDUCE_SECRET', ''))}")
+
+
+main()

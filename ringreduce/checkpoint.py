@@ -125,25 +125,13 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
         The directory or file could not be written (the previous file, if any,
         is untouched and the temporary file is removed).
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = _temp_path(path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        remove_stale_temp_files(path)
+    def save(tmp: str) -> None:
         with _open_temp(tmp) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(err, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path!r}: {err}") from err
-        raise
-    fsync_dir(directory)
+
+    _replace_atomically(path, save, "", synced=True)
 
 
 def atomic_save_path(path: str, save: Callable[[str], None], suffix: str = "") -> None:
@@ -160,17 +148,26 @@ def atomic_save_path(path: str, save: Callable[[str], None], suffix: str = "") -
     suffix : str
         What the temporary file's name must end with (e.g. ``".keras"``).
     """
+    _replace_atomically(path, save, suffix, synced=False)
+
+
+def _replace_atomically(path: str, save: Callable[[str], None], suffix: str,
+                        synced: bool) -> None:
+    """The protocol of both writers: remove dead writers' temporaries, ``save(tmp)``,
+    fsync it (unless ``save`` did), rename over ``path``, fsync the directory; on any
+    failure the temporary file goes and ``path`` is untouched."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = _temp_path(path, suffix)
     try:
         os.makedirs(directory, exist_ok=True)
         remove_stale_temp_files(path)
         save(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if not synced:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException as err:
         try:

@@ -69,7 +69,8 @@ class _DistributedKerasMixin:
         object.__setattr__(self, "_rr_passes", passes)
         object.__setattr__(self, "_rr_average_aggregated", average_aggregated)
         object.__setattr__(self, "_rr_aggregation", None)
-        object.__setattr__(self, "_rr_local", [])
+        object.__setattr__(self, "_rr_local", [])  # the torch backend's local sums
+        object.__setattr__(self, "_rr_count", 0)  # and the passes they hold
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         """Average ``grads`` over all ranks, then apply them as the wrapped optimizer does.
@@ -108,8 +109,9 @@ class _DistributedKerasMixin:
             for i, g in enumerate(grads):
                 if g is not None:
                     local[i] = g.detach().clone() if local[i] is None else local[i] + g
-        if len(local) and getattr(self, "_rr_count", 0) + 1 < self._rr_passes:
-            object.__setattr__(self, "_rr_count", getattr(self, "_rr_count", 0) + 1)
+        count = self._rr_count + 1
+        if count < self._rr_passes:
+            object.__setattr__(self, "_rr_count", count)
             return None
         object.__setattr__(self, "_rr_count", 0)
         summed = [None if s is None else (s / self._rr_passes if self._rr_average_aggregated

@@ -26,6 +26,8 @@ from ._gpu import cuda_built, nccl_built
 from ._gpu import gpu_info as gpu_info  # in __all__ once ringreduce.torch re-exports it
 from ._gpu import nccl_version as nccl_version  # likewise
 from .exceptions import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     InvalidInputError,
     MismatchError,
     NotInitializedError,
@@ -37,7 +39,8 @@ from .exceptions import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "Communicator", "Handle", "InvalidInputError", "Max", "Min", "MismatchError",
+    "Average", "Communicator", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
     "RingReduceTimeoutError", "Sum", "allgather", "allgather_async", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",

@@ -40,3 +40,22 @@ class PeerLostError(RingReduceError):
 
 class RingReduceTimeoutError(RingReduceError, TimeoutError):
     """A peer stayed alive but made no progress within the configured timeout."""
+
+
+# Horovod's exception names (horovod.common.exceptions), for ported scripts. Horovod raises
+# HorovodInternalError for every failure of a collective (a lost peer, a mismatch); every
+# error ringreduce raises derives from RingReduceError, so the alias is that class and
+# ``except hvd.HorovodInternalError`` catches what it caught under Horovod.
+HorovodInternalError = RingReduceError
+
+
+class HostsUpdatedInterrupt(RingReduceError):
+    """Horovod's elastic-mode signal that the host set changed.
+
+    ringreduce has no elastic mode, so it never raises this; the name exists so that a
+    ported script's ``except hvd.HostsUpdatedInterrupt`` clause still imports.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the set of hosts changed")
+        self.skip_sync = skip_sync

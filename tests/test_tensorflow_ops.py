@@ -111,10 +111,10 @@ def test_data_movement_and_gradients():
     np.testing.assert_array_equal(r0[1], [[2, 2]])
     np.testing.assert_array_equal(r0[2], [[3, 3], [3, 3]])
     np.testing.assert_array_equal(r1[2], [[3, 3]])
-    # d(sum over ranks of sum(gathered^2)) / dv = 2 * 2 * v (every rank's loss sees v)
-    np.testing.assert_array_equal(r0[3][0], 4 * np.ones([1, 2]))
-    np.testing.assert_array_equal(r1[3][0], 8 * np.ones([2, 2]))
-    np.testing.assert_array_equal(r1[3][1], [[2, 2], [0, 0]])  # root gets the Sum
+    # Horovod's convention: the average over ranks of d(sum(gathered^2))/dv = 2 * v
+    np.testing.assert_array_equal(r0[3][0], 2 * np.ones([1, 2]))
+    np.testing.assert_array_equal(r1[3][0], 4 * np.ones([2, 2]))
+    np.testing.assert_array_equal(r1[3][1], [[1, 1], [0, 0]])  # root gets the average
     np.testing.assert_array_equal(r0[3][1], [[0, 0]])
     np.testing.assert_array_equal(r0[3][2], [[2, 2]])  # Sum allreduce: Sum of gradients
     np.testing.assert_array_equal(r0[4], [0, 1, 10])

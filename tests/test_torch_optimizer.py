@@ -377,6 +377,8 @@ def test_synchronize_clip_then_step():
 
 
 def test_step_right_after_synchronize_does_not_reduce_twice():
+    """Horovod's warning for this pattern, but no second allreduce."""
+
     def fn(rank):
         model = make_net()
         opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
@@ -387,7 +389,8 @@ def test_step_right_after_synchronize_does_not_reduce_twice():
         opt.step()
         return model.fc2.bias.grad.clone()
 
-    g0, g1 = run(2, fn)
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        g0, g1 = run(2, fn)
     assert torch.equal(g1 - g0, torch.ones_like(g0))
 
 
@@ -437,6 +440,7 @@ def test_sparse_gradients():
                                        sparse_as_dense=dense)
         emb(torch.tensor([rank, 5, 5])).sum().backward()
         opt.synchronize()
+        assert emb.weight.grad.is_sparse  # sparse_as_dense sends it dense, returns it sparse
         grad = emb.weight.grad.to_dense().clone()
         with opt.skip_synchronize():
             opt.step()
@@ -449,6 +453,25 @@ def test_sparse_gradients():
     for dense in (False, True):
         for g in run(2, lambda r, d=dense: fn(r, d)):
             torch.testing.assert_close(g, want)
+
+
+def test_sparse_as_dense_with_sparse_adam():
+    """SparseAdam needs sparse gradients: sparse_as_dense must hand them back sparse."""
+
+    def fn(rank):
+        emb = seeded(0, lambda: torch.nn.Embedding(10, 3, sparse=True))
+        opt = rrt.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       sparse_as_dense=True)
+        for _ in range(2):
+            opt.zero_grad()
+            emb(torch.tensor([rank, 5])).sum().backward()
+            opt.step()
+        return emb.weight.detach().clone()
+
+    w0, w1 = run(2, fn)
+    assert torch.equal(w0, w1)
+    assert not torch.equal(w0[5], seeded(0, lambda: torch.nn.Embedding(10, 3)).weight[5])
 
 
 def test_sparse_gradient_missing_on_one_rank():

@@ -24,6 +24,8 @@ import keras
 
 from ringreduce import (
     Average,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     InvalidInputError,
     Max,
     Min,
@@ -80,7 +82,8 @@ else:  # the torch backend: ringreduce.torch's collectives and compressors
                                             "broadcast_variables")
 
 __all__ = [
-    "Average", "CheckpointError", "Compression", "DistributedOptimizer", "InvalidInputError",
+    "Average", "CheckpointError", "Compression", "DistributedOptimizer", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "InvalidInputError",
     "Max", "Min", "MismatchError", "NotInitializedError", "PeerLostError", "Product",
     "RingReduceError", "RingReduceTimeoutError", "Sum", "allgather", "allgather_object",
     "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",

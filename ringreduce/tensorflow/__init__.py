@@ -26,6 +26,8 @@ import tensorflow as tf
 
 from ringreduce import (
     Average,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     InvalidInputError,
     Max,
     Min,
@@ -65,7 +67,8 @@ from .variables import (
 
 __all__ = [
     "Average", "BroadcastGlobalVariablesHook", "CheckpointError", "Compression", "Compressor",
-    "DistributedGradientTape", "DistributedOptimizer", "InvalidInputError", "Max", "Min",
+    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "InvalidInputError", "Max", "Min",
     "MismatchError", "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
     "RingReduceTimeoutError", "Sum", "allgather", "allgather_object", "allreduce", "alltoall",
     "barrier", "broadcast", "broadcast_global_variables", "broadcast_object",

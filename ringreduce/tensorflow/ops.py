@@ -2,10 +2,10 @@
 
 Each call is one graph op (see ``_bridge``): it works eagerly, inside ``tf.function``
 and in ``tf.compat.v1`` graphs. ``allreduce``, ``grouped_allreduce``, ``allgather``,
-``broadcast``, ``reducescatter`` and ``alltoall`` are differentiable; their gradients
-are those of the **sum of every rank's loss**, as in ringreduce.torch (allreduce's is
-the same allreduce of the gradient; allgather's, this rank's rows of the Sum of the
-gradient; broadcast's, the Sum on the root and zeros elsewhere).
+``broadcast``, ``reducescatter`` and ``alltoall`` are differentiable, with Horovod's
+gradients (``ringreduce._grads``; allreduce's is the same allreduce of the gradient;
+allgather's, this rank's rows of the average of the gradient; broadcast's, the average
+on the root and zeros elsewhere; reducescatter's, the gradient gathered, times size for Sum).
 
 ``device_dense`` / ``device_sparse`` and ``ignore_name_scope`` are Horovod's and are
 accepted and ignored: tensors are handed to the engine where they lie (CPU).

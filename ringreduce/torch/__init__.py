@@ -21,6 +21,8 @@ from __future__ import annotations
 from ringreduce import (
     Average,
     Communicator,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     InvalidInputError,
     Max,
     Min,
@@ -87,7 +89,8 @@ from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Average", "CheckpointError", "Communicator", "Compression", "Compressor",
-    "DistributedOptimizer", "Handle", "InvalidInputError", "Max", "Min", "MismatchError",
+    "DistributedOptimizer", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
     "RingReduceTimeoutError", "Sum", "SyncBatchNorm", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",

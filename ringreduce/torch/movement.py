@@ -1,7 +1,7 @@
 """allgather, broadcast, reducescatter, alltoall on torch tensors (differentiable forms too).
 
-Gradients follow the convention of ``ops``: they are those of the sum of every
-rank's loss. See the module docstring there.
+Gradients follow Horovod's convention (``ringreduce._grads``; see the module docstring
+of ``ops``).
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 Results are torch tensors of the input's dtype. Out-of-place ``allreduce``,
 ``allgather``, ``broadcast``, ``reducescatter`` and ``alltoall`` are
-differentiable: their gradients are those of the **sum of every rank's loss**
-(e.g. allreduce(Average)'s backward is allreduce(Average) of the gradient,
-allgather's backward is the Sum-allreduced gradient's slice for this rank,
-broadcast's backward is the Sum of the gradients on the root and zero elsewhere).
-Together with DistributedOptimizer's averaging this gives the gradient of the
-mean loss over all ranks.
+differentiable, with Horovod's gradients (``ringreduce._grads``): allreduce's backward
+is the same allreduce of the gradient, allgather's is this rank's slice of the averaged
+gradient, broadcast's is the average of the gradients on the root and zero elsewhere,
+reducescatter's gathers the gradient back (times size for Sum).
 
 The ``*_async`` forms return a ``Handle``; ``synchronize(handle)`` returns the
 result (a torch tensor) and ``poll(handle)`` tells whether it is ready.

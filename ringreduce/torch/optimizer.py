@@ -20,6 +20,7 @@ How it works (Horovod's design):
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -49,6 +50,14 @@ _CLASSES: dict = {}
 _OWNERS: dict = {}
 
 
+# Horovod's warning, which ported scripts may rely on to find the pattern; unlike Horovod,
+# ringreduce does not average the gradients a second time there.
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() was called after optimizer.synchronize() without the "
+    "`with optimizer.skip_synchronize():` context; wrap step() in it (ringreduce does not "
+    "average the gradients twice, but Horovod does, and the code reads as if it should)")
+
+
 class _Slot:
     """One parameter's state: its name, the passes left before its allreduce starts,
     and that allreduce while it is in flight (``handle is None`` when nothing is).
@@ -60,7 +69,7 @@ class _Slot:
     """
 
     __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx", "version",
-                 "__weakref__")
+                 "sparse_dim", "__weakref__")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param, self.name, self.label = param, name, f"gradient of {name!r}"
@@ -70,6 +79,7 @@ class _Slot:
         self.buf: Optional[torch.Tensor] = None  # None with a handle: sparse allreduce
         self.ctx: Any = None
         self.version = 0  # grad._version when its allreduce started
+        self.sparse_dim = 0  # > 0: sent dense (sparse_as_dense), to be made sparse again
 
 
 class _CachedClosure:
@@ -231,7 +241,9 @@ class _DistributedMixin:
     def _rr_submit(self, s: _Slot) -> None:
         p = s.param
         grad = p.grad
+        s.sparse_dim = 0
         if grad.is_sparse and self._rr_sparse_as_dense:
+            s.sparse_dim = grad.sparse_dim()
             p.grad = grad = grad.to_dense()
         if grad.is_sparse:
             s.handle = SparseAllreduce(self._rr_comm(), grad, s.name, self._rr_op,
@@ -330,6 +342,8 @@ class _DistributedMixin:
                     first = first or err
                 if s.param.grad is not grad and buf is not None:
                     replaced.append(s.name)
+                elif s.sparse_dim:  # as Horovod: the optimizer gets the sparse kind back
+                    s.param.grad = grad.to_sparse(s.sparse_dim)
         finally:
             self._rr_forget()
         if first is not None:
@@ -378,6 +392,8 @@ class _DistributedMixin:
                 loss = closure()
             closure = _CachedClosure(loss)
         fresh = self._rr_inflight or self._rr_partial
+        if self._rr_should_sync and self._rr_synchronized:
+            warnings.warn(_STEP_AFTER_SYNCHRONIZE, UserWarning, stacklevel=2)
         if fresh or (self._rr_should_sync and not self._rr_synchronized):
             self.synchronize()  # fresh gradients are averaged even inside skip_synchronize()
         self._rr_synchronized = False

@@ -46,6 +46,8 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
     "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size", "synchronize",
@@ -270,6 +272,29 @@ def grouped_allreduce_(xs: Sequence[Any], op: int = Average, name: Optional[str]
     """In-place ``grouped_allreduce``; returns ``xs`` as a list."""
     return synchronize(grouped_allreduce_async_(xs, op, name, prescale_factor,
                                                 postscale_factor))
+
+
+def grouped_allgather(xs: Sequence[Any], name: Optional[str] = None) -> list:
+    """Allgather each of ``xs`` (submitted together); see ``Communicator.grouped_allgather``."""
+    return _comm().grouped_allgather(xs, name)
+
+
+def grouped_allgather_async(xs: Sequence[Any], name: Optional[str] = None) -> Handle:
+    """Start a grouped allgather; ``synchronize`` returns the list of results."""
+    return _comm().grouped_allgather_async(xs, name)
+
+
+def grouped_reducescatter(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Reducescatter each of ``xs`` (submitted together); returns a list."""
+    return _comm().grouped_reducescatter(xs, op, name, prescale_factor, postscale_factor)
+
+
+def grouped_reducescatter_async(xs: Sequence[Any], op: int = Average,
+                                name: Optional[str] = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Start a grouped reducescatter; ``synchronize`` returns the list of results."""
+    return _comm().grouped_reducescatter_async(xs, op, name, prescale_factor, postscale_factor)
 
 
 def allgather_async(x: Any, name: Optional[str] = None) -> Handle:

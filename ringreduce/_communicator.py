@@ -430,6 +430,37 @@ class Communicator:
         """
         return self._wait(self.alltoall_async(x, splits, name))
 
+    def grouped_allgather_async(self, xs: Sequence[Any], name: Optional[str] = None) -> Handle:
+        """Start an allgather of each of ``xs``, submitted together; the result is a list.
+
+        Members are named ``<name>.<i>`` (unnamed: matched by order, like single calls).
+        """
+        what = call_label("grouped_allgather", name)
+        handles = [self.allgather_async(x, _part(name, str(i)))
+                   for i, x in enumerate(_members(xs, what))]
+        return Handle(_HandleGroup(handles), lambda g: g.results)
+
+    def grouped_allgather(self, xs: Sequence[Any], name: Optional[str] = None) -> list:
+        """Allgather each of ``xs`` (see ``allgather``); returns a list of new arrays."""
+        return self._wait(self.grouped_allgather_async(xs, name))
+
+    def grouped_reducescatter_async(self, xs: Sequence[Any], op: int = Average,
+                                    name: Optional[str] = None, prescale_factor: float = 1.0,
+                                    postscale_factor: float = 1.0) -> Handle:
+        """Start a reducescatter of each of ``xs``, submitted together; the result is a list."""
+        what = call_label("grouped_reducescatter", name)
+        handles = [self.reducescatter_async(x, op, _part(name, str(i)), prescale_factor,
+                                            postscale_factor)
+                   for i, x in enumerate(_members(xs, what))]
+        return Handle(_HandleGroup(handles), lambda g: g.results)
+
+    def grouped_reducescatter(self, xs: Sequence[Any], op: int = Average,
+                              name: Optional[str] = None, prescale_factor: float = 1.0,
+                              postscale_factor: float = 1.0) -> list:
+        """Reducescatter each of ``xs`` (see ``reducescatter``); returns a list of new arrays."""
+        return self._wait(self.grouped_reducescatter_async(xs, op, name, prescale_factor,
+                                                           postscale_factor))
+
     def shared_zeros(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
         """Return a zero-filled array in memory that every rank of the job maps.
 
@@ -519,6 +550,38 @@ class Communicator:
             raise InvalidInputError(f"{what}: root_rank must be an int in [0, {self.size()}), "
                                     f"got {root_rank!r}")
         return int(root_rank)
+
+
+class _HandleGroup:
+    """Several handles waited on as one (the grouped allgather and reducescatter)."""
+
+    __slots__ = ("_handles", "results")
+
+    def __init__(self, handles: list) -> None:
+        self._handles = handles
+        self.results: list = []
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self) -> None:
+        """Wait for every member, even after one failed, then raise the first error."""
+        results, first = [], None
+        for h in self._handles:
+            try:
+                results.append(h.wait())
+            except Exception as err:
+                first = first or err
+        if first is not None:
+            raise first
+        self.results = results
+
+
+def _members(xs: Sequence[Any], what: str) -> list:
+    if isinstance(xs, np.ndarray) or not isinstance(xs, Sequence) or not xs:
+        raise InvalidInputError(f"{what}: expects a non-empty list of arrays, got "
+                                f"{reprlib.repr(xs)}")
+    return list(xs)
 
 
 def _part(name: Optional[str], part: str) -> Optional[str]:

@@ -58,6 +58,13 @@ from .broadcast import (
 )
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compression import Compression, Compressor
+from .grouped import (
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+)
 from .movement import (
     allgather,
     allgather_async,
@@ -76,7 +83,6 @@ from .ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
@@ -85,6 +91,7 @@ from .ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
@@ -98,11 +105,13 @@ __all__ = [
     "broadcast_async_", "broadcast_object", "ccl_built", "cuda_built", "ddl_built",
     "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "rocm_built", "broadcast_optimizer_state",
-    "broadcast_parameters", "cross_rank", "cross_size", "grouped_allreduce",
+    "broadcast_parameters", "cross_rank", "cross_size", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce",
+    "grouped_reducescatter", "grouped_reducescatter_async",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "poll", "rank",
     "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shared_zeros",
-    "run", "shutdown",
+    "sparse_allreduce_async", "run", "shutdown",
     "size", "synchronize", "use_communicator",
 ]
 

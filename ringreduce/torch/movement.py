@@ -17,6 +17,7 @@ from ringreduce._grads import allgather_grad, alltoall_grad, broadcast_grad, red
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
+from .compression import Compression, Compressor
 from .ops import Handle, Splits, _writable, resolve_op, synchronize
 
 
@@ -120,23 +121,28 @@ class _ReducescatterFn(torch.autograd.Function):
         return to_torch(g), None, None, None, None, None
 
 
-def reducescatter(tensor: torch.Tensor, op: int = Average, name: Optional[str] = None,
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression: type[Compressor] = Compression.none, op: int = Average,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's share of dim 0; differentiable.
 
-    Dim 0 is split as evenly as possible; lower ranks get the extra rows.
+    Dim 0 is split as evenly as possible; lower ranks get the extra rows. The arguments
+    are Horovod's, in its order.
     """
     what = label("reducescatter", name)
     op = resolve_op(None, op, what)
-    if _wants_grad(tensor, what):
-        return _ReducescatterFn.apply(tensor, op, name,
-                                      *check_scales(prescale_factor, postscale_factor,
-                                                    "reducescatter", name), binder())
-    return to_torch(comm().reducescatter(to_numpy(tensor, what), op, name, prescale_factor,
-                                         postscale_factor))
+    buf, cctx = compression.compress(check_tensor(tensor, what))
+    if _wants_grad(buf, what):
+        out = _ReducescatterFn.apply(buf, op, name,
+                                     *check_scales(prescale_factor, postscale_factor,
+                                                   "reducescatter", name), binder())
+    else:
+        out = to_torch(comm().reducescatter(to_numpy(buf, what), op, name, prescale_factor,
+                                            postscale_factor))
+    return compression.decompress(out, cctx)
 
 
-def reducescatter_async(tensor: torch.Tensor, op: int = Average, name: Optional[str] = None,
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter; ``synchronize(handle)`` returns this rank's share."""
     what = label("reducescatter_async", name)

@@ -216,22 +216,6 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Any = Non
     return Handle(inner, lambda _: [finish(None) for _, finish in views])
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
-                      name: Optional[str] = None,
-                      compression: type[Compressor] = Compression.none,
-                      op: Optional[int] = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list:
-    """Allreduce all of ``tensors`` as one fused unit; returns a list of new tensors.
-
-    The arguments are ``allreduce``'s, in Horovod's order (``compression`` before ``op``).
-    """
-    packed = [compression.compress(check_tensor(t, label("grouped_allreduce", name)))
-              for t in tensors]
-    out = synchronize(grouped_allreduce_async([b for b, _ in packed], average, name, op,
-                                              prescale_factor, postscale_factor))
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, packed)]
-
-
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Any = None,
                        name: Optional[str] = None, op: Optional[int] = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:

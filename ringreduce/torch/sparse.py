@@ -12,14 +12,16 @@ and the number of marker rows received is the divisor.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ringreduce import Average, Communicator, Sum
+from ringreduce._communicator import _part
 from ringreduce.exceptions import InvalidInputError
 
-from ._tensors import to_numpy, to_torch
+from ._tensors import comm, to_numpy, to_torch
+from .ops import Handle, resolve_op
 
 
 class SparseAllreduce:
@@ -31,19 +33,21 @@ class SparseAllreduce:
         Where to reduce.
     grad : torch.Tensor
         Sparse COO tensor with the same dense shape on every rank.
-    name : str
-        Base name; the allgathers are ``<name>.indices`` and ``<name>.values``.
+    name : str or None
+        Base name; the allgathers are ``<name>.indices`` and ``<name>.values`` (unnamed:
+        matched by the order of the calls).
     op : int
         ``Sum`` or ``Average``.
     prescale, postscale : float
         Applied to the values before and after the reduction.
     """
 
-    def __init__(self, comm: Communicator, grad: torch.Tensor, name: str, op: int,
+    def __init__(self, comm: Communicator, grad: torch.Tensor, name: Optional[str], op: int,
                  prescale: float = 1.0, postscale: float = 1.0) -> None:
         if op not in (Sum, Average):
-            raise InvalidInputError(f"sparse gradient {name!r}: only Sum and Average are "
-                                    "supported; pass sparse_as_dense=True")
+            raise InvalidInputError(f"sparse allreduce {name!r}: only Sum and Average are "
+                                    "supported (in DistributedOptimizer: pass "
+                                    "sparse_as_dense=True)")
         g = grad.coalesce()
         values = g.values() * prescale if prescale != 1.0 else g.values()
         marker = torch.full((1, g.sparse_dim()), -1, dtype=torch.int64)
@@ -53,9 +57,9 @@ class SparseAllreduce:
         self._scale = postscale
         self._handles = [
             comm.allgather_async(to_numpy(self._indices, f"sparse gradient {name!r}"),
-                                 f"{name}.indices"),
+                                 _part(name, "indices")),
             comm.allgather_async(to_numpy(self._values, f"sparse gradient {name!r}"),
-                                 f"{name}.values"),
+                                 _part(name, "values")),
         ]
 
     def done(self) -> bool:
@@ -80,3 +84,18 @@ class SparseAllreduce:
             values = values * scale
         return torch.sparse_coo_tensor(indices.t(), values, self._shape,
                                        check_invariants=False).coalesce()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
+                           op: int = Average) -> Handle:
+    """Start an allreduce of a sparse COO tensor (Horovod's name); ``synchronize(handle)``
+    returns the reduced sparse tensor, coalesced.
+
+    It runs as two allgathers (indices and values); duplicate indices add up.
+    """
+    what = f"sparse_allreduce_async {name!r}" if name else "sparse_allreduce_async"
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise InvalidInputError(f"{what}: expects a sparse COO torch.Tensor; use allreduce_async "
+                                "for dense tensors")
+    return Handle(SparseAllreduce(comm(), tensor, name, resolve_op(None, op, what)),
+                  lambda result: result)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ._adasum import Adasum
 from ._communicator import Average, Communicator, Handle, Max, Min, Product, Sum, reduce_isa
 from ._gpu import cuda_built, nccl_built
 from ._gpu import gpu_info as gpu_info  # in __all__ once ringreduce.torch re-exports it
@@ -39,7 +40,7 @@ from .exceptions import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "Communicator", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "Adasum", "Average", "Communicator", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt",
     "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
     "RingReduceTimeoutError", "Sum", "allgather", "allgather_async", "allgather_object",

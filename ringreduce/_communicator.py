@@ -18,12 +18,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import _core
+from ._adasum import Adasum, gather_and_combine
 from ._arrays import empty_aligned_like, for_reading, for_writing
 from ._dtypes import dtype_code
 from .exceptions import InvalidInputError, call_label
 
 Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
 _OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
+# Adasum (5) is handled in Python (``_adasum``) by the allreduce calls that accept it.
 
 
 
@@ -215,6 +217,8 @@ class Communicator:
         """Start an in-place allreduce of ``x``; ``synchronize(handle)`` returns ``x``."""
         # The per-gradient hot path: a plain numpy array is checked in C++ and
         # its handle (a _core.ArrayHandle: wait() returns x) made there too.
+        if op is Adasum:
+            return self._adasum([x], name, prescale_factor, postscale_factor, True, False)
         h = self._engine.allreduce_array(x, op, name, prescale_factor, postscale_factor)
         if h is not None:  # _keep_alive, inlined: one Python frame less per gradient
             # Only the length cap here (a check of the oldest handle costs every
@@ -233,6 +237,8 @@ class Communicator:
     def allreduce_async(self, x: Any, op: int = Average, name: Optional[str] = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
         """Start an allreduce; ``synchronize(handle)`` returns the result as a new array."""
+        if op is Adasum:
+            return self._adasum([x], name, prescale_factor, postscale_factor, False, False)
         src = for_reading(x, "allreduce", name)
         out = empty_aligned_like(src)
         core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor,
@@ -281,6 +287,8 @@ class Communicator:
                                 name: Optional[str] = None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
         """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
+        if op is Adasum:
+            return self._adasum(xs, name, prescale_factor, postscale_factor, False, True)
         srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
         outs = [empty_aligned_like(s) for s in srcs]
         core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
@@ -297,6 +305,8 @@ class Communicator:
                                  name: Optional[str] = None, prescale_factor: float = 1.0,
                                  postscale_factor: float = 1.0) -> Handle:
         """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
+        if op is Adasum:
+            return self._adasum(xs, name, prescale_factor, postscale_factor, True, True)
         if type(xs) in (list, tuple) and (name is None or type(name) is str):
             # Plain numpy arrays are checked and submitted in C++ (None: some member
             # needs the general path below, which converts or raises). The tuple is
@@ -312,6 +322,26 @@ class Communicator:
         arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
         core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: list(xs), (arrs,))
+
+    def _adasum(self, xs: Sequence[Any], name: Optional[str], prescale: Any, postscale: Any,
+                in_place: bool, grouped: bool) -> Handle:
+        """An allreduce with ``op=Adasum`` (see ``_adasum``): a grouped allgather, then the
+        same float64 combination on every rank; in place, the results are copied back."""
+        what = ("grouped_allreduce" if grouped else "allreduce") + ("_" if in_place else "")
+        pre, post = check_scales(prescale, postscale, what, name)
+        srcs = [(for_writing if in_place else for_reading)(x, what, name)
+                for x in _members(xs, call_label(what, name))]
+        inner, combine = gather_and_combine(self, srcs, name, pre, post, what)
+
+        def finish(gathered: list) -> Any:
+            out = combine(gathered)
+            if in_place:
+                for dst, res in zip(srcs, out):
+                    dst[...] = res
+                out = list(xs)
+            return out if grouped else out[0]
+
+        return Handle(inner, lambda h: finish(h.wait()), (srcs,))
 
     def _group_name(self, name: Optional[str]) -> str:
         """The group's name: ``name``, or the next deterministic one (hold ``_lock``)."""

@@ -11,6 +11,7 @@ import math
 import operator
 from typing import Any, Optional
 
+from ._adasum import Adasum
 from ._communicator import _OP_NAMES, Average, Sum, check_scales
 from .exceptions import InvalidInputError
 
@@ -46,9 +47,11 @@ def resolve_op(average: Any, op: Optional[int], what: str, module: str = "ringre
         code = None if isinstance(op, bool) else operator.index(op)
     except TypeError:
         code = None
+    if code == Adasum:
+        return Adasum
     if code not in _OP_NAMES:
         raise InvalidInputError(f"{what}: op must be one of {module}.Sum, Average, Min, "
-                                f"Max, Product; got {op!r}")
+                                f"Max, Product, Adasum; got {op!r}")
     return code
 
 

@@ -19,6 +19,7 @@ the extension is not compiled against torch. CPU tensors only for now.
 from __future__ import annotations
 
 from ringreduce import (
+    Adasum,
     Average,
     Communicator,
     HorovodInternalError,
@@ -95,7 +96,7 @@ from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Average", "CheckpointError", "Communicator", "Compression", "Compressor",
+    "Adasum", "Average", "CheckpointError", "Communicator", "Compression", "Compressor",
     "DistributedOptimizer", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt",
     "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerLostError", "Product", "RingReduceError",

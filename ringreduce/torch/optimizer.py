@@ -31,10 +31,12 @@ import numpy as np
 import torch
 
 from ringreduce import Average, Communicator, Sum
+from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import binder, to_numpy
+from .adasum import _AdasumMixin
 from .broadcast import agree
 from .compression import Compression, Compressor
 from .sparse import SparseAllreduce
@@ -457,7 +459,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         Backward passes accumulated locally before the allreduce starts (scale
         the loss by ``1 / backward_passes_per_step`` for an average).
     op : int
-        ``Average`` (default) or ``Sum``.
+        ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps locally and the
+        parameter changes are combined with Adasum (Horovod's delta optimizer; see
+        ``ringreduce.torch.adasum``).
     gradient_predivide_factor : float
         With Average: divide by this before the sum and by ``size / factor`` after.
     num_groups, groups :
@@ -473,7 +477,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         An instance of a subclass of ``type(optimizer)`` with ``synchronize()``
         and ``skip_synchronize()``.
     """
-    if isinstance(optimizer, _DistributedMixin):
+    if isinstance(optimizer, (_DistributedMixin, _AdasumMixin)):
         raise InvalidInputError("DistributedOptimizer: this optimizer is already a "
                                 "DistributedOptimizer; wrap the plain optimizer once")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -481,19 +485,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                                 f"{type(optimizer).__name__}")
     what = "DistributedOptimizer"
     check_passes(what, backward_passes_per_step)
-    scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
-                              "ringreduce.torch")
-    named = _param_names(optimizer, named_parameters)
+    if not isinstance(op, bool) and op == Adasum:  # Horovod's delta optimizer (adasum.py)
+        optimizer_scales(what, Average, gradient_predivide_factor, num_groups, groups)
+        if gradient_predivide_factor != 1.0:
+            raise InvalidInputError(f"{what}: gradient_predivide_factor needs op=Average")
+        dist = _swap_class(optimizer, _AdasumMixin)
+        dist._rr_adasum_setup(_param_names(optimizer, named_parameters), compression)
+    else:
+        scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
+                                  "ringreduce.torch")
+        dist = _swap_class(optimizer, _DistributedMixin)
+        dist._rr_setup(_param_names(optimizer, named_parameters), compression,
+                       backward_passes_per_step, op, scales, sparse_as_dense)
+    dist._rr_original = weakref.ref(optimizer)
+    return dist
+
+
+def _swap_class(optimizer: torch.optim.Optimizer, mixin: type) -> Any:
+    """A new instance of a subclass of ``type(optimizer)`` with ``mixin`` in front, sharing
+    everything the optimizer holds (param_groups, state, defaults, hooks), but not
+    per-instance method overrides such as an LR scheduler's wrapper of the old step()."""
     base = type(optimizer)
-    cls = _CLASSES.get(base)
+    cls = _CLASSES.get((mixin, base))
     if cls is None:
-        cls = _CLASSES[base] = type(base.__name__, (_DistributedMixin, base),
-                                    {"__module__": base.__module__})
+        cls = _CLASSES[(mixin, base)] = type(base.__name__, (mixin, base),
+                                             {"__module__": base.__module__})
     dist = cls.__new__(cls)
-    # Share everything the optimizer holds (param_groups, state, defaults, hooks), but not
-    # per-instance method overrides such as an LR scheduler's wrapper of the old step().
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                           if k not in ("step", "zero_grad")})
-    dist._rr_setup(named, compression, backward_passes_per_step, op, scales, sparse_as_dense)
-    dist._rr_original = weakref.ref(optimizer)
     return dist

@@ -51,7 +51,8 @@ __all__ = [
     "grouped_reducescatter_async",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
-    "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size", "synchronize",
+    "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size",
+    "start_timeline", "stop_timeline", "synchronize",
     "use_communicator", "cuda_built", "nccl_built", "run",
 ]
 
@@ -273,6 +274,17 @@ def grouped_allreduce_(xs: Sequence[Any], op: int = Average, name: Optional[str]
     """In-place ``grouped_allreduce``; returns ``xs`` as a list."""
     return synchronize(grouped_allreduce_async_(xs, op, name, prescale_factor,
                                                 postscale_factor))
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline (Horovod's name); see
+    ``Communicator.start_timeline``."""
+    _comm().start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Close the timeline started by ``start_timeline`` or ``RINGREDUCE_TIMELINE``."""
+    _comm().stop_timeline()
 
 
 def grouped_allgather(xs: Sequence[Any], name: Optional[str] = None) -> list:

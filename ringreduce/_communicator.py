@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import pickle
 import reprlib
 import threading
@@ -534,6 +535,20 @@ class Communicator:
         if buf is None or nbytes == 0:
             return np.zeros(dims, dt)
         return np.frombuffer(buf, np.uint8, count=nbytes).view(dt).reshape(dims)
+
+    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
+        """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; on
+        other ranks this does nothing), as ``RINGREDUCE_TIMELINE`` does from the start.
+
+        A trace already open is closed first. ``mark_cycles`` is Horovod's and ignored:
+        the trace shows every negotiation, and ringreduce has no fixed cycle to mark.
+        """
+        del mark_cycles
+        self._engine.start_timeline(os.fspath(file_path))
+
+    def stop_timeline(self) -> None:
+        """Close the timeline (the file is then complete, strict JSON); harmless if none."""
+        self._engine.stop_timeline()
 
     def barrier(self, name: Optional[str] = None) -> None:
         """Return only after every rank has entered the barrier."""

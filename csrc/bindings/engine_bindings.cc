@@ -332,6 +332,9 @@ void bind_engine_class(py::module_& m) {
            })
       .def("join", &Engine::join, py::call_guard<py::gil_scoped_release>())
       .def("join_epoch", &Engine::join_epoch)
+      .def("start_timeline", &Engine::start_timeline, py::arg("path"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("stop_timeline", &Engine::stop_timeline, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }
 

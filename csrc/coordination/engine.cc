@@ -49,8 +49,10 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
       batch_(opt_.batch_gap_s, opt_.batch_max_s),
       t0_(std::chrono::steady_clock::now()) {
   ctx_->check_usable();
-  if (rank_ == 0 && !opt_.timeline_path.empty())
-    timeline_ = std::make_unique<Timeline>(opt_.timeline_path);
+  if (rank_ == 0) {
+    timeline_ = std::make_unique<Timeline>();
+    if (!opt_.timeline_path.empty()) timeline_->start(opt_.timeline_path);
+  }
   for (int w = 1; rank_ == 0 && w < size_; ++w) workers_.push_back(w);
   if (rank_ == 0)
     negotiator_ = std::make_unique<Negotiator>(
@@ -237,7 +239,15 @@ void Engine::shutdown() {
   fail_all(ErrorKind::kInternal,
            cat("rank ", rank_, ": ringreduce was shut down before this collective completed"));
   ctx_->set_phase_observer(nullptr);
-  if (timeline_) timeline_->close();
+  if (timeline_) timeline_->stop();
+}
+
+void Engine::start_timeline(const std::string& path) {
+  if (timeline_) timeline_->start(path);
+}
+
+void Engine::stop_timeline() {
+  if (timeline_) timeline_->stop();
 }
 
 void Engine::set_device_executor_factory(ExecutorFactory f) {

@@ -77,6 +77,9 @@ class Engine {
   std::shared_ptr<HandleState> join();
   // Completed join()s; changes before the completing join's handle resolves.
   uint64_t join_epoch() const;
+  // Horovod's start_timeline/stop_timeline: rank 0 writes the trace; elsewhere no-ops.
+  void start_timeline(const std::string& path);
+  void stop_timeline();
   // A buffer every rank maps (Context::create_shared), from the calling
   // thread; refused once the engine has failed or stopped.
   std::shared_ptr<SharedRegion> create_shared(size_t bytes);

@@ -40,13 +40,13 @@ void Negotiator::submit(int rank, RequestMeta m, double now) {
     p.submitted.assign(opt_.size, false);
     p.first_seen = p.last_warned = now;
     p.order = next_order_++;
-    if (timeline_) timeline_->negotiate_begin(m.name, coll_name(m.kind));
+    if (timeline_ && timeline_->active()) timeline_->negotiate_begin(m.name, coll_name(m.kind));
   }
   last_activity_ = std::max(last_activity_, now);
   if (p.submitted[rank]) return;  // engines refuse a name in flight twice
   p.submitted[rank] = true;
   ++p.count;
-  if (timeline_) timeline_->rank_ready(m.name, rank);
+  if (timeline_ && timeline_->active()) timeline_->rank_ready(m.name, rank);
   p.metas[rank] = std::move(m);
 }
 
@@ -138,7 +138,7 @@ std::vector<Response> Negotiator::decide(double now) {
   for (auto& [order, it] : done) {
     ready_list.push_back(verdict(it->second));
     table_.erase(it);
-    if (!timeline_) continue;
+    if (!timeline_ || !timeline_->active()) continue;
     const std::string& name = ready_list.back().tensors[0].name;
     timeline_->negotiate_end(name);
     if (ready_list.back().type == RespType::kError) timeline_->end(name);  // nothing will run

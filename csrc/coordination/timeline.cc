@@ -25,21 +25,34 @@ std::string json_escape(const std::string& s) {
 
 }  // namespace
 
-Timeline::Timeline(const std::string& path) : start_(std::chrono::steady_clock::now()) {
-  file_ = std::fopen(path.c_str(), "w");
-  if (!file_)
-    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_TIMELINE: cannot write '", path,
+void Timeline::start(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f)
+    throw_error(ErrorKind::kInvalidArgument, "timeline: cannot write '", path,
                 "': ", errno_string(errno));
+  std::lock_guard<std::mutex> lock(mutex_);
+  stop_locked();
+  file_ = f;
+  rows_.clear();
+  current_.clear();
+  start_ = std::chrono::steady_clock::now();
   std::fputs(
       "[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":"
       "\"ringreduce\"}}",
       file_);
+  active_ = true;
+}
+
+void Timeline::stop() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stop_locked();
 }
 
 Timeline::~Timeline() {
-  close();
+  stop();
 }
 
+// Callers hold mutex_ and have checked file_.
 int Timeline::row(const std::string& tensor) {
   auto it = rows_.find(tensor);
   if (it != rows_.end()) return it->second;
@@ -58,60 +71,86 @@ void Timeline::event(const char* ph, int tid, const std::string& name) {
 }
 
 void Timeline::negotiate_begin(const std::string& tensor, const char* op) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!file_) return;
   std::string name = cat("NEGOTIATE_", op);
   for (auto& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   event("B", row(tensor), name);
 }
 
 void Timeline::rank_ready(const std::string& tensor, int rank) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!file_) return;
   event("i", row(tensor), cat("rank ", rank, " ready"));
 }
 
 void Timeline::negotiate_end(const std::string& tensor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!file_) return;
   int tid = row(tensor);
   event("E", tid, "");
   event("B", tid, "WAIT");
 }
 
 void Timeline::begin(const std::string& tensor, const std::string& activity) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!file_) return;
   event("B", row(tensor), activity);
 }
 
 void Timeline::end(const std::string& tensor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!file_) return;
   event("E", row(tensor), "");
 }
 
 void Timeline::set_current(const std::vector<std::string>& tensors) {
-  phase_end();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!file_) return;
+  phase_end_locked();
   current_ = tensors;
 }
 
 void Timeline::phase(const char* name) {
-  phase_end();
-  for (const auto& t : current_) begin(t, name);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!file_) return;
+  phase_end_locked();
+  for (const auto& t : current_) event("B", row(t), name);
   in_phase_ = true;
 }
 
 void Timeline::phase_end() {
-  if (!in_phase_) return;
-  for (const auto& t : current_) end(t);
+  std::lock_guard<std::mutex> lock(mutex_);
+  phase_end_locked();
+}
+
+void Timeline::phase_end_locked() {
+  if (!in_phase_ || !file_) return;
+  for (const auto& t : current_) event("E", row(t), "");
   in_phase_ = false;
 }
 
 void Timeline::flush() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  flush_locked();
+}
+
+void Timeline::flush_locked() {
   if (!file_ || buf_.empty()) return;
   std::fwrite(buf_.data(), 1, buf_.size(), file_);
   std::fflush(file_);
   buf_.clear();
 }
 
-void Timeline::close() {
+void Timeline::stop_locked() {
   if (!file_) return;
-  phase_end();
-  flush();
+  phase_end_locked();
+  flush_locked();
   std::fputs("\n]\n", file_);
   std::fclose(file_);
   file_ = nullptr;
+  in_phase_ = false;
+  active_ = false;
 }
 
 }  // namespace rr

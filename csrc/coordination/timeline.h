@@ -1,5 +1,10 @@
-// A Chrome-trace timeline (RINGREDUCE_TIMELINE=path.json), written by rank 0's
-// engine thread only. One row per tensor; on it, nested activities:
+// A Chrome-trace timeline (RINGREDUCE_TIMELINE=path.json, or start(path) /
+// stop() at run time: Horovod's start_timeline/stop_timeline), written by rank 0
+// only. Rank 0's engine always has one; it records nothing while no trace is
+// open (active() is false, and callers skip building what they would record).
+// The engine thread records; any thread may start or stop, so every member
+// takes mutex_ (uncontended, except at the moment of a start or stop). One row per tensor; on it,
+// nested activities:
 //   NEGOTIATE_<OP>   from the first rank's request to readiness, with an
 //                    instant mark "rank r ready" as each rank's request arrives
 //   WAIT             ready, queued behind earlier responses
@@ -8,11 +13,13 @@
 //        RING_ALLGATHER, DIRECT, BROADCAST_CHAIN, ...)
 // Events are buffered and appended to the file after every round, so a trace
 // of a crashed job is still readable (the viewer accepts a missing "]");
-// close() writes the closing bracket, making the file strict JSON.
+// stop() writes the closing bracket, making the file strict JSON.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -23,7 +30,7 @@ namespace rr {
 
 class Timeline : public PhaseObserver {
  public:
-  explicit Timeline(const std::string& path);
+  Timeline() = default;
   ~Timeline() override;
   Timeline(const Timeline&) = delete;
   Timeline& operator=(const Timeline&) = delete;
@@ -41,12 +48,21 @@ class Timeline : public PhaseObserver {
   void phase_end();
 
   void flush();
-  void close();
+  // Opens `path` (InvalidInputError naming it if it cannot be written), closing a
+  // trace already open first.
+  void start(const std::string& path);
+  void stop();  // closes the trace as strict JSON; harmless when none is open
+  bool active() const { return active_.load(std::memory_order_relaxed); }
 
  private:
   int row(const std::string& tensor);
   void event(const char* ph, int tid, const std::string& name);
+  void phase_end_locked();
+  void flush_locked();
+  void stop_locked();
 
+  std::mutex mutex_;
+  std::atomic<bool> active_{false};
   std::FILE* file_ = nullptr;
   std::string buf_;
   std::unordered_map<std::string, int> rows_;

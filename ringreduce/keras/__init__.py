@@ -46,6 +46,8 @@ from ringreduce import (
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     use_communicator,
 )
 from ringreduce.checkpoint import CheckpointError
@@ -90,6 +92,7 @@ __all__ = [
     "broadcast_object", "broadcast_variables", "callbacks", "cross_rank", "cross_size",
     "grouped_allreduce", "init", "is_initialized", "join", "load_model", "local_rank",
     "local_size", "rank", "reducescatter", "save_model", "shutdown", "size",
+    "start_timeline", "stop_timeline",
     "use_communicator",
 ]
 

@@ -47,6 +47,8 @@ from ringreduce import (
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     use_communicator,
 )
 from ringreduce.checkpoint import CheckpointError
@@ -77,7 +79,8 @@ __all__ = [
     "load_checkpoint", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "rank_op", "size_op", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "rocm_built",
-    "run_translated", "save_checkpoint", "shutdown", "size", "use_communicator",
+    "run_translated", "save_checkpoint", "shutdown", "size",
+    "start_timeline", "stop_timeline", "use_communicator",
 ]
 
 

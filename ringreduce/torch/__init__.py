@@ -46,6 +46,8 @@ from ringreduce import (
     run,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     use_communicator,
 )
 from ringreduce.checkpoint import CheckpointError
@@ -113,7 +115,7 @@ __all__ = [
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "poll", "rank",
     "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shared_zeros",
     "sparse_allreduce_async", "run", "shutdown",
-    "size", "synchronize", "use_communicator",
+    "size", "start_timeline", "stop_timeline", "synchronize", "use_communicator",
 ]
 
 

@@ -8,12 +8,17 @@ import numpy as np
 
 from .exceptions import InvalidInputError, call_label
 
-UINT8, INT8, INT32, INT64, FLOAT16, BFLOAT16, FLOAT32, FLOAT64, BOOL = range(9)
+(UINT8, INT8, INT32, INT64, FLOAT16, BFLOAT16, FLOAT32, FLOAT64, BOOL, INT16, UINT16, UINT32,
+ UINT64) = range(13)
 
 _BY_NAME = {
     "uint8": UINT8,
     "int8": INT8,
+    "uint16": UINT16,
+    "int16": INT16,
+    "uint32": UINT32,
     "int32": INT32,
+    "uint64": UINT64,
     "int64": INT64,
     "float16": FLOAT16,
     "bfloat16": BFLOAT16,  # ml_dtypes.bfloat16 (numpy has no native bfloat16)

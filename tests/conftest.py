@@ -10,8 +10,8 @@ import numpy as np
 
 import ringreduce as rr
 
-DTYPES = [np.uint8, np.int8, np.int32, np.int64, np.float16, ml_dtypes.bfloat16, np.float32,
-          np.float64, np.bool_]
+DTYPES = [np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+          np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.bool_]
 OPS = [rr.Sum, rr.Average, rr.Min, rr.Max, rr.Product]
 
 

@@ -69,10 +69,11 @@ int32_t plain_dtype_code(const py::dtype& dt) {
     py::ssize_t size;
     DType dtype;
   };
-  static constexpr Plain kPlain[] = {{'f', 2, DType::kFloat16}, {'f', 4, DType::kFloat32},
-                                     {'f', 8, DType::kFloat64}, {'i', 1, DType::kInt8},
-                                     {'i', 4, DType::kInt32},   {'i', 8, DType::kInt64},
-                                     {'u', 1, DType::kUInt8},   {'b', 1, DType::kBool}};
+  static constexpr Plain kPlain[] = {
+      {'f', 2, DType::kFloat16}, {'f', 4, DType::kFloat32}, {'f', 8, DType::kFloat64},
+      {'i', 1, DType::kInt8},    {'i', 4, DType::kInt32},   {'i', 8, DType::kInt64},
+      {'u', 1, DType::kUInt8},   {'b', 1, DType::kBool},    {'i', 2, DType::kInt16},
+      {'u', 2, DType::kUInt16},  {'u', 4, DType::kUInt32},  {'u', 8, DType::kUInt64}};
   if (dt.byteorder() != '=' && dt.byteorder() != '|') return -1;
   const char kind = dt.kind();
   const py::ssize_t size = dt.itemsize();

@@ -285,23 +285,38 @@ void scale_half(uint16_t* buf, size_t n, float factor) {
   }
 }
 
+// round_saturate for uint64, whose range no signed type holds.
+inline uint64_t round_saturate_u64(double y) {
+  constexpr double kTop = 0x1.fffffffffffffp63;  // the largest double below 2^64
+  double c = select(y > 0.0, y, 0.0);            // NaN and negatives -> 0
+  c = select(c < kTop, c, kTop);
+  uint64_t t = static_cast<uint64_t>(c);  // truncates
+  t += static_cast<uint64_t>(c - static_cast<double>(t) >= 0.5);
+  return select(y >= 0x1p64, std::numeric_limits<uint64_t>::max(), t);
+}
+
 // Rounds half away from zero and saturates to T; NaN becomes 0.
 template <class T>
 inline T round_saturate(double y) {
-  using W = std::conditional_t<(sizeof(T) < 8), int32_t, int64_t>;
-  constexpr W kMin = std::numeric_limits<T>::min();
-  constexpr W kMax = std::numeric_limits<T>::max();
-  constexpr double kLo = static_cast<double>(kMin);
-  constexpr double kHi = static_cast<double>(kMax);  // 2^63 for int64, not convertible
-  constexpr double kTop = sizeof(T) < 8 ? kHi : 0x1.fffffffffffffp62;  // largest convertible
-  double c = select(y > kLo, y, kLo);                                  // NaN -> kLo, fixed below
-  c = select(c < kTop, c, kTop);
-  W t = static_cast<W>(c);                         // truncates
-  const double frac = c - static_cast<double>(t);  // exact
-  t += static_cast<W>(frac >= 0.5) - static_cast<W>(frac <= -0.5);
-  t = select(y >= kHi, kMax, t);
-  t = select(y != y, W{0}, t);
-  return static_cast<T>(t);
+  if constexpr (std::is_same_v<T, uint64_t>) {
+    return round_saturate_u64(y);
+  } else {
+    // W holds every value of T: int32 for the small types, int64 for uint32 and int64.
+    using W = std::conditional_t<(sizeof(T) < 4 || std::is_same_v<T, int32_t>), int32_t, int64_t>;
+    constexpr W kMin = std::numeric_limits<T>::min();
+    constexpr W kMax = std::numeric_limits<T>::max();
+    constexpr double kLo = static_cast<double>(kMin);
+    constexpr double kHi = static_cast<double>(kMax);  // 2^63 for int64, not convertible
+    constexpr double kTop = sizeof(T) < 8 ? kHi : 0x1.fffffffffffffp62;  // largest convertible
+    double c = select(y > kLo, y, kLo);                                  // NaN -> kLo, fixed below
+    c = select(c < kTop, c, kTop);
+    W t = static_cast<W>(c);                         // truncates
+    const double frac = c - static_cast<double>(t);  // exact
+    t += static_cast<W>(frac >= 0.5) - static_cast<W>(frac <= -0.5);
+    t = select(y >= kHi, kMax, t);
+    t = select(y != y, W{0}, t);
+    return static_cast<T>(t);
+  }
 }
 
 template <class T>
@@ -373,6 +388,10 @@ void combine_any(void* dst, const void* a, const void* b, size_t n, DType dtype,
     case DType::kFloat32: return combine_op<Plain<float>>(dst, a, b, n, op);
     case DType::kFloat64: return combine_op<Plain<double>>(dst, a, b, n, op);
     case DType::kBool: return combine_op<Bool>(dst, a, b, n, op);
+    case DType::kInt16: return combine_op<Plain<int16_t>>(dst, a, b, n, op);
+    case DType::kUInt16: return combine_op<Plain<uint16_t>>(dst, a, b, n, op);
+    case DType::kUInt32: return combine_op<Plain<uint32_t>>(dst, a, b, n, op);
+    case DType::kUInt64: return combine_op<Plain<uint64_t>>(dst, a, b, n, op);
   }
 }
 
@@ -380,8 +399,8 @@ template <class T>
 void divide_typed(void* buf, size_t n, int64_t divisor) {
   T* p = static_cast<T*>(buf);
   if (divisor == 1) return;
-  if (divisor == -1) return negate_wrap(p, n);  // also covers MIN / -1
-  if constexpr (sizeof(T) < 8) {
+  if (divisor == -1) return negate_wrap(p, n);                  // also covers MIN / -1
+  if constexpr (sizeof(T) < 4 || std::is_same_v<T, int32_t>) {  // |x| < 2^31
     divide_small(p, n, static_cast<double>(divisor));
   } else {
     for (size_t i = 0; i < n; ++i) p[i] /= divisor;  // no vector integer division on x86
@@ -416,6 +435,10 @@ void scale_inplace(void* buf, size_t count, DType dtype, double factor) {
     case DType::kFloat32: return scale_float<Plain<float>>(static_cast<float*>(buf), count, f32);
     case DType::kFloat64:
       return scale_float<Plain<double>>(static_cast<double*>(buf), count, factor);
+    case DType::kInt16: return scale_int(static_cast<int16_t*>(buf), count, factor);
+    case DType::kUInt16: return scale_int(static_cast<uint16_t*>(buf), count, factor);
+    case DType::kUInt32: return scale_int(static_cast<uint32_t*>(buf), count, factor);
+    case DType::kUInt64: return scale_int(static_cast<uint64_t*>(buf), count, factor);
     case DType::kBool: break;
   }
   throw_bad_dtype("scale_inplace", dtype);
@@ -430,6 +453,10 @@ void divide_integers(void* buf, size_t count, DType dtype, int64_t divisor) {
     case DType::kInt8: return divide_typed<int8_t>(buf, count, divisor);
     case DType::kInt32: return divide_typed<int32_t>(buf, count, divisor);
     case DType::kInt64: return divide_typed<int64_t>(buf, count, divisor);
+    case DType::kInt16: return divide_typed<int16_t>(buf, count, divisor);
+    case DType::kUInt16: return divide_typed<uint16_t>(buf, count, divisor);
+    case DType::kUInt32: return divide_typed<uint32_t>(buf, count, divisor);
+    case DType::kUInt64: return divide_typed<uint64_t>(buf, count, divisor);
     default: break;
   }
   throw_bad_dtype("divide_integers", dtype);

@@ -7,11 +7,15 @@ size_t dtype_size(DType t) {
     case DType::kUInt8:
     case DType::kInt8:
     case DType::kBool: return 1;
+    case DType::kInt16:
+    case DType::kUInt16:
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
     case DType::kInt32:
+    case DType::kUInt32:
     case DType::kFloat32: return 4;
     case DType::kInt64:
+    case DType::kUInt64:
     case DType::kFloat64: return 8;
   }
   return 0;
@@ -28,6 +32,10 @@ const char* dtype_name(DType t) {
     case DType::kFloat32: return "float32";
     case DType::kFloat64: return "float64";
     case DType::kBool: return "bool";
+    case DType::kInt16: return "int16";
+    case DType::kUInt16: return "uint16";
+    case DType::kUInt32: return "uint32";
+    case DType::kUInt64: return "uint64";
   }
   return "unknown";
 }
@@ -44,7 +52,7 @@ const char* reduce_op_name(ReduceOp op) {
 }
 
 bool dtype_is_valid(int32_t code) {
-  return code >= 0 && code <= static_cast<int32_t>(DType::kBool);
+  return code >= 0 && code <= static_cast<int32_t>(DType::kUInt64);
 }
 
 bool reduce_op_is_valid(int32_t code) {
@@ -52,8 +60,13 @@ bool reduce_op_is_valid(int32_t code) {
 }
 
 bool dtype_is_integer(DType t) {
-  return t == DType::kUInt8 || t == DType::kInt8 || t == DType::kInt32 || t == DType::kInt64 ||
-         t == DType::kBool;
+  switch (t) {
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kFloat32:
+    case DType::kFloat64: return false;
+    default: return true;
+  }
 }
 
 }  // namespace rr

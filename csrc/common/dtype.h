@@ -19,6 +19,10 @@ enum class DType : int32_t {
   kFloat32 = 6,
   kFloat64 = 7,
   kBool = 8,
+  kInt16 = 9,
+  kUInt16 = 10,
+  kUInt32 = 11,
+  kUInt64 = 12,
 };
 
 // Average is not a kernel: collectives run Sum and then divide.

@@ -237,6 +237,13 @@ class CpuExecutor : public Executor {
 
 }  // namespace
 
+// The identity of Product (which 0), Min (1) or Max (2) for an integer type.
+template <class T>
+void fill_limits(void* buf, size_t count, int which) {
+  using L = std::numeric_limits<T>;
+  fill<T>(buf, count, which == 0 ? T{1} : (which == 1 ? L::max() : L::min()));
+}
+
 void fill_identity(void* buf, size_t count, DType dtype, ReduceOp op) {
   if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
     std::memset(buf, 0, count * dtype_size(dtype));
@@ -269,6 +276,10 @@ void fill_identity(void* buf, size_t count, DType dtype, ReduceOp op) {
       fill<double>(buf, count, which == 0 ? 1.0 : (which == 1 ? inf : -inf));
       break;
     }
+    case DType::kInt16: fill_limits<int16_t>(buf, count, which); break;
+    case DType::kUInt16: fill_limits<uint16_t>(buf, count, which); break;
+    case DType::kUInt32: fill_limits<uint32_t>(buf, count, which); break;
+    case DType::kUInt64: fill_limits<uint64_t>(buf, count, which); break;
   }
 }
 

@@ -35,8 +35,14 @@ nccl::DataType nccl_dtype(DType t) {
     case DType::kFloat32: return nccl::kFloat32;
     case DType::kFloat64: return nccl::kFloat64;
     case DType::kBool: return nccl::kUint8;
+    case DType::kUInt32: return nccl::kUint32;
+    case DType::kUInt64: return nccl::kUint64;
+    case DType::kInt16:
+    case DType::kUInt16: break;  // NCCL has no 16-bit integers
   }
-  throw_error(ErrorKind::kInvalidArgument, "no NCCL type for dtype ", static_cast<int>(t));
+  throw_error(ErrorKind::kInvalidArgument, "NCCL has no type for dtype ",
+              dtype_is_valid(static_cast<int32_t>(t)) ? dtype_name(t) : "(invalid)",
+              "; on the GPU use int32 (or move the tensor to the CPU)");
 }
 
 nccl::RedOp nccl_op(DeviceOp op) {

@@ -162,7 +162,11 @@ void with_scale_op(DType dtype, F&& f) {
     case DType::kBFloat16: return f(ScaleFloat<BHalf>{});
     case DType::kFloat32: return f(ScaleFloat<Plain<float>>{});
     case DType::kFloat64: return f(ScaleFloat<Plain<double>>{});
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt16:  // the 16-bit and unsigned 32/64-bit integers are CPU-only for now
+    case DType::kUInt16:
+    case DType::kUInt32:
+    case DType::kUInt64: break;
   }
   throw_error(ErrorKind::kInvalidArgument, "GPU scale: dtype ",
               dtype_is_valid(static_cast<int32_t>(dtype)) ? dtype_name(dtype) : "(invalid)",

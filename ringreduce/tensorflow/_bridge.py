@@ -36,7 +36,7 @@ import tensorflow as tf
 
 import ringreduce as _rr
 from ringreduce._arrays import ALIGNMENT
-from ringreduce._dtypes import dtype_code
+from ringreduce._dtypes import SUPPORTED, dtype_code
 from ringreduce.exceptions import InvalidInputError, RingReduceError
 
 __all__ = ["binder", "call", "check_tensor", "comm", "run_translated", "translate", "translated"]
@@ -67,9 +67,9 @@ def check_tensor(t: Any, what: str) -> tf.Tensor:
         return t
     if t.dtype in (tf.string, tf.resource, tf.variant) or not t.dtype.is_numpy_compatible:
         raise InvalidInputError(f"{what}: dtype {t.dtype.name} is not supported; supported "
-                                "dtypes are uint8, int8, int32, int64, float16, bfloat16, "
-                                "float32, float64, bool (cast first, e.g. tf.cast(x, tf.int32))")
-    dtype_code(np.dtype(t.dtype.as_numpy_dtype), what)  # raises for int16, complex...
+                                f"dtypes are {SUPPORTED} (cast first, e.g. "
+                                "tf.cast(x, tf.int32))")
+    dtype_code(np.dtype(t.dtype.as_numpy_dtype), what)  # raises for complex...
     return t
 
 

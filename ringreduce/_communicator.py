@@ -20,8 +20,9 @@ import numpy as np
 
 from . import _core
 from ._adasum import Adasum, gather_and_combine
-from ._arrays import empty_aligned_like, for_reading, for_writing
+from ._arrays import for_reading, for_writing
 from ._dtypes import dtype_code
+from ._pool import OutputPool
 from .exceptions import InvalidInputError, call_label
 
 Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
@@ -132,6 +133,9 @@ class Communicator:
         self._groups_epoch = 0
         self._close_lock = threading.Lock()
         self._closed = False
+        # Warm memory for large out-of-place results (see _pool); bytes kept at most.
+        self._outputs = OutputPool(int(os.environ.get("RINGREDUCE_OUTPUT_POOL_BYTES",
+                                                      256 << 20)))
 
     # ------------------------------------------------------------------ queries
     def rank(self) -> int:
@@ -241,7 +245,7 @@ class Communicator:
         if op is Adasum:
             return self._adasum([x], name, prescale_factor, postscale_factor, False, False)
         src = for_reading(x, "allreduce", name)
-        out = empty_aligned_like(src)
+        out = self._outputs.empty_like(src)
         core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor,
                                       "allreduce")
         return self._track(core, lambda _: out, (src, out))
@@ -291,7 +295,7 @@ class Communicator:
         if op is Adasum:
             return self._adasum(xs, name, prescale_factor, postscale_factor, False, True)
         srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
-        outs = [empty_aligned_like(s) for s in srcs]
+        outs = [self._outputs.empty_like(s) for s in srcs]
         core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: outs, (srcs, outs))
 
@@ -397,7 +401,7 @@ class Communicator:
         """Start a broadcast into a new array."""
         what = call_label("broadcast", name)
         src = for_reading(x, what, None)
-        arr = empty_aligned_like(src)
+        arr = self._outputs.empty_like(src)
         arr[...] = src
         return self.broadcast_async_(arr, root_rank, name)
 

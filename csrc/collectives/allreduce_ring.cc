@@ -4,7 +4,10 @@
 // sends the segment the reduce-scatter's last step completed, chunk by chunk,
 // so the two phases overlap too. The owner of each segment applies Average /
 // postscale to each chunk as it completes, so the scaling work is split N ways
-// and every rank receives identical, already-final bits.
+// and every rank receives identical, already-final bits. Out of place (`own`,
+// the input, apart from `buf`, the output), the reduce-scatter reads this rank's
+// contribution from the input and the allgather fills the rest of the output,
+// so every byte of the output is written once and the input is never copied.
 #include "collectives/collective_util.h"
 #include "collectives/collectives.h"
 #include "collectives/ring_pipeline.h"
@@ -13,7 +16,7 @@
 namespace rr {
 
 void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
-                    double postscale, const std::string& what) {
+                    double postscale, const std::string& what, const uint8_t* own) {
   const int n = ctx.size();
   std::vector<size_t> off = split_offsets(count, n);
   for (auto& o : off) o *= dtype_size(dtype);
@@ -22,7 +25,7 @@ void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, Reduc
   reduce_sinks.reserve(n);
   copy_sinks.reserve(n);
   std::vector<RingStep> steps;
-  reduce_scatter_steps(ctx, buf, off, dtype, op, postscale, &reduce_sinks, &steps);
+  reduce_scatter_steps(ctx, buf, off, dtype, op, postscale, &reduce_sinks, &steps, own);
   allgather_steps(ctx, buf, off, &copy_sinks, &steps);
   ctx.phase("RING_REDUCE_SCATTER");
   run_ring(ctx, steps, /*chained=*/true, what,

@@ -28,7 +28,7 @@ void SegmentReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
 bool SegmentReduceSink::consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
                                         bool stream) {
   segs_->for_each(base_ + offset, n, [&](uint8_t* dst, size_t rel, size_t len) {
-    reduce_forward(dst, data + rel, len, out + rel, stream, dtype_, op_, finalize_ranks_,
+    reduce_forward(dst, dst, data + rel, len, out + rel, stream, dtype_, op_, finalize_ranks_,
                    postscale_);
   });
   return true;

@@ -18,23 +18,24 @@ std::vector<size_t> split_offsets(size_t count, int parts) {
 
 void ReduceSink::consume(const uint8_t* data, size_t offset, size_t n) {
   const size_t count = n / dtype_size(dtype_);
-  reduce_into(dst_ + offset, data, count, dtype_, op_);
+  reduce_to(dst_ + offset, own_ + offset, data, count, dtype_, op_);
   if (finalize_ranks_ > 0)
     finalize_reduction(dst_ + offset, count, dtype_, op_, postscale_, finalize_ranks_);
 }
 
 bool ReduceSink::consume_forward(const uint8_t* data, size_t offset, size_t n, uint8_t* out,
                                  bool stream) {
-  reduce_forward(dst_ + offset, data, n, out, stream, dtype_, op_, finalize_ranks_, postscale_);
+  reduce_forward(dst_ + offset, own_ + offset, data, n, out, stream, dtype_, op_, finalize_ranks_,
+                 postscale_);
   return true;
 }
 
-void reduce_forward(uint8_t* dst, const uint8_t* src, size_t n, uint8_t* out, bool stream,
-                    DType dtype, ReduceOp op, int finalize_ranks, double postscale) {
+void reduce_forward(uint8_t* dst, const uint8_t* own, const uint8_t* src, size_t n, uint8_t* out,
+                    bool stream, DType dtype, ReduceOp op, int finalize_ranks, double postscale) {
   const size_t es = dtype_size(dtype);
   for (size_t o = 0; o < n; o += kL1Block) {  // kL1Block holds whole elements of any dtype
     const size_t len = std::min(kL1Block, n - o);
-    reduce_into(dst + o, src + o, len / es, dtype, op);
+    reduce_to(dst + o, own + o, src + o, len / es, dtype, op);
     if (finalize_ranks > 0)
       finalize_reduction(dst + o, len / es, dtype, op, postscale, finalize_ranks);
     copy_to(out + o, dst + o, len, stream);

@@ -24,10 +24,15 @@ std::vector<size_t> split_offsets(size_t count, int parts);
 // dst[offset ...] = dst[offset ...] (op) incoming, element-wise. With
 // `finalize_ranks` > 0 each chunk is also finalized (Average / postscale, see
 // finalize_reduction) right after its last reduction, while still in cache.
+// dst = own (op) received; `own` defaults to dst (in place). An out-of-place ring
+// reads this rank's contribution from the input and writes the output, so the
+// output needs no copy of the input first.
 class ReduceSink : public RecvSink {
  public:
-  ReduceSink(void* dst, DType dtype, ReduceOp op, int finalize_ranks = 0, double postscale = 1.0)
+  ReduceSink(void* dst, DType dtype, ReduceOp op, int finalize_ranks = 0, double postscale = 1.0,
+             const void* own = nullptr)
       : dst_(static_cast<uint8_t*>(dst)),
+        own_(own ? static_cast<const uint8_t*>(own) : dst_),
         dtype_(dtype),
         op_(op),
         finalize_ranks_(finalize_ranks),
@@ -38,17 +43,18 @@ class ReduceSink : public RecvSink {
 
  private:
   uint8_t* dst_;
+  const uint8_t* own_;
   DType dtype_;
   ReduceOp op_;
   int finalize_ranks_;
   double postscale_;
 };
 
-// dst (op)= src over n bytes, finalized if `finalize_ranks` > 0 (as ReduceSink
-// does), and the result copied to `out` too, L1 block by L1 block: the ring's
-// reduce-and-forward, reading each byte once.
-void reduce_forward(uint8_t* dst, const uint8_t* src, size_t n, uint8_t* out, bool stream,
-                    DType dtype, ReduceOp op, int finalize_ranks, double postscale);
+// dst = own (op) src over n bytes (own may be dst), finalized if `finalize_ranks`
+// > 0 (as ReduceSink does), and the result copied to `out` too, L1 block by L1
+// block: the ring's reduce-and-forward, reading each byte once.
+void reduce_forward(uint8_t* dst, const uint8_t* own, const uint8_t* src, size_t n, uint8_t* out,
+                    bool stream, DType dtype, ReduceOp op, int finalize_ranks, double postscale);
 
 // Sends `sn` bytes to rank `to` while receiving `rn` bytes from rank `from`
 // into `sink`; either side may be empty (n == 0 or rank < 0).

@@ -22,14 +22,24 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     const size_t count = static_cast<size_t>(num_elements(in.shape));
     const size_t bytes = count * dtype_size(in.dtype);
     auto* buf = static_cast<uint8_t*>(out);
-    if (out != in.data && bytes) std::memcpy(buf, in.data, bytes);
+    const bool small = bytes <= ctx.options().small_bytes;
+    // Out of place, a large allreduce on more than one rank goes by the ring
+    // reading the input where it is (allreduce_ring's `own`); everything else
+    // works on a copy in the output.
+    const uint8_t* own = nullptr;
+    if (out != in.data && bytes) {
+      if (!small && ctx.size() > 1 && prescale == 1.0)
+        own = static_cast<const uint8_t*>(in.data);
+      else
+        std::memcpy(buf, in.data, bytes);
+    }
     apply_prescale(buf, count, in.dtype, prescale);
     OpDesc d{CollKind::kAllreduce, in.dtype, op, -1, in.shape, prescale, postscale, in.name};
     uint64_t seq = ctx.next_seq();
-    const bool small = bytes <= ctx.options().small_bytes;
     Segments whole;
     whole.add(buf, bytes);
-    const SharedKey key = small ? SharedKey{} : shared_key(ctx, whole);
+    // Peers of the shared path read the data in buf, which is not there yet out of place.
+    const SharedKey key = small || own ? SharedKey{} : shared_key(ctx, whole);
     ctx.phase("AGREE");
     HeaderExchange x = small ? exchange_headers(ctx, d, seq, buf, bytes)
                              : exchange_headers(ctx, d, seq, &key, sizeof key);
@@ -41,7 +51,7 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     else if (shared_agreed(x))
       allreduce_shared(ctx, whole, in.dtype, op, postscale, describe_op(d, seq));
     else
-      allreduce_ring(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq));
+      allreduce_ring(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq), own);
   });
 }
 

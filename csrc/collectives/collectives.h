@@ -64,8 +64,9 @@ SharedKey shared_key(const Context& ctx, const Segments& segs);
 bool shared_agreed(const HeaderExchange& x);
 
 // --- algorithms (one file each) ---
+// `own`: this rank's contribution when it is not already in `buf` (out of place).
 void allreduce_ring(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
-                    double postscale, const std::string& what);
+                    double postscale, const std::string& what, const uint8_t* own = nullptr);
 void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, DType dtype,
                              ReduceOp op, double postscale, const std::string& what);
 void allreduce_shared(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,

@@ -19,15 +19,20 @@ namespace rr {
 
 void reduce_scatter_steps(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
                           DType dtype, ReduceOp op, double postscale,
-                          std::vector<ReduceSink>* sinks, std::vector<RingStep>* steps) {
+                          std::vector<ReduceSink>* sinks, std::vector<RingStep>* steps,
+                          const uint8_t* own) {
   const int n = ctx.size(), r = ctx.rank();
   auto seg = [&](int s) { return ((s % n) + n) % n; };
+  if (!own) own = buf;
   for (int s = 0; s < n - 1; ++s) {
     int out = seg(r - s - 1), in = seg(r - s - 2);
-    // The last step completes segment r: finalize it chunk by chunk.
-    sinks->emplace_back(buf + seg_off[in], dtype, op, s == n - 2 ? n : 0, postscale);
-    steps->push_back(RingStep{buf + seg_off[out], seg_off[out + 1] - seg_off[out], &sinks->back(),
-                              seg_off[in + 1] - seg_off[in]});
+    // Step 0 sends this rank's own segment as it is (from `own`); later steps
+    // forward what the step before reduced into buf. The last step completes
+    // segment r: finalize it chunk by chunk.
+    sinks->emplace_back(buf + seg_off[in], dtype, op, s == n - 2 ? n : 0, postscale,
+                        own + seg_off[in]);
+    steps->push_back(RingStep{(s == 0 ? own : buf) + seg_off[out], seg_off[out + 1] - seg_off[out],
+                              &sinks->back(), seg_off[in + 1] - seg_off[in]});
   }
 }
 

@@ -74,7 +74,8 @@ class CopySink;
 // must have capacity reserved (steps point into them).
 void reduce_scatter_steps(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
                           DType dtype, ReduceOp op, double postscale,
-                          std::vector<ReduceSink>* sinks, std::vector<RingStep>* steps);
+                          std::vector<ReduceSink>* sinks, std::vector<RingStep>* steps,
+                          const uint8_t* own = nullptr);
 void allgather_steps(Context& ctx, uint8_t* out, const std::vector<size_t>& byte_off,
                      std::vector<CopySink>* sinks, std::vector<RingStep>* steps);
 

@@ -10,7 +10,8 @@ Protocol. ``take(nbytes)`` returns a writable 64-byte-aligned uint8 array. Array
 at least ``min_bytes`` come from blocks sized in 64 KiB steps: the result's ``base``
 is a ``memoryview`` of the block, which the result and every view of it (numpy
 views, torch/TensorFlow tensors adopted through DLPack) keep alive, so its finalizer
-runs exactly when the last reference to any part of the result is gone; it then puts the block back on the free list of its size.
+runs exactly when the last reference to any part of the result is gone; it then puts
+the block back on the free list of its size.
 Invariants: a block is on a free list only when no array refers to its memory; the
 blocks on free lists total at most ``capacity`` bytes (beyond that a returned block
 is released); the lock is reentrant because a finalizer can run in any thread, also

@@ -23,6 +23,14 @@ from ringreduce.testing import make_world, run_threaded  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, params=["buckets", "no-buckets"])
+def gradient_path(request, monkeypatch):
+    """Every test runs on both paths: gradients as views of shared buckets (the default)
+    and as the tensors autograd allocates."""
+    monkeypatch.setenv("RINGREDUCE_GRADIENT_BUCKETS", "1" if request.param == "buckets" else "0")
+    return request.param
+
+
 def run(n, fn, timeout=60):
     """Run fn(rank) on n threaded ranks with ringreduce.torch routed to each rank's comm."""
 
@@ -86,11 +94,11 @@ def make_net(seed=0):
     return seeded(seed, lambda: Net().double())
 
 
-def wrapped_net():
+def wrapped_net(**kw):
     """make_net() and a DistributedOptimizer over SGD(lr=0.1) holding its parameters."""
     model = make_net()
     return model, rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           named_parameters=model.named_parameters())
+                                           named_parameters=model.named_parameters(), **kw)
 
 
 def data(steps, batch, seed=1):
@@ -1005,12 +1013,13 @@ def test_a_dropped_model_and_optimizer_are_freed():
 
 def test_a_step_keeps_no_gradient_alive():
     """After step(), the gradients that were averaged are the model's alone: once
-    zero_grad() drops them, nothing in ringreduce holds them."""
+    zero_grad() drops them, nothing in ringreduce holds them (without gradient buckets;
+    with them, the optimizer keeps its buckets by design)."""
     import gc
     import weakref
 
     def fn(rank):
-        model, opt = wrapped_net()
+        model, opt = wrapped_net(gradient_buckets=False)
         model(torch.ones(1, 6, dtype=torch.float64)).sum().backward()
         opt.step()
         # The storages: the numpy views the allreduces ran on share them, not the tensors.

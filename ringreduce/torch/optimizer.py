@@ -38,6 +38,9 @@ from ringreduce.exceptions import InvalidInputError
 from ._tensors import binder, to_numpy
 from .adasum import _AdasumMixin
 from .broadcast import agree
+from .buckets import GradientBuckets, bucket_slots
+from .buckets import describe as describe_buckets
+from .buckets import enabled as buckets_enabled
 from .compression import Compression, Compressor
 from .sparse import SparseAllreduce
 
@@ -171,7 +174,8 @@ class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
 
     def _rr_setup(self, named: dict, compression: type[Compressor], passes: int, op: int,
-                  scales: tuple[float, float], sparse_as_dense: bool) -> None:
+                  scales: tuple[float, float], sparse_as_dense: bool,
+                  gradient_buckets: Optional[bool] = None) -> None:
         self._rr_comm: Callable[[], Communicator] = binder()
         c = self._rr_comm()
         index = _INSTANCES.get(c, 0)
@@ -195,6 +199,26 @@ class _DistributedMixin:
         self._rr_register(named)
         agree("DistributedOptimizer", [(s.name, (tuple(s.param.shape), str(s.param.dtype)))
                                        for s in self._rr_order], " on the parameters")
+        self._rr_buckets: Optional[GradientBuckets] = None
+        params = [p for p in named if p in self._rr_slots]  # registration order
+        if buckets_enabled(gradient_buckets, compression is Compression.none, params):
+            self._rr_buckets = GradientBuckets(lambda n: c.shared_zeros(n, np.uint8), params)
+            self._rr_attach_buckets(params)
+
+    def _rr_attach_buckets(self, params: list) -> None:
+        ref, owners = self._rr_ref, _OWNERS
+        for p in params:
+            key = id(p)
+
+            def owned(key: int = key) -> bool:
+                return (owners.get(key) or (None,))[0] is ref
+
+            self._rr_hooks.append(p.register_hook(self._rr_buckets.pre_hook(p, owned)))
+
+    def bucket_stats(self) -> dict:
+        """The gradient buckets: how many, their bytes, and ``fallbacks``, the gradients
+        averaged outside them because the program replaced ``p.grad`` with another tensor."""
+        return describe_buckets(self._rr_buckets)
 
     def _rr_register(self, named: dict) -> None:
         ref = self._rr_ref
@@ -247,6 +271,8 @@ class _DistributedMixin:
         if grad.is_sparse and self._rr_sparse_as_dense:
             s.sparse_dim = grad.sparse_dim()
             p.grad = grad = grad.to_dense()
+        if self._rr_buckets is not None:
+            self._rr_buckets.count_fallback(p, grad)
         if grad.is_sparse:
             s.handle = SparseAllreduce(self._rr_comm(), grad, s.name, self._rr_op,
                                        *self._rr_scale)
@@ -305,13 +331,19 @@ class _DistributedMixin:
                 if s.handle is not None or count == 0:
                     continue  # sent from the hook, or no rank has a gradient: stays None
                 if s.param.grad is None:  # contribute zeros of the kind the others send
-                    s.param.grad = _zero_gradient(s.param, dims // sparse if sparse else 0)
+                    s.param.grad = self._rr_zeros(s.param, dims // sparse if sparse else 0)
                 self._rr_submit(s)
         except BaseException:  # e.g. Ctrl-C in the presence allreduce
             self._rr_forget()
             raise
         self._rr_wait_all()
         self._rr_synchronized = True
+
+    def _rr_zeros(self, p: torch.Tensor, sparse_dims: int) -> torch.Tensor:
+        """The zeros a rank without a gradient contributes: its view, if it has one."""
+        view = None if sparse_dims or self._rr_buckets is None else \
+            self._rr_buckets.views.get(p)
+        return view.zero_() if view is not None else _zero_gradient(p, sparse_dims)
 
     def _rr_presence(self, slots: list) -> np.ndarray:
         """Per parameter (column), summed over the ranks (one small allreduce): row 0, the
@@ -335,7 +367,10 @@ class _DistributedMixin:
         first: Optional[BaseException] = None
         replaced = []
         try:
-            changed = _changed_in_place(self._rr_inflight)  # before results are copied back
+            inside, rest = bucket_slots(self._rr_buckets, self._rr_inflight)
+            changed = _changed_in_place(rest)  # before results are copied back
+            if inside:
+                changed |= self._rr_buckets.changed(inside)
             for s in self._rr_inflight:
                 grad, buf = s.grad, s.buf
                 try:
@@ -440,7 +475,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Optional[Any] = None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False,
+                         gradient_buckets: Optional[bool] = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Collective: every rank must wrap an optimizer over the same parameters.
@@ -470,6 +506,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     sparse_as_dense : bool
         Send sparse gradients (``nn.Embedding(sparse=True)``) as dense tensors;
         otherwise they are allgathered as (indices, values).
+    gradient_buckets : bool, optional
+        Lay the gradients out as views of one shared bucket per dtype, so backward
+        accumulates where the allreduce reads the peers' gradients (``buckets``). Default:
+        ``RINGREDUCE_GRADIENT_BUCKETS`` (on unless ``0``); never with compression.
 
     Returns
     -------
@@ -496,7 +536,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                                   "ringreduce.torch")
         dist = _swap_class(optimizer, _DistributedMixin)
         dist._rr_setup(_param_names(optimizer, named_parameters), compression,
-                       backward_passes_per_step, op, scales, sparse_as_dense)
+                       backward_passes_per_step, op, scales, sparse_as_dense, gradient_buckets)
     dist._rr_original = weakref.ref(optimizer)
     return dist
 

@@ -4,8 +4,9 @@
 
 Trains a ResNet-18-style CNN (11.2 M parameters, 32x32 inputs, synthetic data)
 with SGD, one torch thread per rank, and reports samples/s at each -np for
-ringreduce.torch.DistributedOptimizer and torch.nn.parallel.DistributedDataParallel
-over gloo, all in the same run (each launch is a fresh set of processes, started
+ringreduce.torch.DistributedOptimizer (with its gradient buckets, the default, and
+without: ``rr-no-buckets``) and torch.nn.parallel.DistributedDataParallel over gloo, all
+in the same run (each launch is a fresh set of processes, started
 torchrun-style with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, which both libraries
 understand). Scaling efficiency = thr(N) / (N * thr(1)).
 """
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 
-BACKENDS = ("ringreduce", "ddp")
+BACKENDS = ("ringreduce", "rr-no-buckets", "ddp")
 
 
 # --------------------------------------------------------------------- model
@@ -60,14 +61,15 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = make_model()
-    if args.worker == "ringreduce":
+    if args.worker in ("ringreduce", "rr-no-buckets"):
         import ringreduce.torch as rr
 
         rr.init()
         rank, size, barrier = rr.rank(), rr.size(), rr.barrier
         opt = rr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
                                                       momentum=0.9),
-                                      named_parameters=model.named_parameters())
+                                      named_parameters=model.named_parameters(),
+                                      gradient_buckets=args.worker == "ringreduce")
         rr.broadcast_parameters(model.state_dict(), root_rank=0)
     else:
         import torch.distributed as dist

@@ -273,6 +273,9 @@ except KeyboardInterrupt:
 time.sleep(1.5)  # rank 1's join completes the join in rank 0's engine too
 h = c0.grouped_allreduce_async([np.ones(2)])
 t.join(10)
+deadline = time.monotonic() + 10  # rank 1's result came first: give rank 0's engine time
+while not h.done() and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("rank 0 group", float(h.wait()[0][0]) if h.done() else "stuck", flush=True)
 os._exit(0)
 """

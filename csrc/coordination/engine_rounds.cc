@@ -229,9 +229,17 @@ void Engine::execute(const Response& r) {
                   "', which this rank never submitted");
     local.push_back(it == pending_.end() ? nullptr : &it->second);
   }
+  // Each rank's own GPU: ranks agree only that the tensors are on a GPU
+  // (compatible() in request.cc), rank r typically uses GPU local_rank.
+  int32_t device = r.tensors.front().device;
+  for (Entry* e : local)
+    if (e) {
+      device = e->meta.device;
+      break;
+    }
   bool done;
   try {
-    done = executor_for(r).execute(r, local);
+    done = executor_for(r, device).execute(r, local);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kMismatch && e.kind() != ErrorKind::kInvalidArgument) throw;
     fail_entries(r, e.kind(), e.what());
@@ -247,8 +255,7 @@ void Engine::execute(const Response& r) {
 // The executor whose handles(device) is true, made on first use for a GPU.
 // When none can be made, every later response for that device fails with
 // the same reason (kInvalidArgument: the entries fail, the engine goes on).
-Executor& Engine::executor_for(const Response& r) {
-  const int32_t device = r.tensors.front().device;
+Executor& Engine::executor_for(const Response& r, int32_t device) {
   for (auto& ex : executors_)
     if (ex->handles(device)) return *ex;
   auto it = unusable_.find(device);

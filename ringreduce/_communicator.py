@@ -19,7 +19,10 @@ import numpy as np
 
 from . import _core
 from ._arrays import empty_aligned_like, for_reading, for_writing
+from ._cuda_arrays import is_gpu_array
 from ._dtypes import dtype_code
+from ._gpu import configure_engine
+from ._gpu_collectives import ALLREDUCE, BROADCAST, GpuCollectives
 from .exceptions import InvalidInputError, call_label
 
 Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
@@ -122,6 +125,8 @@ class Communicator:
     def __init__(self, context: Any) -> None:
         self._ctx = context
         self._engine = _core.Engine(context)
+        configure_engine(self._engine)
+        self._gpu = GpuCollectives(self._engine, context.rank)
         self._lock = threading.Lock()
         self._in_flight: deque[Handle] = deque()  # keeps buffers alive until complete
         self._prune_at = 64
@@ -225,6 +230,9 @@ class Communicator:
             if len(q) >= self._prune_at:
                 self.release_done()
             return h
+        if is_gpu_array(x):
+            return self._gpu_allreduce([x], True, op, name, prescale_factor, postscale_factor,
+                                       "allreduce_", lambda outs: x)
         arr = for_writing(x, "allreduce_", name)
         core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor,
                                       "allreduce_")
@@ -233,6 +241,9 @@ class Communicator:
     def allreduce_async(self, x: Any, op: int = Average, name: Optional[str] = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
         """Start an allreduce; ``synchronize(handle)`` returns the result as a new array."""
+        if is_gpu_array(x):
+            return self._gpu_allreduce([x], False, op, name, prescale_factor, postscale_factor,
+                                       "allreduce", lambda outs: outs[0])
         src = for_reading(x, "allreduce", name)
         out = empty_aligned_like(src)
         core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor,
@@ -267,6 +278,25 @@ class Communicator:
         """
         return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor))
 
+    def _gpu_allreduce(self, xs: Sequence[Any], in_place: bool, op: Any, name: Optional[str],
+                       prescale: Any, postscale: Any, what: str,
+                       result: Callable[[list], Any], grouped: bool = False) -> Handle:
+        """An allreduce of GPU arrays (one, or a fused group) through the GPU executor."""
+        op = _check_op(op, call_label(what, name))
+        pre, post = check_scales(prescale, postscale, what, name)
+        if not all(is_gpu_array(x) for x in xs) or not xs:
+            raise InvalidInputError(f"{call_label(what, name)}: a group is either all GPU "
+                                    "arrays or all host arrays, and not empty")
+        ins = self._gpu.views(xs, what, name)
+        outs = None if in_place else self._gpu.results(ins, what, name)
+        with self._lock:  # the unnamed-group counter advances only when the engine took it
+            group = self._group_name(name) if grouped else ""
+            names = [f"{group}.{i}" for i in range(len(ins))] if grouped else [self._name(name)]
+            core = self._gpu.submit(ALLREDUCE, ins, outs, names, group, op, pre, post)
+            self._groups += grouped and name is None
+        results = [o.obj for o in outs] if outs else list(xs)
+        return self._track(core, lambda _: result(results), (ins, outs))
+
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float, what: str) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
@@ -281,6 +311,9 @@ class Communicator:
                                 name: Optional[str] = None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
         """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
+        if any(is_gpu_array(x) for x in xs):
+            return self._gpu_allreduce(xs, False, op, name, prescale_factor, postscale_factor,
+                                       "grouped_allreduce", list, grouped=True)
         srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
         outs = [empty_aligned_like(s) for s in srcs]
         core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
@@ -297,6 +330,9 @@ class Communicator:
                                  name: Optional[str] = None, prescale_factor: float = 1.0,
                                  postscale_factor: float = 1.0) -> Handle:
         """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
+        if any(is_gpu_array(x) for x in xs):
+            return self._gpu_allreduce(xs, True, op, name, prescale_factor, postscale_factor,
+                                       "grouped_allreduce_", list, grouped=True)
         if type(xs) in (list, tuple) and (name is None or type(name) is str):
             # Plain numpy arrays are checked and submitted in C++ (None: some member
             # needs the general path below, which converts or raises). The tuple is
@@ -357,6 +393,8 @@ class Communicator:
     def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start overwriting ``x`` with root_rank's ``x``; the result is ``x``."""
         what = call_label("broadcast_", name)
+        if is_gpu_array(x):
+            return self._gpu_broadcast(x, True, root_rank, name, "broadcast_")
         arr = for_writing(x, what, None)
         core = self._engine.broadcast(arr, list(arr.shape), dtype_code(arr.dtype, what, None),
                                       self._check_root(root_rank, what), self._name(name))
@@ -365,10 +403,21 @@ class Communicator:
     def broadcast_async(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start a broadcast into a new array."""
         what = call_label("broadcast", name)
+        if is_gpu_array(x):
+            return self._gpu_broadcast(x, False, root_rank, name, "broadcast")
         src = for_reading(x, what, None)
         arr = empty_aligned_like(src)
         arr[...] = src
         return self.broadcast_async_(arr, root_rank, name)
+
+    def _gpu_broadcast(self, x: Any, in_place: bool, root_rank: int, name: Optional[str],
+                       what: str) -> Handle:
+        """A broadcast of a GPU array: NCCL's broadcast from ``x`` into itself or a new array."""
+        root = self._check_root(root_rank, call_label(what, name))
+        ins = self._gpu.views([x], what, name)
+        outs = None if in_place else self._gpu.results(ins, what, name)
+        core = self._gpu.submit(BROADCAST, ins, outs, [self._name(name)], root=root)
+        return self._track(core, lambda _: outs[0].obj if outs else x, (ins, outs))
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""

@@ -22,7 +22,7 @@ from ._arrays import empty_aligned_like, for_reading, for_writing
 from ._cuda_arrays import is_gpu_array
 from ._dtypes import dtype_code
 from ._gpu import configure_engine
-from ._gpu_collectives import ALLREDUCE, BROADCAST, GpuCollectives
+from ._gpu_collectives import ALLREDUCE, BROADCAST, REDUCESCATTER, GpuCollectives
 from .exceptions import InvalidInputError, call_label
 
 Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
@@ -432,6 +432,8 @@ class Communicator:
                             postscale_factor: float = 1.0) -> Handle:
         """Start a reducescatter (see ``reducescatter``)."""
         what = call_label("reducescatter", name)
+        if is_gpu_array(x):
+            return self._gpu_reducescatter(x, op, name, prescale_factor, postscale_factor)
         src = for_reading(x, what, None)
         core = self._engine.reducescatter(src, list(src.shape), dtype_code(src.dtype, what, None),
                                           _check_op(op, what),
@@ -439,6 +441,21 @@ class Communicator:
                                                         "reducescatter", name),
                                           self._name(name))
         return self._track(core, self._output(src.dtype), (src,))
+
+    def _gpu_reducescatter(self, x: Any, op: Any, name: Optional[str], prescale: Any,
+                           postscale: Any) -> Handle:
+        """A reducescatter of a GPU array: this rank's rows in a new array of its type."""
+        what = call_label("reducescatter", name)
+        op = _check_op(op, what)
+        pre, post = check_scales(prescale, postscale, "reducescatter", name)
+        ins = self._gpu.views([x], "reducescatter", name)
+        if not ins[0].shape:
+            raise InvalidInputError(f"{what}: needs at least one dimension")
+        rows, n = ins[0].shape[0], self.size()
+        mine = rows // n + (self.rank() < rows % n)  # lower ranks get the extra rows
+        outs = self._gpu.results(ins, "reducescatter", name, [(mine, *ins[0].shape[1:])])
+        core = self._gpu.submit(REDUCESCATTER, ins, outs, [self._name(name)], "", op, pre, post)
+        return self._track(core, lambda _: outs[0].obj, (ins, outs))
 
     def reducescatter(self, x: Any, op: int = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:

@@ -4,9 +4,9 @@ CUDA device and any object with ``__cuda_array_interface__``.
 A :class:`CudaArray` is what the engine needs of one: device address, shape, dtype code,
 device ordinal, the stream that produced it (the GPU executor makes its own stream wait
 on that stream with an event before reading), and what keeps the memory alive. Results
-of out-of-place calls are allocated by the array's own framework (``torch.empty_like``,
-``cupy.empty_like``, or a function given to :func:`register_gpu_array_type`), so users
-get their own array type back.
+of out-of-place calls are allocated by the array's own framework (``torch.empty``,
+``cupy.empty``, or a function given to :func:`register_gpu_array_type`), so users get
+their own array type back.
 
 Streams: torch tensors are read after ``torch.cuda.current_stream()``'s work at submit
 time, CuPy arrays after ``cupy.cuda.get_current_stream()``'s; a DLPack producer is asked
@@ -62,13 +62,13 @@ class CudaArray:
     device: int
     stream: int
     keep: Any
-    empty_like: Optional[Callable[[Any], Any]]
+    empty: Optional[Callable[[Any, tuple], Any]]
 
 
-_ALLOCATORS: dict = {}  # type -> callable(x) -> an uninitialized array like x, same device
+_ALLOCATORS: dict = {}  # type -> empty(x, shape): an uninitialized array, x's dtype and device
 
 
-def register_gpu_array_type(cls: type, empty_like: Callable[[Any], Any]) -> None:
+def register_gpu_array_type(cls: type, empty: Callable[[Any, tuple], Any]) -> None:
     """Let out-of-place GPU collectives return arrays of type ``cls``.
 
     Parameters
@@ -76,11 +76,24 @@ def register_gpu_array_type(cls: type, empty_like: Callable[[Any], Any]) -> None
     cls : type
         A GPU array type exposing ``__dlpack__`` / ``__dlpack_device__`` or
         ``__cuda_array_interface__``.
-    empty_like : callable
-        ``empty_like(x)`` returns a new C-contiguous array of the same shape, dtype and
-        device as ``x`` (torch and CuPy arrays need no registration).
+    empty : callable
+        ``empty(x, shape)`` returns a new uninitialized C-contiguous array of ``shape``
+        with the dtype and device of ``x`` (torch and CuPy arrays need no registration).
     """
-    _ALLOCATORS[cls] = empty_like
+    _ALLOCATORS[cls] = empty
+
+
+def _torch_empty(x: Any, shape: tuple) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
+def _cupy_empty(x: Any, shape: tuple) -> Any:
+    import cupy
+
+    with x.device:
+        return cupy.empty(shape, x.dtype)
 
 
 def is_gpu_array(x: Any) -> bool:
@@ -118,7 +131,7 @@ def _torch_view(t: Any, what: str) -> CudaArray:
     device = t.device.index if t.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(device).cuda_stream
     return CudaArray(t, int(t.data_ptr()), tuple(t.shape), code, int(device), int(stream), t,
-                     torch.empty_like)
+                     _torch_empty)
 
 
 def _cupy_view(a: Any, what: str) -> CudaArray:
@@ -128,7 +141,7 @@ def _cupy_view(a: Any, what: str) -> CudaArray:
         raise _strided_error(what, a.strides, a.shape)
     code = dtype_code(a.dtype, what)
     return CudaArray(a, int(a.data.ptr), tuple(a.shape), code, int(a.device.id),
-                     int(cupy.cuda.get_current_stream().ptr), a, cupy.empty_like)
+                     int(cupy.cuda.get_current_stream().ptr), a, _cupy_empty)
 
 
 class _DLDevice(ctypes.Structure):

@@ -1,8 +1,8 @@
 """The collectives of one Communicator on GPU arrays (``_cuda_arrays``): allreduce (fused
-and grouped, in place or not) and broadcast go to the engine's GPU executor (NCCL on the
-device; emulated over host memory with ``RINGREDUCE_GPU_EMULATE=1``). One GPU per
-process: the first GPU array fixes this rank's device, and an array on another device is
-refused."""
+and grouped, in place or not), broadcast and reducescatter go to the engine's GPU
+executor (NCCL on the device; emulated over host memory with ``RINGREDUCE_GPU_EMULATE=1``).
+One GPU per process: the first GPU array fixes this rank's device, and an array on
+another device is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from . import _core
 from ._cuda_arrays import CudaArray, cuda_view
 from .exceptions import InvalidInputError, call_label
 
-ALLREDUCE, BROADCAST = 1, 3  # CollKind (csrc/collectives/op_header.h)
+ALLREDUCE, BROADCAST, REDUCESCATTER = 1, 3, 4  # CollKind (csrc/collectives/op_header.h)
 
 
 class GpuCollectives:
@@ -51,16 +51,18 @@ class GpuCollectives:
             raise InvalidInputError(f"{what}: the GPU arrays of one group must share a dtype")
         return views
 
-    def results(self, views: list[CudaArray], op: str, name: Optional[str]) -> list[CudaArray]:
-        """New arrays like ``views``, allocated by their own framework."""
+    def results(self, views: list[CudaArray], op: str, name: Optional[str],
+                shapes: Optional[list[tuple]] = None) -> list[CudaArray]:
+        """New arrays like ``views`` (of ``shapes``, else theirs), allocated by their own
+        framework on their device."""
         out = []
-        for v in views:
-            if v.empty_like is None:
+        for i, v in enumerate(views):
+            if v.empty is None:
                 raise InvalidInputError(
                     f"{call_label(op, name)}: ringreduce cannot allocate a result like a "
-                    f"{type(v.obj).__name__}; use the in-place form ({op}_), or "
-                    "ringreduce.register_gpu_array_type(type, empty_like)")
-            out.append(cuda_view(v.empty_like(v.obj), op, name))
+                    f"{type(v.obj).__name__}; use an in-place form, or "
+                    "ringreduce.register_gpu_array_type(type, empty)")
+            out.append(cuda_view(v.empty(v.obj, shapes[i] if shapes else v.shape), op, name))
         return out
 
     def submit(self, kind: int, ins: list[CudaArray], outs: Optional[list[CudaArray]],

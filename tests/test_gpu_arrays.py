@@ -2,7 +2,7 @@
 emulated GPUs (RINGREDUCE_GPU_EMULATE=1, csrc/gpu/emulated_gpu_ops.cc): the DLPack and
 __cuda_array_interface__ intake, the device / contiguity / dtype refusals, out-of-place
 results in the array's own type, fusion, broadcast, and the NCCL bootstrap across
-processes (tests/workers/gpu_emulated_worker.py). Also: without emulation, a GPU array on
+processes (tests/workers/gpu_worker.py). Also: without emulation, a GPU array on
 this machine (no GPU) fails on every rank with what is missing."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from procs import WORKERS, run_env_launch
 import ringreduce as rr
 from ringreduce.testing import run_threaded
 
-WORKER = WORKERS / "gpu_emulated_worker.py"
+WORKER = WORKERS / "gpu_worker.py"
 
 
 def test_gpu_collectives_on_emulated_gpus_np2():
-    job = run_env_launch(2, WORKER, env={"RINGREDUCE_GPU_EMULATE": "1"}, timeout=120)
+    job = run_env_launch(2, WORKER, ["--arrays", "emulated"], env={"RINGREDUCE_GPU_EMULATE": "1"},
+                         timeout=120)
     job.check_ok(expect_ranks=2)
 
 

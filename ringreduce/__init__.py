@@ -23,6 +23,7 @@ import numpy as np
 
 from ._adasum import Adasum
 from ._communicator import Average, Communicator, Handle, Max, Min, Product, Sum, reduce_isa
+from ._cuda_arrays import register_gpu_array_type as register_gpu_array_type
 from ._gpu import cuda_built, nccl_built
 from ._gpu import gpu_info as gpu_info  # in __all__ once ringreduce.torch re-exports it
 from ._gpu import nccl_version as nccl_version  # likewise

@@ -21,7 +21,10 @@ import numpy as np
 from . import _core
 from ._adasum import Adasum, gather_and_combine
 from ._arrays import for_reading, for_writing
+from ._cuda_arrays import is_gpu_array
 from ._dtypes import dtype_code
+from ._gpu import configure_engine
+from ._gpu_collectives import ALLREDUCE, BROADCAST, REDUCESCATTER, GpuCollectives
 from ._pool import OutputPool
 from .exceptions import InvalidInputError, call_label
 
@@ -126,6 +129,8 @@ class Communicator:
     def __init__(self, context: Any) -> None:
         self._ctx = context
         self._engine = _core.Engine(context)
+        configure_engine(self._engine)
+        self._gpu = GpuCollectives(self._engine, context.rank)
         self._lock = threading.Lock()
         self._in_flight: deque[Handle] = deque()  # keeps buffers alive until complete
         self._prune_at = 64
@@ -234,6 +239,9 @@ class Communicator:
             if len(q) >= self._prune_at:
                 self.release_done()
             return h
+        if is_gpu_array(x):
+            return self._gpu_allreduce([x], True, op, name, prescale_factor, postscale_factor,
+                                       "allreduce_", lambda outs: x)
         arr = for_writing(x, "allreduce_", name)
         core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor,
                                       "allreduce_")
@@ -244,6 +252,9 @@ class Communicator:
         """Start an allreduce; ``synchronize(handle)`` returns the result as a new array."""
         if op is Adasum:
             return self._adasum([x], name, prescale_factor, postscale_factor, False, False)
+        if is_gpu_array(x):
+            return self._gpu_allreduce([x], False, op, name, prescale_factor, postscale_factor,
+                                       "allreduce", lambda outs: outs[0])
         src = for_reading(x, "allreduce", name)
         out = self._outputs.empty_like(src)
         core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor,
@@ -278,6 +289,25 @@ class Communicator:
         """
         return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor))
 
+    def _gpu_allreduce(self, xs: Sequence[Any], in_place: bool, op: Any, name: Optional[str],
+                       prescale: Any, postscale: Any, what: str,
+                       result: Callable[[list], Any], grouped: bool = False) -> Handle:
+        """An allreduce of GPU arrays (one, or a fused group) through the GPU executor."""
+        op = _check_op(op, call_label(what, name))
+        pre, post = check_scales(prescale, postscale, what, name)
+        if not all(is_gpu_array(x) for x in xs) or not xs:
+            raise InvalidInputError(f"{call_label(what, name)}: a group is either all GPU "
+                                    "arrays or all host arrays, and not empty")
+        ins = self._gpu.views(xs, what, name)
+        outs = None if in_place else self._gpu.results(ins, what, name)
+        with self._lock:  # the unnamed-group counter advances only when the engine took it
+            group = self._group_name(name) if grouped else ""
+            names = [f"{group}.{i}" for i in range(len(ins))] if grouped else [self._name(name)]
+            core = self._gpu.submit(ALLREDUCE, ins, outs, names, group, op, pre, post)
+            self._groups += grouped and name is None
+        results = [o.obj for o in outs] if outs else list(xs)
+        return self._track(core, lambda _: result(results), (ins, outs))
+
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float, what: str) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
@@ -294,6 +324,9 @@ class Communicator:
         """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
         if op is Adasum:
             return self._adasum(xs, name, prescale_factor, postscale_factor, False, True)
+        if any(is_gpu_array(x) for x in xs):
+            return self._gpu_allreduce(xs, False, op, name, prescale_factor, postscale_factor,
+                                       "grouped_allreduce", list, grouped=True)
         srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
         outs = [self._outputs.empty_like(s) for s in srcs]
         core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
@@ -312,6 +345,9 @@ class Communicator:
         """In-place form of ``grouped_allreduce_async``; the result is ``xs`` as a list."""
         if op is Adasum:
             return self._adasum(xs, name, prescale_factor, postscale_factor, True, True)
+        if any(is_gpu_array(x) for x in xs):
+            return self._gpu_allreduce(xs, True, op, name, prescale_factor, postscale_factor,
+                                       "grouped_allreduce_", list, grouped=True)
         if type(xs) in (list, tuple) and (name is None or type(name) is str):
             # Plain numpy arrays are checked and submitted in C++ (None: some member
             # needs the general path below, which converts or raises). The tuple is
@@ -392,6 +428,8 @@ class Communicator:
     def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start overwriting ``x`` with root_rank's ``x``; the result is ``x``."""
         what = call_label("broadcast_", name)
+        if is_gpu_array(x):
+            return self._gpu_broadcast(x, True, root_rank, name, "broadcast_")
         arr = for_writing(x, what, None)
         core = self._engine.broadcast(arr, list(arr.shape), dtype_code(arr.dtype, what, None),
                                       self._check_root(root_rank, what), self._name(name))
@@ -400,10 +438,21 @@ class Communicator:
     def broadcast_async(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start a broadcast into a new array."""
         what = call_label("broadcast", name)
+        if is_gpu_array(x):
+            return self._gpu_broadcast(x, False, root_rank, name, "broadcast")
         src = for_reading(x, what, None)
         arr = self._outputs.empty_like(src)
         arr[...] = src
         return self.broadcast_async_(arr, root_rank, name)
+
+    def _gpu_broadcast(self, x: Any, in_place: bool, root_rank: int, name: Optional[str],
+                       what: str) -> Handle:
+        """A broadcast of a GPU array: NCCL's broadcast from ``x`` into itself or a new array."""
+        root = self._check_root(root_rank, call_label(what, name))
+        ins = self._gpu.views([x], what, name)
+        outs = None if in_place else self._gpu.results(ins, what, name)
+        core = self._gpu.submit(BROADCAST, ins, outs, [self._name(name)], root=root)
+        return self._track(core, lambda _: outs[0].obj if outs else x, (ins, outs))
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""
@@ -418,6 +467,8 @@ class Communicator:
                             postscale_factor: float = 1.0) -> Handle:
         """Start a reducescatter (see ``reducescatter``)."""
         what = call_label("reducescatter", name)
+        if is_gpu_array(x):
+            return self._gpu_reducescatter(x, op, name, prescale_factor, postscale_factor)
         src = for_reading(x, what, None)
         core = self._engine.reducescatter(src, list(src.shape), dtype_code(src.dtype, what, None),
                                           _check_op(op, what),
@@ -425,6 +476,21 @@ class Communicator:
                                                         "reducescatter", name),
                                           self._name(name))
         return self._track(core, self._output(src.dtype), (src,))
+
+    def _gpu_reducescatter(self, x: Any, op: Any, name: Optional[str], prescale: Any,
+                           postscale: Any) -> Handle:
+        """A reducescatter of a GPU array: this rank's rows in a new array of its type."""
+        what = call_label("reducescatter", name)
+        op = _check_op(op, what)
+        pre, post = check_scales(prescale, postscale, "reducescatter", name)
+        ins = self._gpu.views([x], "reducescatter", name)
+        if not ins[0].shape:
+            raise InvalidInputError(f"{what}: needs at least one dimension")
+        rows, n = ins[0].shape[0], self.size()
+        mine = rows // n + (self.rank() < rows % n)  # lower ranks get the extra rows
+        outs = self._gpu.results(ins, "reducescatter", name, [(mine, *ins[0].shape[1:])])
+        core = self._gpu.submit(REDUCESCATTER, ins, outs, [self._name(name)], "", op, pre, post)
+        return self._track(core, lambda _: outs[0].obj, (ins, outs))
 
     def reducescatter(self, x: Any, op: int = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:

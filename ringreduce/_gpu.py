@@ -132,10 +132,29 @@ def gpu_status() -> str:
 
 
 def gpu_array_error(what: str, where: str) -> Exception:
-    """The InvalidInputError for an array in GPU memory, saying what is missing."""
+    """The InvalidInputError for an array in GPU memory given to a collective that does
+    not run on GPU yet, saying what does and what this build and machine have."""
     from .exceptions import InvalidInputError
 
     return InvalidInputError(
-        f"{what}: the array is in {where} memory, and GPU collectives (the NCCL executor) "
-        f"are not in this version of ringreduce yet ({gpu_status()}); copy it to host "
-        "memory first (CuPy: x.get(), torch: t.cpu(), TensorFlow: inside tf.device('/CPU:0'))")
+        f"{what}: the array is in {where} memory; on GPU, ringreduce runs allreduce, "
+        f"grouped_allreduce, broadcast and reducescatter so far ({gpu_status()}); copy it to "
+        "host memory "
+        "first (CuPy: x.get(), torch: t.cpu(), TensorFlow: inside tf.device('/CPU:0'))")
+
+
+#: Testing aid (read when a Communicator starts): "1" makes this process's GPUs emulated
+#: ones (csrc/gpu/emulated_gpu_ops.h): host memory, the kernels' CPU reference, and the
+#: CPU collectives standing in for NCCL. Never for real work.
+EMULATE_ENV = "RINGREDUCE_GPU_EMULATE"
+
+
+def configure_engine(engine: Any) -> None:
+    """Give ``engine`` emulated GPUs when ``RINGREDUCE_GPU_EMULATE=1``."""
+    value = os.environ.get(EMULATE_ENV, "0")
+    if value not in ("0", "1", ""):
+        from .exceptions import InvalidInputError
+
+        raise InvalidInputError(f"{EMULATE_ENV} must be 0 or 1, got {value!r}")
+    if value == "1":
+        _gpu.use_emulated_gpus(engine)

@@ -118,3 +118,15 @@ def test_keras_scaling_runs_both_libraries_at_both_sizes():
     assert out.count("# target:") == 2, out
     assert "# check: trainable weights equal across ranks after training: OK" in out, out
     assert "intra-op 1, inter-op 1" in out, out
+
+
+def test_gpu_allreduce_says_what_is_missing_without_a_gpu():
+    import ringreduce as rr
+
+    if rr.gpu_info()["cuda_device_count"] and rr.nccl_built():
+        pytest.skip("this machine has a GPU: tests/gpu/ runs the GPU tier")
+    job = run_single(BENCH / "gpu_allreduce.py", timeout=60)
+    (proc,) = job.procs
+    assert proc.returncode == 2, job.describe()
+    assert "gpu_allreduce: needs one CUDA GPU per rank and NCCL; " in proc.stderr, proc.stderr
+    assert rr.gpu_info()["cuda_error"] or "no CUDA device" in proc.stderr

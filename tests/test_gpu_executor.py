@@ -220,7 +220,7 @@ def test_joined_rank_zero_fills_the_tensors_it_lacks():
 
 def test_refusals_come_before_any_work():
     ops, ex = executor()
-    with pytest.raises(rr.InvalidInputError, match="only allreduce and broadcast"):
+    with pytest.raises(rr.InvalidInputError, match="only allreduce, broadcast and reducescatter"):
         ex.execute([tensor("g", 8, kind="allgather")])
     with pytest.raises(rr.InvalidInputError, match="joined"):
         ex.execute([tensor("a", 8, 0, op=MIN), {**tensor("b", 8, 1, op=MIN), "in": None}])
@@ -234,12 +234,62 @@ def test_broadcast_from_root():
                                                 "root=1"]
 
 
+def test_reducescatter_of_divisible_rows_is_one_nccl_call_into_the_output():
+    ops, ex = executor(size=2)
+    ex.execute([tensor("rs", 8, kind="reducescatter", shape=[4, 2], op=AVG)])
+    assert verbs(ops) == ["event_create", "event_record", "stream_wait_event",
+                          "nccl_reducescatter", "event_create", "event_record"]
+    assert call(ops, "nccl_reducescatter")[1:6] == ["0x7000000", "0x8000000", "4", "float32",
+                                                    "avg"]
+
+
+def test_reducescatter_with_a_prescale_leaves_the_input_alone():
+    ops, ex = executor(size=2)
+    ex.execute([tensor("rs", 8, kind="reducescatter", shape=[4, 2], prescale=0.5)])
+    assert [v for v in verbs(ops) if not v.startswith("event")][1:] == [
+        "malloc_device", "memcpy_async", "launch_scale", "nccl_reducescatter"]
+    assert call(ops, "memcpy_async")[1:4] == [f"{FUSION:#x}", "0x7000000", "32"]
+    assert call(ops, "nccl_reducescatter")[1:4] == [f"{FUSION:#x}", "0x8000000", "4"]
+
+
+@pytest.mark.parametrize("rank, rows_out", [(0, 2), (1, 2), (2, 1)])
+def test_reducescatter_of_ragged_rows_pads_blocks_and_copies_this_ranks_rows(rank, rows_out):
+    # 5 rows of 3 floats (12 B) over 3 ranks: 2, 2, 1 rows; blocks of 2 rows (24 B).
+    ops = gt.FakeGpuOps()
+    ex = gt.GpuExecutor(ops, device=0, rank=rank, size=3)
+    ex.init_comm(bytes(128))
+    ops.clear_calls()
+    ex.execute([tensor("rs", 15, kind="reducescatter", shape=[5, 3], op=SUM,
+                       postscale=2.0)])
+    pack = call(ops, "launch_pack")
+    assert pack[1] == "3" and pack[5:] == [f"0x7000000->{FUSION:#x}:24",
+                                           f"0x7000018->{FUSION + 24:#x}:24",
+                                           f"0x7000030->{FUSION + 48:#x}:12"]
+    assert call(ops, "malloc_device")[1] == str(24 * 4)
+    assert call(ops, "nccl_reducescatter")[1:6] == [f"{FUSION:#x}", f"{FUSION + 72:#x}", "6",
+                                                    "float32", "sum"]
+    assert call(ops, "memcpy_async")[1:4] == ["0x8000000", f"{FUSION + 72:#x}",
+                                              str(12 * rows_out)]
+    assert call(ops, "launch_scale")[1:5] == ["0x8000000", str(3 * rows_out), "float32", "2"]
+
+
 def test_close_waits_for_the_stream_and_releases_everything():
     ops, ex = executor()
     ex.execute([tensor("a", 8, 0), tensor("b", 8, 1)])
+    ops.complete_all()
+    assert ex.poll()[0]["ok"]  # nothing in flight: no abort
     ops.clear_calls()
     ex.close()
     assert verbs(ops) == ["stream_destroy", "event_destroy", "event_destroy", "free_device"]
+
+
+def test_close_with_work_in_flight_aborts_nccl_before_waiting_for_the_stream():
+    # A collective whose peer died never completes: waiting for the stream first would hang.
+    ops, ex = executor()
+    ex.execute([tensor("a", 4)])
+    ops.clear_calls()
+    ex.close()
+    assert verbs(ops)[:2] == ["nccl_abort", "stream_destroy"]
 
 
 # ----------------------------------------------------------- fusion by device

@@ -197,6 +197,7 @@ void bind_gpu(py::module_& parent) {
         gpu::reference_cast(s.ptr, f, d.ptr, t, n);
       },
       py::arg("src"), py::arg("from_dtype"), py::arg("dst"), py::arg("to_dtype"));
+  bind_gpu_engine(m);
   bind_gpu_testing(m);
 }
 

@@ -10,6 +10,7 @@
 #include "bindings/engine_bindings.h"
 #include "coordination/engine.h"
 #include "gpu/fake_gpu_ops.h"
+#include "gpu/gpu_bootstrap.h"
 #include "gpu/gpu_executor.h"
 
 namespace py = pybind11;
@@ -72,7 +73,7 @@ EventState state_from(const std::string& s) {
 void bind_gpu_testing(py::module_& parent) {
   py::module_ m = parent.def_submodule("testing", "the GPU executor over a recording fake");
   py::class_<FakeGpuOps, std::shared_ptr<FakeGpuOps>>(m, "FakeGpuOps")
-      .def(py::init<int>(), py::arg("nccl_version") = 22703)
+      .def(py::init<int, uint8_t>(), py::arg("nccl_version") = 22703, py::arg("id_seed") = 0)
       .def("calls", &FakeGpuOps::calls)
       .def("clear_calls", &FakeGpuOps::clear_calls)
       .def("complete_all", &FakeGpuOps::complete_all, py::arg("sticky") = false)
@@ -127,22 +128,31 @@ void bind_gpu_testing(py::module_& parent) {
       .def_property_readonly("busy", [](const ExecutorUnderTest& t) { return t.ex->busy(); })
       .def("close", [](ExecutorUnderTest& t) { t.ex.reset(); });
 
-  // GPU `device` of `engine` gets a GpuExecutor over ops[device] (a fake),
-  // its communicator joined at once (no bootstrap needed by the fake).
-  m.def("use_fake_gpus", [](Engine& eng, std::map<int, std::shared_ptr<FakeGpuOps>> ops) {
-    const int rank = eng.context().rank(), size = eng.context().size();
-    eng.set_device_executor_factory([ops, rank, size](int32_t device) {
-      auto it = ops.find(device);
-      if (it == ops.end()) throw_error(ErrorKind::kInvalidArgument, "no fake for GPU ", device);
-      gpu::GpuExecutorOptions o;
-      o.device = device;
-      o.rank = rank;
-      o.size = size;
-      auto ex = std::make_unique<GpuExecutor>(it->second, o);
-      ex->init_comm(std::string(128, '\0'));
-      return std::unique_ptr<Executor>(std::move(ex));
-    });
-  });
+  // GPU `device` of `engine` gets a GpuExecutor over ops[device] (a fake).
+  // Without `bootstrap` its communicator is joined at once; with it, through
+  // the real bootstrap over the engine's Context (gpu_bootstrap.h), where a
+  // device without a fake is a GPU this rank cannot use.
+  m.def(
+      "use_fake_gpus",
+      [](Engine& eng, std::map<int, std::shared_ptr<FakeGpuOps>> ops, bool bootstrap) {
+        Context& ctx = eng.context();
+        eng.set_device_executor_factory([ops, &ctx, bootstrap](int32_t device) {
+          auto it = ops.find(device);
+          if (bootstrap)
+            return gpu::bootstrap_gpu_executor(
+                ctx, device, it == ops.end() ? nullptr : it->second,
+                it == ops.end() ? cat("no fake for GPU ", device) : std::string());
+          if (it == ops.end()) throw_error(ErrorKind::kInvalidArgument, "no fake for GPU ", device);
+          gpu::GpuExecutorOptions o;
+          o.device = device;
+          o.rank = ctx.rank();
+          o.size = ctx.size();
+          auto ex = std::make_unique<GpuExecutor>(it->second, o);
+          ex->init_comm(std::string(128, '\0'));
+          return std::unique_ptr<Executor>(std::move(ex));
+        });
+      },
+      py::arg("engine"), py::arg("ops"), py::arg("bootstrap") = false);
   // Submits one tensor (a dict as for GpuExecutor.execute) on `device`.
   m.def("submit", [](Engine& eng, const py::dict& tensor, int32_t device) {
     std::vector<Entry> v;

@@ -118,7 +118,7 @@ class Engine {
   std::vector<Response> decode_responses(const std::vector<uint8_t>& payload) const;
   void process(const std::vector<Response>& rs);
   void execute(const Response& r);
-  Executor& executor_for(const Response& r);
+  Executor& executor_for(const Response& r, int32_t device);
   bool async_busy() const;
   void poll_executors();
   void resolve_names(const std::vector<std::string>& names);

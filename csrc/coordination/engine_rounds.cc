@@ -229,9 +229,26 @@ void Engine::execute(const Response& r) {
                   "', which this rank never submitted");
     local.push_back(it == pending_.end() ? nullptr : &it->second);
   }
+  // Each rank's own GPU: ranks agree only that the tensors are on a GPU
+  // (compatible() in request.cc), rank r typically uses GPU local_rank. A
+  // joined rank has no tensor here: on GPU it takes part through the GPU
+  // executor it already has (every rank made theirs at the same response).
+  int32_t device = r.tensors.front().device;
+  Executor* ex = nullptr;
+  for (Entry* e : local)
+    if (e) {
+      device = e->meta.device;
+      break;
+    }
+  if (device >= 0 && std::none_of(local.begin(), local.end(), [](Entry* e) { return e; }))
+    for (auto& x : executors_)
+      if (!x->handles(-1)) {
+        ex = x.get();
+        break;
+      }
   bool done;
   try {
-    done = executor_for(r).execute(r, local);
+    done = (ex ? *ex : executor_for(r, device)).execute(r, local);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kMismatch && e.kind() != ErrorKind::kInvalidArgument) throw;
     fail_entries(r, e.kind(), e.what());
@@ -247,8 +264,7 @@ void Engine::execute(const Response& r) {
 // The executor whose handles(device) is true, made on first use for a GPU.
 // When none can be made, every later response for that device fails with
 // the same reason (kInvalidArgument: the entries fail, the engine goes on).
-Executor& Engine::executor_for(const Response& r) {
-  const int32_t device = r.tensors.front().device;
+Executor& Engine::executor_for(const Response& r, int32_t device) {
   for (auto& ex : executors_)
     if (ex->handles(device)) return *ex;
   auto it = unusable_.find(device);

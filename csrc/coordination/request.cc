@@ -48,6 +48,12 @@ bool reduces(CollKind k) {
   return k == CollKind::kAllreduce || k == CollKind::kReducescatter;
 }
 
+// Host memory or a GPU: which GPU is each rank's own (one per process, rank r
+// on its local rank's device), so ranks never compare ordinals.
+bool same_place(const RequestMeta& a, const RequestMeta& b) {
+  return (a.device >= 0) == (b.device >= 0);
+}
+
 }  // namespace
 
 std::string RequestMeta::describe() const {
@@ -65,12 +71,12 @@ std::string RequestMeta::describe() const {
 
 bool operator==(const RequestMeta& a, const RequestMeta& b) {
   return a.kind == b.kind && a.dtype == b.dtype && a.op == b.op && a.root == b.root &&
-         a.device == b.device && a.prescale == b.prescale && a.postscale == b.postscale &&
+         same_place(a, b) && a.prescale == b.prescale && a.postscale == b.postscale &&
          a.shape == b.shape && a.name == b.name && a.group == b.group;
 }
 
 bool compatible(const RequestMeta& a, const RequestMeta& b) {
-  if (a.kind != b.kind || a.dtype != b.dtype || a.device != b.device || a.group != b.group ||
+  if (a.kind != b.kind || a.dtype != b.dtype || !same_place(a, b) || a.group != b.group ||
       a.shape.size() != b.shape.size())
     return false;
   const bool rows_free = a.kind == CollKind::kAllgather || a.kind == CollKind::kAlltoall;

@@ -19,7 +19,9 @@ struct RequestMeta {
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
   int32_t root = -1;
-  int32_t device = -1;  // -1: host memory; >= 0: a GPU ordinal (a later backend)
+  // -1: host memory; >= 0: this rank's GPU ordinal. Ranks agree only on host
+  // vs GPU (== and compatible below): each process runs on its own GPU.
+  int32_t device = -1;
   double prescale = 1.0;
   double postscale = 1.0;
   std::vector<int64_t> shape;
@@ -39,7 +41,7 @@ inline bool operator!=(const RequestMeta& a, const RequestMeta& b) {
 }
 
 // True if ranks submitting `a` and `b` under one name may run together: kind,
-// dtype, op, root, scales, device and group agree, and the shape does (all
+// dtype, op, root, scales, host-or-GPU and group agree, and the shape does (all
 // dims, or all but the first for allgather / alltoall).
 bool compatible(const RequestMeta& a, const RequestMeta& b);
 

@@ -143,6 +143,11 @@ class CudaNcclOps : public GpuOps {
   }
 
   int nccl_version() const override { return nccl_->version(); }
+  std::string nccl_unique_id() override {
+    nccl::UniqueId id;
+    nccl_check(nccl_->api().GetUniqueId(&id), "ncclGetUniqueId");
+    return std::string(id.internal, sizeof id.internal);
+  }
   void nccl_comm_init(const std::string& unique_id, int size, int rank) override {
     nccl::UniqueId id;
     if (unique_id.size() != sizeof id.internal)

@@ -25,6 +25,17 @@ std::string hex(uint64_t a) {
   o << "0x" << std::hex << a;
   return o.str();
 }
+// The first 4 bytes of an id, as hex digits (enough to tell ids apart).
+std::string hex_prefix(const std::string& id) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < id.size() && i < 4; ++i) {
+    const auto b = static_cast<unsigned char>(id[i]);
+    out += digits[b >> 4];
+    out += digits[b & 15];
+  }
+  return out;
+}
 std::string factor_str(double f) {
   std::ostringstream o;
   o.precision(17);
@@ -183,10 +194,20 @@ void FakeGpuOps::launch_scale(uint64_t addr, uint64_t count, DType dtype, double
                           factor_str(factor), " ", stream_name(s)));
 }
 
+// 128 bytes: the seed, then the count of ids made so far, then zeros.
+std::string FakeGpuOps::nccl_unique_id() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string id(128, '\0');
+  id[0] = static_cast<char>(id_seed_);
+  id[1] = static_cast<char>(++ids_made_);
+  log("nccl_unique_id", cat("nccl_unique_id -> ", hex_prefix(id)));
+  return id;
+}
+
 void FakeGpuOps::nccl_comm_init(const std::string& unique_id, int size, int rank) {
   std::lock_guard<std::mutex> lock(mu_);
-  log("nccl_comm_init",
-      cat("nccl_comm_init id=", unique_id.size(), "B size=", size, " rank=", rank));
+  log("nccl_comm_init", cat("nccl_comm_init id=", unique_id.size(), "B:", hex_prefix(unique_id),
+                            " size=", size, " rank=", rank));
 }
 
 void FakeGpuOps::nccl_allreduce(uint64_t send, uint64_t recv, uint64_t count, DType dtype,

@@ -19,7 +19,9 @@ namespace gpu {
 
 class FakeGpuOps : public GpuOps {
  public:
-  explicit FakeGpuOps(int nccl_version = 22703) : nccl_version_(nccl_version) {}
+  // `id_seed` makes this fake's unique ids distinct from another fake's.
+  explicit FakeGpuOps(int nccl_version = 22703, uint8_t id_seed = 0)
+      : nccl_version_(nccl_version), id_seed_(id_seed) {}
 
   // ------------------------------------------------- test controls
   std::vector<std::string> calls() const;
@@ -51,6 +53,7 @@ class FakeGpuOps : public GpuOps {
   void launch_scale(uint64_t addr, uint64_t count, DType dtype, double factor,
                     GpuStream s) override;
   int nccl_version() const override { return nccl_version_; }
+  std::string nccl_unique_id() override;
   void nccl_comm_init(const std::string& unique_id, int size, int rank) override;
   void nccl_allreduce(uint64_t send, uint64_t recv, uint64_t count, DType dtype, DeviceOp op,
                       GpuStream s) override;
@@ -66,6 +69,8 @@ class FakeGpuOps : public GpuOps {
  private:
   void log(const std::string& call, const std::string& line);  // under mu_
   const int nccl_version_;
+  const uint8_t id_seed_;
+  uint8_t ids_made_ = 0;
   mutable std::mutex mu_;
   std::vector<std::string> calls_;
   uint64_t next_stream_ = 1, next_event_ = 1, next_addr_ = 0x10000000;

@@ -31,9 +31,15 @@ GpuExecutor::GpuExecutor(std::shared_ptr<GpuOps> ops, GpuExecutorOptions opt)
     : ops_(std::move(ops)), opt_(opt) {}
 
 GpuExecutor::~GpuExecutor() {
-  // The stream is destroyed first: that waits for work still enqueued (the
-  // engine has failed its entries at shutdown), so nothing below is in use.
+  // Work still in flight at shutdown may be an NCCL collective waiting for a
+  // peer that is gone (the engine failed its entries): abort the communicator
+  // first, which ends it. Then the stream is destroyed: that waits for work
+  // still enqueued, so nothing below is in use.
   try {
+    if (comm_ && !in_flight_.empty()) {
+      comm_ = false;
+      ops_->nccl_abort();
+    }
     if (started_) ops_->stream_destroy(stream_);
     for (GpuEvent e : all_events_) ops_->event_destroy(e);
     if (fusion_addr_) ops_->free_device(fusion_addr_, nullptr);
@@ -73,9 +79,10 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   const RequestMeta& m = r.tensors.front();
   const char* what = coll_name(m.kind);
   // Refusals come before anything is enqueued.
-  if (m.kind != CollKind::kAllreduce && m.kind != CollKind::kBroadcast)
+  if (m.kind != CollKind::kAllreduce && m.kind != CollKind::kBroadcast &&
+      m.kind != CollKind::kReducescatter)
     throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
-                ": only allreduce and broadcast run on GPU so far");
+                ": only allreduce, broadcast and reducescatter run on GPU so far");
   const bool absent = std::any_of(local.begin(), local.end(), [](Entry* e) { return !e; });
   if (absent && m.kind == CollKind::kAllreduce && m.op != ReduceOp::kSum &&
       m.op != ReduceOp::kAverage)
@@ -98,6 +105,8 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   wait_for_producers(local, f);
   if (m.kind == CollKind::kBroadcast)
     broadcast_one(r, local[0]);
+  else if (m.kind == CollKind::kReducescatter)
+    reducescatter_one(r, local[0]);
   else if (r.tensors.size() == 1)
     allreduce_one(r, local[0]);
   else

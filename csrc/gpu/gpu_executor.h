@@ -18,7 +18,8 @@
 //      completion completes the response.
 // One tensor runs in place on its own buffers: no pack or unpack (a copy in
 // -> out first only when a prescale must not touch the input).
-// Broadcast runs NCCL's broadcast in -> out. Other collectives on GPU are
+// Broadcast runs NCCL's broadcast in -> out; reducescatter, NCCL's
+// reducescatter (gpu_reducescatter.cc). Allgather and alltoall on GPU are
 // refused (kInvalidArgument) for now.
 //
 // Errors: an event that reports a CUDA error, or an NCCL asynchronous error
@@ -81,6 +82,7 @@ class GpuExecutor : public Executor {
   void allreduce_fused(const Response& r, const std::vector<Entry*>& local);
   void allreduce_one(const Response& r, Entry* e);
   void broadcast_one(const Response& r, Entry* e);
+  void reducescatter_one(const Response& r, Entry* e);  // gpu_reducescatter.cc
   uint64_t fusion(uint64_t bytes);
   GpuEvent take_event();
   void release(InFlight& f);

@@ -1,8 +1,11 @@
 // make_device_executor (coordination/executor.h): the one place that decides
-// whether this build and machine can run tensors on a GPU, and if not, says
-// what is missing. Each reason becomes the InvalidInputError of the entries.
+// whether this build and machine can run tensors on a GPU. Every rank then
+// takes part in the communicator's bootstrap (gpu_bootstrap.h), also a rank
+// that has no usable GPU: it brings its reason, and every rank fails the
+// same tensors with it, in step.
 #include "common/error.h"
 #include "coordination/executor.h"
+#include "gpu/gpu_bootstrap.h"
 #include "gpu/nccl_loader.h"
 
 #if !defined(RR_HAVE_CUDA)
@@ -10,37 +13,47 @@
 #endif
 
 #if RR_HAVE_CUDA
+#include "gpu/cuda_nccl_ops.h"
 #include "gpu/device_query.h"
 #endif
 
 namespace rr {
+namespace {
 
-std::unique_ptr<Executor> make_device_executor(Context& ctx, int32_t device) {
-  (void)ctx;
+// This rank's CUDA + NCCL operations for `device`, or nullptr with `*why`.
+std::shared_ptr<gpu::GpuOps> cuda_ops(int32_t device, std::string* why) {
 #if RR_HAVE_CUDA
   const gpu::DeviceCount dc = gpu::cuda_device_count();
-  if (!dc.error.empty()) throw_error(ErrorKind::kInvalidArgument, "CUDA is not usable: ", dc.error);
-  if (device >= dc.count)
-    throw_error(ErrorKind::kInvalidArgument, "GPU ", device, " does not exist (", dc.count,
-                " visible)");
-  std::shared_ptr<gpu::NcclLibrary> nccl;
-  try {
-    nccl = gpu::NcclLibrary::open({});  // finds a libnccl.so.2 Python already loaded
-  } catch (const Error& e) {
-    throw Error(ErrorKind::kInvalidArgument, e.what());
+  if (!dc.error.empty()) {
+    *why = cat("CUDA is not usable: ", dc.error);
+    return nullptr;
   }
-  // The executor (gpu_executor.h) and its CUDA / NCCL calls (cuda_nccl_ops.cu)
-  // exist; what does not yet is the NCCL communicator's bootstrap.
-  throw_error(ErrorKind::kInvalidArgument, "NCCL ", gpu::nccl_version_string(nccl->version()),
-              " loaded from ", nccl->path(),
-              ", but ringreduce cannot yet set up an NCCL communicator through its rendezvous "
-              "(a later part of the GPU backend)");
+  if (device >= dc.count) {
+    *why = cat("GPU ", device, " does not exist (", dc.count, " visible)");
+    return nullptr;
+  }
+  try {
+    // Finds a libnccl.so.2 Python already loaded (ringreduce._gpu loads the wheel's).
+    return gpu::make_cuda_nccl_ops(gpu::NcclLibrary::open({}), device);
+  } catch (const Error& e) {
+    *why = e.what();
+    return nullptr;
+  }
 #else
   (void)device;
-  throw_error(ErrorKind::kInvalidArgument,
-              "ringreduce was built without CUDA (no nvcc at build time, or "
-              "RINGREDUCE_WITH_CUDA=0); rebuild it with nvcc on PATH");
+  *why =
+      "ringreduce was built without CUDA (no nvcc at build time, or RINGREDUCE_WITH_CUDA=0); "
+      "rebuild it with nvcc on PATH";
+  return nullptr;
 #endif
+}
+
+}  // namespace
+
+std::unique_ptr<Executor> make_device_executor(Context& ctx, int32_t device) {
+  std::string why;
+  std::shared_ptr<gpu::GpuOps> ops = cuda_ops(device, &why);
+  return gpu::bootstrap_gpu_executor(ctx, device, std::move(ops), why);
 }
 
 }  // namespace rr

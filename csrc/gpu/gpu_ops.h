@@ -60,6 +60,9 @@ class GpuOps {
 
   // ------------------------------------------------------------ NCCL
   virtual int nccl_version() const = 0;  // e.g. 22703; 0: no NCCL
+  // ncclGetUniqueId: the 128 bytes one rank makes and every rank passes to
+  // nccl_comm_init (gpu_bootstrap.h carries them over the CPU Context).
+  virtual std::string nccl_unique_id() = 0;
   // ncclCommInitRank with the 128 bytes of an ncclUniqueId.
   virtual void nccl_comm_init(const std::string& unique_id, int size, int rank) = 0;
   virtual void nccl_allreduce(uint64_t send, uint64_t recv, uint64_t count, DType dtype,

@@ -37,10 +37,12 @@ from ringreduce import (
     barrier,
     cross_rank,
     cross_size,
+    cuda_built,
     init,
     is_initialized,
     local_rank,
     local_size,
+    nccl_built,
     rank,
     reduce_isa,
     run,
@@ -138,6 +140,7 @@ def _no() -> bool:
 
 
 # Horovod's build and backend queries: ringreduce has its own TCP/shared-memory transport
-# (no MPI, Gloo, NCCL, DDL or oneCCL inside) and, for now, CPU tensors only.
-mpi_built = gloo_built = nccl_built = ddl_built = ccl_built = cuda_built = rocm_built = _no
+# (no MPI, Gloo, DDL or oneCCL inside); CUDA tensors run through NCCL when this build has
+# CUDA (cuda_built) and libnccl.so.2 can be loaded (nccl_built).
+mpi_built = gloo_built = ddl_built = ccl_built = rocm_built = _no
 mpi_enabled = gloo_enabled = mpi_threads_supported = _no

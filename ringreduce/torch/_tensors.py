@@ -45,13 +45,15 @@ _NUMPY_NATIVE = frozenset({torch.float16, torch.float32, torch.float64, torch.ui
                            torch.uint64, torch.bool})
 
 
-def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
-    """A numpy view of the memory of CPU tensor ``t`` (no copy; strides kept).
+def to_numpy(t: torch.Tensor, what: str) -> Any:
+    """A numpy view of the memory of CPU tensor ``t`` (no copy; strides kept); a CUDA
+    tensor is returned detached as it is: the core takes it as a GPU array
+    (ringreduce/_cuda_arrays.py), for the collectives that run on GPU.
 
     Parameters
     ----------
     t : torch.Tensor
-        A CPU tensor; autograd is bypassed (the view is of ``t.detach()``).
+        A CPU or CUDA tensor; autograd is bypassed (the view is of ``t.detach()``).
     what : str
         Names the call and tensor in error messages.
     """
@@ -60,12 +62,10 @@ def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     # is_cpu, and detach() only when needed: this runs once per gradient in
     # DistributedOptimizer's hooks (t.device builds an object, detach() a tensor).
     if not t.is_cpu:
-        if t.is_cuda:
-            from ringreduce._gpu import gpu_array_error
-
-            raise gpu_array_error(what, f"CUDA device {t.device.index}")
-        raise InvalidInputError(f"{what}: tensor is on {t.device}; only CPU tensors are "
-                                "supported (move it with .cpu())")
+        if t.is_cuda and t.layout == torch.strided:
+            return t.detach()
+        raise InvalidInputError(f"{what}: tensor is on {t.device} with layout {t.layout}; CPU "
+                                "and strided CUDA tensors are supported (move it with .cpu())")
     if t.layout != torch.strided:
         raise InvalidInputError(f"{what}: tensor has layout {t.layout}; convert it with "
                                 ".to_dense() first")
@@ -83,8 +83,11 @@ def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
                             f"are {SUPPORTED} (convert first, e.g. t.to(torch.float32))")
 
 
-def to_torch(a: np.ndarray) -> torch.Tensor:
-    """A torch tensor sharing the memory of numpy array ``a`` (bfloat16 included)."""
+def to_torch(a: Any) -> torch.Tensor:
+    """A torch tensor sharing the memory of numpy array ``a`` (bfloat16 included); a torch
+    tensor (a GPU collective's result) as it is."""
+    if isinstance(a, torch.Tensor):
+        return a
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     if not a.flags.writeable:

@@ -135,6 +135,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         raise InvalidInputError(f"{what}: " + "; ".join(errors))
     if c.rank() != root_rank:
         tensors = [torch.empty(s.shape, dtype=s.dtype) for s in collect_slots(skeleton)]
+    else:  # the others receive on the host; load_state_dict moves state to each param's device
+        tensors = [t.cpu() for t in tensors]
     with torch.no_grad():
         wait_all([broadcast_async_(t, root_rank, name=f"{what}.{i}")
                   for i, t in enumerate(tensors)])

@@ -1,0 +1,144 @@
+"""GPU allreduce benchmark: ringreduce (its NCCL executor) against torch.distributed's NCCL
+backend and CuPy's NCCL communicator, in one run and one table, nccl-tests style.
+
+One process per GPU, launched by ringreduce's launcher or mpirun::
+
+    ringrun -np 2 python benchmarks/gpu_allreduce.py
+    mpirun -np 2 python benchmarks/gpu_allreduce.py --max-bytes 256M
+
+Every implementation sums the same float32 CuPy buffer in place (torch sees it through
+DLPack, without a copy). ringreduce's column includes everything a user's call costs: the
+Python intake, the engine's negotiation round, the executor's stream waits and the handle's
+completion. A timed block is: a device-wide sync (torch runs NCCL on its own stream), a
+host barrier, ``--warmup`` calls, a device sync, then ``--iters`` calls back to back and a
+device sync; each rank takes the median
+per-call time over ``--reps`` blocks, and the table reports the slowest rank's.
+algbw = bytes / time; busbw = algbw * 2 (n - 1) / n. Each size is checked once per
+implementation (every rank's buffer holds rank + 1: the sum is n (n + 1) / 2).
+
+Without a CUDA device (or NCCL) it exits at once with status 2 and says what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import ringreduce as rr
+
+Fn = Callable[[Any], None]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--min-bytes", type=int, default=4 << 10)
+    p.add_argument("--max-bytes", type=int, default=64 << 20)
+    p.add_argument("--factor", type=int, default=4)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    return p.parse_args()
+
+
+def require_gpu() -> None:
+    """Exit with status 2 and the reason unless a CUDA device and NCCL are usable."""
+    info = rr.gpu_info()
+    missing = info["cuda_error"] or ("" if info["cuda_device_count"] else "no CUDA device")
+    if not missing and not info["nccl_version"]:
+        missing = f"no NCCL ({info['nccl_error']})"
+    if missing:
+        print(f"gpu_allreduce: needs one CUDA GPU per rank and NCCL; {missing}", file=sys.stderr)
+        sys.exit(2)
+
+
+def peers(cp: Any) -> dict:
+    """The implementations: ringreduce always; torch NCCL and CuPy NCCL when importable."""
+    impls: dict = {"ringreduce": lambda buf: rr.allreduce_(buf, op=rr.Sum, name="bench")}
+    try:
+        import torch
+        import torch.distributed as dist
+
+        addr = "127.0.0.1" if rr.cross_size() == 1 else socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        addr, port = rr.broadcast_object((addr, port), root_rank=0, name="bench.tcp")
+        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=rr.rank(),
+                                world_size=rr.size(), device_id=torch.device("cuda", cp.cuda
+                                                                             .Device().id))
+        impls["torch-nccl"] = lambda buf: dist.all_reduce(torch.from_dlpack(buf))
+    except Exception as e:  # noqa: BLE001 - a peer that cannot start is left out, said why
+        print(f"# torch.distributed NCCL left out on rank {rr.rank()}: {e}")
+    from cupy.cuda import nccl
+
+    uid = rr.broadcast_object(nccl.get_unique_id() if rr.rank() == 0 else None, 0, "bench.uid")
+    comm = nccl.NcclCommunicator(rr.size(), uid, rr.rank())
+    impls["cupy-nccl"] = lambda buf: comm.allReduce(
+        buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+        cp.cuda.get_current_stream().ptr)
+    return impls
+
+
+def timed(cp: Any, fn: Fn, buf: Any, args: argparse.Namespace) -> float:
+    """The median per-call time (s) over ``args.reps`` blocks on this rank."""
+    times = []
+    for _ in range(args.reps):
+        cp.cuda.Device().synchronize()
+        rr.barrier()
+        for _ in range(args.warmup):
+            fn(buf)
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        for _ in range(args.iters):
+            fn(buf)
+        cp.cuda.Device().synchronize()
+        times.append((time.perf_counter() - t) / args.iters)
+    return statistics.median(times)
+
+
+def correct(cp: Any, fn: Fn, n: int) -> bool:
+    buf = cp.full(n, rr.rank() + 1, cp.float32)
+    fn(buf)
+    cp.cuda.Device().synchronize()
+    return bool((buf == rr.size() * (rr.size() + 1) / 2).all())
+
+
+def main() -> None:
+    args = parse_args()
+    require_gpu()
+    import cupy as cp
+
+    rr.init()
+    cp.cuda.Device(rr.local_rank()).use()
+    impls = peers(cp)
+    names = list(impls)
+    say = print if rr.rank() == 0 else (lambda *a, **k: None)
+    n = rr.size()
+    say(f"# gpu_allreduce: {n} ranks, float32, Sum, in place; {rr.gpu_info()['nccl_path']}")
+    say(f"{'size (B)':>12} {'count':>11} " + "".join(
+        f"| {name + ' time(us)':>22} {'algbw':>8} {'busbw':>8} " for name in names) + "| check")
+    nbytes = args.min_bytes
+    while nbytes <= args.max_bytes:
+        count = nbytes // 4
+        buf = cp.ones(count, cp.float32)
+        row = f"{nbytes:>12} {count:>11} "
+        ok = []
+        for name in names:
+            mine = timed(cp, impls[name], buf, args)
+            slowest = max(rr.allgather_object(mine, name=f"t.{name}.{nbytes}"))
+            algbw = nbytes / slowest / 1e9
+            row += f"| {slowest * 1e6:>22.1f} {algbw:>8.2f} {algbw * 2 * (n - 1) / n:>8.2f} "
+            ok.append(all(rr.allgather_object(correct(cp, impls[name], count), name=f"c.{name}")))
+        say(row + "| " + ("ok" if all(ok) else "WRONG"))
+        nbytes *= args.factor
+    rr.shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_DEBUG", "WARN")
+    main()

@@ -1,0 +1,78 @@
+// GPU tensors into the Engine (ringreduce/_cuda_arrays.py finds their device
+// addresses, streams and dtypes), and the emulated GPUs tests select with
+// RINGREDUCE_GPU_EMULATE=1. No logic: argument conversion only.
+#include <pybind11/stl.h>
+
+#include "bindings/engine_bindings.h"
+#include "coordination/engine.h"
+#include "gpu/emulated_gpu_ops.h"
+#include "gpu/gpu_bootstrap.h"
+
+namespace py = pybind11;
+
+namespace rr {
+namespace {
+
+void* as_ptr(uint64_t a) {
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(a));
+}
+
+// One entry per element of `ins`, all on `device`, produced on `stream`
+// (0: the legacy default stream); outs[i] == 0: in place. Several entries
+// with a `group` run as one fused unit (grouped_allreduce).
+std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::vector<uint64_t>& ins,
+                                        const std::vector<uint64_t>& outs,
+                                        const std::vector<std::vector<int64_t>>& shapes,
+                                        int32_t dtype, const std::vector<std::string>& names,
+                                        const std::string& group, int32_t device, uint64_t stream,
+                                        int32_t op, double pre, double post, int32_t root) {
+  if (kind < 1 || kind > static_cast<int32_t>(CollKind::kAlltoall))
+    throw_error(ErrorKind::kInvalidArgument, "unknown collective code ", kind);
+  if (!dtype_is_valid(dtype)) throw_error(ErrorKind::kInvalidArgument, "unknown dtype ", dtype);
+  if (!reduce_op_is_valid(op)) throw_error(ErrorKind::kInvalidArgument, "unknown op ", op);
+  if (outs.size() != ins.size() || shapes.size() != ins.size() || names.size() != ins.size())
+    throw_error(ErrorKind::kInvalidArgument,
+                "submit_gpu: ins, outs, shapes, names differ in length");
+  std::vector<Entry> es(ins.size());
+  for (size_t i = 0; i < ins.size(); ++i) {
+    Entry& e = es[i];
+    e.meta.kind = static_cast<CollKind>(kind);
+    e.meta.dtype = static_cast<DType>(dtype);
+    e.meta.op = static_cast<ReduceOp>(op);
+    e.meta.prescale = pre;
+    e.meta.postscale = post;
+    e.meta.root = root;
+    e.meta.device = device;
+    e.meta.shape = shapes[i];
+    e.meta.name = names[i];
+    e.meta.group = group;
+    e.in = as_ptr(ins[i]);
+    e.out = as_ptr(outs[i] ? outs[i] : ins[i]);
+    e.gpu_stream = as_ptr(stream);
+  }
+  py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
+  return eng.submit(std::move(es));
+}
+
+}  // namespace
+
+void bind_gpu_engine(py::module_& m) {
+  m.def("submit", &submit_gpu, py::arg("engine"), py::arg("kind"), py::arg("ins"), py::arg("outs"),
+        py::arg("shapes"), py::arg("dtype"), py::arg("names"), py::arg("group"), py::arg("device"),
+        py::arg("stream"), py::arg("op") = 0, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+        py::arg("root") = -1);
+  // Testing aid: this engine's GPUs become emulated ones (emulated_gpu_ops.h),
+  // their communicator bootstrapped like a real one.
+  m.def(
+      "use_emulated_gpus",
+      [](Engine& eng, int nccl_version) {
+        Context& ctx = eng.context();
+        eng.set_device_executor_factory([&ctx, nccl_version](int32_t device) {
+          return gpu::bootstrap_gpu_executor(ctx, device,
+                                             gpu::make_emulated_gpu_ops(ctx, nccl_version), "");
+        });
+      },
+      py::arg("engine"), py::arg("nccl_version") = 22703);
+}
+
+}  // namespace rr

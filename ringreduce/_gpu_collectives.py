@@ -1,0 +1,75 @@
+"""The collectives of one Communicator on GPU arrays (``_cuda_arrays``): allreduce (fused
+and grouped, in place or not), broadcast and reducescatter go to the engine's GPU
+executor (NCCL on the device; emulated over host memory with ``RINGREDUCE_GPU_EMULATE=1``).
+One GPU per process: the first GPU array fixes this rank's device, and an array on
+another device is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from . import _core
+from ._cuda_arrays import CudaArray, cuda_view
+from .exceptions import InvalidInputError, call_label
+
+ALLREDUCE, BROADCAST, REDUCESCATTER = 1, 3, 4  # CollKind (csrc/collectives/op_header.h)
+
+
+class GpuCollectives:
+    """Submits GPU arrays to ``engine``; results are the arrays' own type.
+
+    Parameters
+    ----------
+    engine : ringreduce._core.Engine
+        The communicator's engine.
+    rank : int
+        This rank, for messages.
+    """
+
+    def __init__(self, engine: Any, rank: int) -> None:
+        self._engine = engine
+        self._rank = rank
+        self._device: Optional[int] = None
+
+    def views(self, xs: Sequence[Any], op: str, name: Optional[str]) -> list[CudaArray]:
+        """The arrays as CudaArrays on this rank's GPU, with one dtype."""
+        what = call_label(op, name)
+        views = [cuda_view(x, op, name) for x in xs]
+        for v in views:
+            if v.device < 0:  # __cuda_array_interface__ alone does not say
+                v.device = self._device if self._device is not None else 0
+            if self._device is None:
+                self._device = v.device
+            elif v.device != self._device:
+                raise InvalidInputError(
+                    f"{what}: the array is on CUDA device {v.device}, but this rank's GPU "
+                    f"collectives run on device {self._device} (one GPU per process: "
+                    "torch.cuda.set_device(rr.local_rank()) / "
+                    "cupy.cuda.Device(rr.local_rank()).use())")
+        if len({v.code for v in views}) > 1:
+            raise InvalidInputError(f"{what}: the GPU arrays of one group must share a dtype")
+        return views
+
+    def results(self, views: list[CudaArray], op: str, name: Optional[str],
+                shapes: Optional[list[tuple]] = None) -> list[CudaArray]:
+        """New arrays like ``views`` (of ``shapes``, else theirs), allocated by their own
+        framework on their device."""
+        out = []
+        for i, v in enumerate(views):
+            if v.empty is None:
+                raise InvalidInputError(
+                    f"{call_label(op, name)}: ringreduce cannot allocate a result like a "
+                    f"{type(v.obj).__name__}; use an in-place form, or "
+                    "ringreduce.register_gpu_array_type(type, empty)")
+            out.append(cuda_view(v.empty(v.obj, shapes[i] if shapes else v.shape), op, name))
+        return out
+
+    def submit(self, kind: int, ins: list[CudaArray], outs: Optional[list[CudaArray]],
+               names: list[str], group: str = "", op: int = 0, pre: float = 1.0,
+               post: float = 1.0, root: int = -1) -> Any:
+        """One engine submission of ``ins`` (``outs`` None: in place); its core handle."""
+        return _core.gpu.submit(
+            self._engine, kind, [v.ptr for v in ins], [v.ptr for v in outs] if outs else
+            [0] * len(ins), [list(v.shape) for v in ins], ins[0].code, names, group,
+            ins[0].device, ins[0].stream, op, pre, post, root)

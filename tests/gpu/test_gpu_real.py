@@ -1,0 +1,75 @@
+"""The GPU tier: real GPUs, real NCCL. Skipped, with one reason, where this process sees no
+CUDA device (this machine and CI). On a machine with GPUs it runs the same end-to-end checks
+as tests/test_gpu_arrays.py runs on emulated GPUs (tests/workers/gpu_worker.py), on CuPy
+arrays and on torch CUDA tensors, one process per GPU (np = the visible GPUs, at most 2),
+and a dead-rank test: a rank killed during GPU collectives must not hang the other.
+
+Also ringreduce.torch's recipe on a CUDA model against one process on the whole batch.
+Not here yet (see README, "GPU backend"): GPU allgather / reducescatter / alltoall."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from procs import WORKERS, run_env_launch
+
+import ringreduce as rr
+
+_info = rr.gpu_info()
+pytestmark = pytest.mark.skipif(
+    _info["cuda_device_count"] == 0 or not _info["nccl_version"],
+    reason="needs a CUDA device and NCCL: "
+    + (_info["cuda_error"] or _info["nccl_error"] or "none"))
+
+WORKER = WORKERS / "gpu_worker.py"
+
+
+def ranks() -> int:
+    return min(2, _info["cuda_device_count"])
+
+
+@pytest.mark.parametrize("arrays", ["cupy", "torch"])
+def test_collectives_on_real_gpus(arrays):
+    module = "cupy" if arrays == "cupy" else "torch"
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    n = ranks()
+    job = run_env_launch(n, WORKER, ["--arrays", arrays], timeout=240)
+    job.check_ok(expect_ranks=n)
+
+
+def test_torch_cuda_model_equals_one_process_on_the_whole_batch():
+    # np=2 == np=1 on CUDA: DistributedOptimizer, broadcasts and SyncBatchNorm unchanged.
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    n = ranks()
+    job = run_env_launch(n, WORKERS / "gpu_torch_worker.py", timeout=240)
+    job.check_ok(expect_ranks=n)
+
+
+def test_dead_rank_during_gpu_collectives_does_not_hang(tmp_path):
+    if ranks() < 2 or importlib.util.find_spec("cupy") is None:
+        pytest.skip("needs 2 GPUs and CuPy")
+    script = tmp_path / "dead_rank.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import cupy\n"
+        "import ringreduce as rr\n"
+        "rr.init()\n"
+        "cupy.cuda.Device(rr.local_rank()).use()\n"
+        "x = cupy.ones(1 << 20, cupy.float32)\n"
+        "rr.allreduce_(x, name='warm')\n"
+        "if rr.rank() == 1:\n"
+        "    os._exit(3)\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    for i in range(100):\n"
+        "        rr.allreduce_(x, name=f'after.{i}')\n"
+        "except rr.RingReduceError as e:\n"
+        "    print('FAILED CLEANLY', type(e).__name__, round(time.monotonic() - t, 1))\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n")
+    job = run_env_launch(2, script, timeout=120)
+    assert not job.timed_out, job.describe()
+    assert "FAILED CLEANLY" in job.describe(), job.describe()

@@ -1,0 +1,49 @@
+"""GPU arrays from Python into the engine, end to end in real processes at np=2 on
+emulated GPUs (RINGREDUCE_GPU_EMULATE=1, csrc/gpu/emulated_gpu_ops.cc): the DLPack and
+__cuda_array_interface__ intake, the device / contiguity / dtype refusals, out-of-place
+results in the array's own type, fusion, broadcast, and the NCCL bootstrap across
+processes (tests/workers/gpu_worker.py). Also: without emulation, a GPU array on
+this machine (no GPU) fails on every rank with what is missing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from procs import WORKERS, run_env_launch
+
+import ringreduce as rr
+from ringreduce.testing import run_threaded
+
+WORKER = WORKERS / "gpu_worker.py"
+
+
+def test_gpu_collectives_on_emulated_gpus_np2():
+    job = run_env_launch(2, WORKER, ["--arrays", "emulated"], env={"RINGREDUCE_GPU_EMULATE": "1"},
+                         timeout=120)
+    job.check_ok(expect_ranks=2)
+
+
+class _HostBufferOnCuda:
+    """Claims CUDA device 0 through __cuda_array_interface__ (never read: no GPU here)."""
+
+    def __init__(self) -> None:
+        self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4",
+                                         "data": (0x1000, False), "version": 3}
+
+
+def test_without_a_gpu_every_rank_fails_with_what_is_missing():
+    if rr.gpu_info()["cuda_device_count"]:
+        pytest.skip("this machine has a GPU: tests/gpu/ covers it")
+
+    def fn(c):
+        try:
+            c.allreduce_(_HostBufferOnCuda(), name="g")
+        except rr.InvalidInputError as e:
+            msg = str(e)
+        np.testing.assert_array_equal(c.allreduce(np.ones(2), op=rr.Sum, name="h"), [2, 2])
+        return msg
+
+    for r, msg in enumerate(run_threaded(2, fn, timeout=60)):
+        assert f"rank {r}: allreduce 'g': the tensor is on GPU 0" in msg, msg
+        assert "GPU collectives need every rank to have a GPU (rank 0: " in msg, msg
+        assert "rank 1: " in msg, msg

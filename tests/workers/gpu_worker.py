@@ -1,0 +1,206 @@
+"""GPU collectives end to end, every result checked against numpy; logs ``OK rank <r>``.
+
+``--arrays emulated`` (with RINGREDUCE_GPU_EMULATE=1, no GPU needed): "device memory" is
+host memory, so small classes that expose host buffers as CUDA arrays (DLPack kDLCUDA, or
+__cuda_array_interface__) go through the real intake, engine, GPU executor (plans, fusion
+buffer, pack/unpack, scaling) and NCCL bootstrap, with ringreduce's CPU collectives
+standing in for NCCL. Rank r's arrays are on "GPU r", as with one GPU per process.
+``--arrays cupy`` / ``--arrays torch`` (tests/gpu/, a real GPU per rank): the same checks on
+CuPy arrays or torch CUDA tensors on GPU ``local_rank``.
+
+    RINGREDUCE_GPU_EMULATE=1 python gpu_worker.py --arrays emulated
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from workerlib import run, say, set_rank
+
+import ringreduce as rr
+
+KDL_CUDA = 2
+
+
+class DlpackGpu:
+    """A host buffer that says it is on CUDA device ``device`` (DLPack)."""
+
+    def __init__(self, a: np.ndarray, device: int) -> None:
+        self.a, self.device, self.streams = a, device, []
+
+    def __dlpack_device__(self):
+        return (KDL_CUDA, self.device)
+
+    def __dlpack__(self, stream=None):
+        self.streams.append(stream)
+        return self.a.__dlpack__()
+
+
+class CaiGpu:
+    """A host buffer behind __cuda_array_interface__ v3, produced on stream 7."""
+
+    def __init__(self, a: np.ndarray, strides=None) -> None:
+        self.a = a
+        self.__cuda_array_interface__ = {
+            "shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
+            "version": 3, "strides": strides, "stream": 7}
+
+
+class Arrays:
+    """Makes GPU arrays of one kind from numpy arrays and reads them back."""
+
+    def __init__(self, kind: str, rank: int) -> None:
+        self.kind, self.rank = kind, rank
+        if kind == "cupy":
+            import cupy
+
+            cupy.cuda.Device(rr.local_rank()).use()
+            self.xp = cupy
+        elif kind == "torch":
+            import torch
+
+            torch.cuda.set_device(rr.local_rank())
+            self.xp = torch
+
+    def make(self, a: np.ndarray, cai: bool = False):
+        if self.kind == "cupy":
+            return self.xp.asarray(a)
+        if self.kind == "torch":
+            return self.xp.from_numpy(a).cuda()
+        return CaiGpu(a) if cai else DlpackGpu(a, self.rank)
+
+    def host(self, x) -> np.ndarray:
+        if self.kind == "cupy":
+            return x.get()
+        if self.kind == "torch":
+            return x.cpu().numpy()
+        return x.a
+
+
+def inputs(rank: int, n: int, dtype) -> np.ndarray:
+    return ((np.arange(n) % 7) + rank + 1).astype(dtype)
+
+
+def check_allreduce(g: Arrays, rank: int, size: int) -> None:
+    reduce = {rr.Sum: np.sum, rr.Min: np.min, rr.Max: np.max, rr.Product: np.prod}
+    for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8):
+        for op, fn in reduce.items():
+            x = g.make(inputs(rank, 13, dtype))
+            got = rr.allreduce_(x, op=op, name=f"ar.{np.dtype(dtype).name}.{op}")
+            want = fn(np.stack([inputs(r, 13, dtype) for r in range(size)]), axis=0)
+            assert got is x and np.array_equal(g.host(x), want.astype(dtype)), (dtype, op, want)
+            if g.kind == "emulated":  # asked to order its work before stream 1
+                assert x.streams == [1], x.streams
+    x = g.make(inputs(rank, 1000, np.float32))
+    rr.allreduce_(x, op=rr.Average, prescale_factor=2.0, postscale_factor=0.5, name="avg")
+    want = np.mean([inputs(r, 1000, np.float32) for r in range(size)], axis=0)
+    np.testing.assert_allclose(g.host(x), want, rtol=1e-6)
+
+
+def check_out_of_place_and_fused(g: Arrays, rank: int, size: int) -> None:
+    src = g.make(inputs(rank, 10, np.float32), cai=True)
+    before = g.host(src).copy()
+    out = rr.allreduce(src, op=rr.Sum, name="oop", prescale_factor=3.0)
+    assert type(out) is type(src) and np.array_equal(g.host(src), before)  # input untouched
+    np.testing.assert_array_equal(g.host(out), 3 * sum(inputs(r, 10, np.float32)
+                                                       for r in range(size)))
+    # Many async allreduces before any wait: fused by the engine (pack, NCCL, unpack).
+    xs = [g.make(inputs(rank, 5 + i, np.float32)) for i in range(8)]
+    hs = [rr.allreduce_async_(x, op=rr.Sum, name=f"fuse.{i}") for i, x in enumerate(xs)]
+    for i, (x, h) in enumerate(zip(xs, hs)):
+        assert rr.synchronize(h) is x
+        np.testing.assert_array_equal(g.host(x), sum(inputs(r, 5 + i, np.float32)
+                                                     for r in range(size)))
+    sizes = (3, 0, 70)
+    group = [g.make(inputs(rank, n, np.float64)) for n in sizes]
+    outs = rr.grouped_allreduce(group, op=rr.Average)
+    for n, o in zip(sizes, outs):
+        assert type(o) is type(group[0])
+        np.testing.assert_allclose(g.host(o), np.mean([inputs(r, n, np.float64)
+                                                       for r in range(size)], axis=0))
+
+
+def check_broadcast(g: Arrays, rank: int, size: int) -> None:
+    root = size - 1
+    x = g.make(inputs(rank, 9, np.int64))
+    assert rr.broadcast_(x, root_rank=root, name="b_") is x
+    np.testing.assert_array_equal(g.host(x), inputs(root, 9, np.int64))
+    src = g.make(inputs(rank, 4, np.float32))
+    out = rr.broadcast(src, root_rank=0, name="b")
+    np.testing.assert_array_equal(g.host(out), inputs(0, 4, np.float32))
+    np.testing.assert_array_equal(g.host(src), inputs(rank, 4, np.float32))
+
+
+def check_reducescatter(g: Arrays, rank: int, size: int) -> None:
+    # Rows not divisible by the ranks (padded blocks) and divisible ones (one NCCL call).
+    for rows in (2 * size + 1, 2 * size):
+        for op, cai in ((rr.Sum, False), (rr.Average, True)):
+            x = g.make(inputs(rank, rows * 3, np.float64).reshape(rows, 3), cai=cai)
+            out = rr.reducescatter(x, op=op, name=f"rs.{rows}.{op}", prescale_factor=2.0)
+            total = sum(inputs(r, rows * 3, np.float64) for r in range(size)).reshape(rows, 3)
+            total = 2 * total / (size if op == rr.Average else 1)
+            first = rank * (rows // size) + min(rank, rows % size)
+            mine = rows // size + (rank < rows % size)
+            assert type(out) is type(x)
+            np.testing.assert_allclose(g.host(out), total[first:first + mine], rtol=1e-12)
+            np.testing.assert_array_equal(g.host(x).reshape(-1),
+                                          inputs(rank, rows * 3, np.float64))
+
+
+def check_join(g: Arrays, rank: int) -> None:
+    # Every rank but 0 joins at once and takes part in rank 0's GPU allreduce with zeros,
+    # through the GPU executor it already has.
+    if rank == 0:
+        x = g.make(np.full(6, 3.0, np.float32))
+        rr.allreduce_(x, op=rr.Sum, name="joined")
+        np.testing.assert_array_equal(g.host(x), np.full(6, 3.0, np.float32))
+    assert rr.join() == 0
+
+
+def check_refusals(g: Arrays, rank: int) -> None:
+    def refused(fn, match: str) -> None:
+        try:
+            fn()
+        except rr.InvalidInputError as e:
+            assert match in str(e), str(e)
+            return
+        raise AssertionError(f"not refused: {match}")
+
+    if g.kind == "emulated":
+        refused(lambda: rr.allreduce_(DlpackGpu(np.zeros(2, np.float32), rank + 5), name="w"),
+                f"on CUDA device {rank + 5}, but this rank's GPU collectives run on device "
+                f"{rank}")
+        strided = CaiGpu(np.zeros((4, 4), np.float32), strides=(4, 16))
+    else:
+        strided = g.make(np.zeros((4, 4), np.float32)).T
+    refused(lambda: rr.allreduce_(strided, name="s"), "need a C-contiguous array, got strides")
+    refused(lambda: rr.allreduce(g.make(np.zeros(2, np.complex64), cai=True), name="c"),
+            "complex64 is not supported")
+    refused(lambda: rr.allgather(g.make(np.zeros(2, np.float32)), name="g"),
+            "on GPU, ringreduce runs allreduce, grouped_allreduce, broadcast and reducescatter")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arrays", choices=["emulated", "cupy", "torch"], default="emulated")
+    kind = parser.parse_args().arrays
+    rr.init()
+    rank, size = rr.rank(), rr.size()
+    set_rank(rank)
+    g = Arrays(kind, rank)
+    rr.register_gpu_array_type(DlpackGpu, lambda x, shape: DlpackGpu(np.empty(shape, x.a.dtype),
+                                                                      x.device))
+    rr.register_gpu_array_type(CaiGpu, lambda x, shape: CaiGpu(np.empty(shape, x.a.dtype)))
+    check_allreduce(g, rank, size)
+    check_out_of_place_and_fused(g, rank, size)
+    check_broadcast(g, rank, size)
+    check_reducescatter(g, rank, size)
+    check_refusals(g, rank)
+    check_join(g, rank)
+    rr.shutdown()
+    say(f"OK rank {rank}")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -43,6 +43,11 @@ _NUMPY_NATIVE = frozenset({torch.float16, torch.float32, torch.float64, torch.ui
                            torch.int16, torch.int32, torch.int64, torch.bool})
 
 
+#: torch dtypes the core reduces (the others raise, with torch's way to convert).
+_SUPPORTED = frozenset({torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
+                        torch.bfloat16, torch.float32, torch.float64, torch.bool})
+
+
 def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
     """A numpy view of the memory of CPU tensor ``t`` (no copy; strides kept).
 
@@ -71,6 +76,10 @@ def to_numpy(t: torch.Tensor, what: str) -> np.ndarray:
         t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
+    if t.dtype not in _SUPPORTED:
+        raise InvalidInputError(f"{what}: dtype {t.dtype} is not supported; supported dtypes "
+                                "are uint8, int8, int32, int64, float16, bfloat16, float32, "
+                                "float64, bool (convert first, e.g. t.to(torch.int32))")
     if t.dtype == torch.bfloat16:
         return to_numpy(t.view(torch.int16), what).view(_bfloat16())
     if t.dtype in _NUMPY_NATIVE:

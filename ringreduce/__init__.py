@@ -74,7 +74,7 @@ def init() -> None:
     if _Process.comm is None:
         from ._bootstrap import connect
 
-        _Process.comm = Communicator(connect())
+        _Process.comm = Communicator(*connect())
         # Registered after mpi4py's own exit hook (imported by connect), so it
         # runs first: peers learn this rank left before MPI_Finalize can block.
         atexit.unregister(shutdown)

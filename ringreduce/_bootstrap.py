@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Callable
 
 from . import _core
-from .exceptions import InvalidInputError
+from .exceptions import InvalidInputError, RingReduceError, RingReduceTimeoutError
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
             "HYDI_CONTROL_FD", "I_MPI_HYDRA_TOPOLIB", "MV2_COMM_WORLD_SIZE")
@@ -82,34 +83,123 @@ def _env_store() -> tuple[int, int, bytes, Exchange]:
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _env_int("MASTER_PORT") if "MASTER_PORT" in os.environ else 29500
     timeout = float(os.environ.get("RINGREDUCE_CONNECT_TIMEOUT_SECONDS", "60"))
-    server = _core.TcpStoreServer("0.0.0.0", port) if rank == 0 else None
-    store = _core.TcpStoreClient(addr, port, timeout)
     secret_env = os.environ.get("RINGREDUCE_SECRET", "")
-    if secret_env:
-        secret = secret_env.encode()
-    elif rank == 0:
-        secret = os.urandom(32)
+    secret = secret_env.encode() if secret_env else os.urandom(32)
+    job = _job_identity(size, secret if secret_env else None)
+    server = _serve_store(port, addr, timeout, job) if rank == 0 else None
+    store = _core.TcpStoreClient(addr, port, timeout)
+    _claim(store, rank, job, f"{addr}:{port}", timeout)
+    if rank == 0 and not secret_env:
         store.set("rr/secret", secret)
-    else:
+    elif not secret_env:
         secret = store.get("rr/secret", timeout)
 
     def exchange(mine: bytes) -> list[bytes]:
         infos = store.allgather("rr/endpoints", rank, size, mine, timeout)
         # Rank 0 keeps the store up until every other rank says it has read
         # everything; only rank 0 reads these keys, so closing after is safe.
+        # A worker checks for a conflict before it says so (then the store may
+        # close); rank 0 after every worker did, and fails the job if one arose.
         if rank != 0:
+            _check_conflict(store, rank, f"{addr}:{port}")
             store.set(f"rr/done/{rank}", b"")
         else:
-            for r in range(1, size):
-                store.get(f"rr/done/{r}", timeout)
-            server.close()
+            _await_workers(store, size, f"{addr}:{port}", timeout)
         return infos
 
+    # Rank 0's server stays up for the job's lifetime (closed by shutdown()):
+    # the port stays taken, and ranks of a later job that reach it are refused.
+    exchange.rendezvous = server  # type: ignore[attr-defined]
     return rank, size, secret, exchange
 
 
+# Two jobs started at once on one MASTER_ADDR:MASTER_PORT must refuse each other,
+# not merge. The store is rank 0's, so every claim goes through one place:
+#   rank 0 publishes the job's identity under "rr/job" (world size, and a digest
+#   of RINGREDUCE_SECRET when the launcher gave one, as ringrun does); every
+#   other rank compares it with its own before writing anything, so a rank of
+#   another job with another secret or size is refused and the job is untouched;
+#   each rank claims "rr/rank/<r>" atomically (Store.add); a second process
+#   claiming a taken rank is refused, and so is a would-be rank 0 that finds the
+#   port taken; both mark the rendezvous "rr/conflict", and every rank checks
+#   that mark once the exchange is complete, so the job they stumbled into
+#   fails with the same explanation instead of running with a stranger.
+# Without a secret two jobs of equal size look alike until they collide on a
+# rank; with one (ringrun makes one per job) the refusal is exact.
+_CONFLICT_HINT = ("two jobs on one MASTER_ADDR:MASTER_PORT? Give each job its own MASTER_PORT "
+                  "(ringrun picks a free one) or its own RINGREDUCE_SECRET")
+
+
+def _identity() -> str:
+    return f"host {socket.gethostname()} pid {os.getpid()} ({os.urandom(6).hex()})"
+
+
+def _job_identity(size: int, secret: bytes | None) -> str:
+    import hashlib
+
+    return f"size {size} secret " + (hashlib.sha256(secret).hexdigest()[:16] if secret else "-")
+
+
+def _serve_store(port: int, addr: str, timeout: float, job: str) -> object:
+    try:
+        return _core.TcpStoreServer("0.0.0.0", port)
+    except RingReduceError as err:
+        why = (f"rank 0 of another job ({_identity()}) found MASTER_PORT {port} taken: {err}")
+        try:  # warn the job that holds the port if it cannot tell us from itself
+            other = _core.TcpStoreClient(addr, port, min(timeout, 2.0))
+            if other.get("rr/job", min(timeout, 2.0)).decode() == job:
+                other.set("rr/conflict", why.encode())
+        except RingReduceError:
+            pass
+        raise InvalidInputError(f"rank 0: cannot serve the rendezvous on port {port}: {err}; "
+                                f"{_CONFLICT_HINT}") from err
+
+
+def _claim(store: object, rank: int, job: str, where: str, timeout: float) -> None:
+    if rank == 0:
+        store.set("rr/job", job.encode())
+    else:
+        theirs = store.get("rr/job", timeout).decode()
+        if theirs != job:
+            raise InvalidInputError(f"rank {rank}: the rendezvous at {where} belongs to another "
+                                    f"job (it has {theirs}, this rank {job}); {_CONFLICT_HINT}")
+    me = _identity()
+    owner = store.add(f"rr/rank/{rank}", me.encode()).decode()
+    if owner != me:
+        why = f"rank {rank} was claimed twice: by {owner} and by {me}"
+        store.set("rr/conflict", why.encode())
+        raise InvalidInputError(f"rank {rank}: the rendezvous at {where} already has a rank "
+                                f"{rank} ({owner}); {_CONFLICT_HINT}")
+
+
+def _await_workers(store: object, size: int, where: str, timeout: float) -> None:
+    """Rank 0: wait until every worker read the endpoints, failing at once on a conflict."""
+    deadline = time.monotonic() + timeout
+    for r in range(1, size):
+        while True:
+            try:
+                store.get(f"rr/done/{r}", min(0.5, max(deadline - time.monotonic(), 0)))
+                break
+            except RingReduceTimeoutError:
+                _check_conflict(store, 0, where)
+                if time.monotonic() >= deadline:
+                    raise
+    _check_conflict(store, 0, where)
+
+
+def _check_conflict(store: object, rank: int, where: str) -> None:
+    mark = store.add("rr/conflict", b"").decode()
+    if mark:
+        raise InvalidInputError(f"rank {rank}: the rendezvous at {where} was joined by another "
+                                f"job ({mark}); {_CONFLICT_HINT}")
+
+
 def discover() -> tuple[int, int, bytes, Exchange]:
-    """Return (rank, size, job secret, exchange function) for this launch."""
+    """Return (rank, size, job secret, exchange function) for this launch.
+
+    Under the env-var launch rank 0's exchange function carries the rendezvous
+    server as its ``rendezvous`` attribute (see ``connect``).
+    """
     if launched_by_mpi():
         return _mpi()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -117,9 +207,16 @@ def discover() -> tuple[int, int, bytes, Exchange]:
     return 0, 1, os.urandom(32), lambda mine: [mine]
 
 
-def connect() -> _core.Context:
-    """Create and connect this process's core Context."""
+def connect() -> tuple[_core.Context, object]:
+    """Create and connect this process's core Context; also return what must live as long
+    (rank 0's rendezvous server under the env-var launch, else None)."""
     rank, size, secret, exchange = discover()
+    server = getattr(exchange, "rendezvous", None)
     ctx = _core.Context(rank, size, secret, host_id())
-    ctx.connect(list(exchange(ctx.local_info())))
-    return ctx
+    try:
+        ctx.connect(list(exchange(ctx.local_info())))
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    return ctx, server

@@ -6,6 +6,7 @@ The module-level functions of ``ringreduce`` delegate to the Communicator that
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -13,7 +14,7 @@ import pickle
 import reprlib
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -124,10 +125,14 @@ class Communicator:
     ----------
     context : ringreduce._core.Context
         A connected core context.
+    rendezvous : optional
+        Rank 0's rendezvous store server, kept up (the port stays taken, so a
+        second job on it is refused) and closed with the communicator.
     """
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, rendezvous: Any = None) -> None:
         self._ctx = context
+        self._rendezvous = rendezvous
         self._engine = _core.Engine(context)
         configure_engine(self._engine)
         self._gpu = GpuCollectives(self._engine, context.rank)
@@ -181,6 +186,8 @@ class Communicator:
                 return
             self._engine.shutdown()
             self._ctx.close()
+            if self._rendezvous is not None:
+                self._rendezvous.close()
             self._closed = True
 
     # ------------------------------------------------------------------ helpers
@@ -242,7 +249,8 @@ class Communicator:
         if is_gpu_array(x):
             return self._gpu_allreduce([x], True, op, name, prescale_factor, postscale_factor,
                                        "allreduce_", lambda outs: x)
-        arr = for_writing(x, "allreduce_", name)
+        with self._refusing("allreduce", name):
+            arr = for_writing(x, "allreduce_", name)
         core = self._submit_allreduce(arr, arr, op, name, prescale_factor, postscale_factor,
                                       "allreduce_")
         return self._track(core, lambda _: x, (arr,))
@@ -255,7 +263,8 @@ class Communicator:
         if is_gpu_array(x):
             return self._gpu_allreduce([x], False, op, name, prescale_factor, postscale_factor,
                                        "allreduce", lambda outs: outs[0])
-        src = for_reading(x, "allreduce", name)
+        with self._refusing("allreduce", name):
+            src = for_reading(x, "allreduce", name)
         out = self._outputs.empty_like(src)
         core = self._submit_allreduce(src, out, op, name, prescale_factor, postscale_factor,
                                       "allreduce")
@@ -311,10 +320,14 @@ class Communicator:
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float, what: str) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
-        if type(op) is not int or op not in _OP_NAMES:
-            op = _check_op(op, call_label(what, name))
-        code = dtype_code(src.dtype, what, name)
-        pre, post = check_scales(prescale, postscale, what, name)
+        try:  # not _refusing(): a plain try costs nothing when nothing fails
+            if type(op) is not int or op not in _OP_NAMES:
+                op = _check_op(op, call_label(what, name))
+            code = dtype_code(src.dtype, what, name)
+            pre, post = check_scales(prescale, postscale, what, name)
+        except InvalidInputError as err:
+            self._refuse("allreduce", name, err)
+            raise
         return self._engine.allreduce(src, out, src.shape, code, op, pre, post,
                                       self._name(name))
 
@@ -416,9 +429,10 @@ class Communicator:
     def allgather_async(self, x: Any, name: Optional[str] = None) -> Handle:
         """Start an allgather; the result concatenates every rank's ``x`` along axis 0."""
         what = call_label("allgather", name)
-        src = for_reading(x, what, None)
-        core = self._engine.allgather(src, list(src.shape), dtype_code(src.dtype, what, None),
-                                      self._name(name))
+        with self._refusing("allgather", name):
+            src = for_reading(x, what, None)
+            code = dtype_code(src.dtype, what, None)
+        core = self._engine.allgather(src, list(src.shape), code, self._name(name))
         return self._track(core, self._output(src.dtype), (src,))
 
     def allgather(self, x: Any, name: Optional[str] = None) -> np.ndarray:
@@ -427,23 +441,30 @@ class Communicator:
 
     def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start overwriting ``x`` with root_rank's ``x``; the result is ``x``."""
-        what = call_label("broadcast_", name)
         if is_gpu_array(x):
             return self._gpu_broadcast(x, True, root_rank, name, "broadcast_")
-        arr = for_writing(x, what, None)
-        core = self._engine.broadcast(arr, list(arr.shape), dtype_code(arr.dtype, what, None),
-                                      self._check_root(root_rank, what), self._name(name))
-        return self._track(core, lambda _: x, (arr,))
+        return self._broadcast(x, root_rank, name, "broadcast_")
 
     def broadcast_async(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
         """Start a broadcast into a new array."""
-        what = call_label("broadcast", name)
         if is_gpu_array(x):
             return self._gpu_broadcast(x, False, root_rank, name, "broadcast")
-        src = for_reading(x, what, None)
-        arr = self._outputs.empty_like(src)
-        arr[...] = src
-        return self.broadcast_async_(arr, root_rank, name)
+        return self._broadcast(x, root_rank, name, "broadcast")
+
+    def _broadcast(self, x: Any, root_rank: int, name: Optional[str], op: str) -> Handle:
+        """``broadcast_`` overwrites ``x``; ``broadcast`` a copy (errors name the one called)."""
+        what = call_label(op, name)
+        with self._refusing("broadcast", name):
+            if op == "broadcast_":
+                arr = for_writing(x, what, None)
+            else:
+                src = for_reading(x, what, None)
+                arr = self._outputs.empty_like(src)
+                arr[...] = src
+            code = dtype_code(arr.dtype, what, None)
+            root = self._check_root(root_rank, what)
+        core = self._engine.broadcast(arr, list(arr.shape), code, root, self._name(name))
+        return self._track(core, (lambda _: x) if op == "broadcast_" else (lambda _: arr), (arr,))
 
     def _gpu_broadcast(self, x: Any, in_place: bool, root_rank: int, name: Optional[str],
                        what: str) -> Handle:
@@ -469,11 +490,12 @@ class Communicator:
         what = call_label("reducescatter", name)
         if is_gpu_array(x):
             return self._gpu_reducescatter(x, op, name, prescale_factor, postscale_factor)
-        src = for_reading(x, what, None)
-        core = self._engine.reducescatter(src, list(src.shape), dtype_code(src.dtype, what, None),
-                                          _check_op(op, what),
-                                          *check_scales(prescale_factor, postscale_factor,
-                                                        "reducescatter", name),
+        with self._refusing("reducescatter", name):
+            src = for_reading(x, what, None)
+            code = dtype_code(src.dtype, what, None)
+            op = _check_op(op, what)
+            scales = check_scales(prescale_factor, postscale_factor, "reducescatter", name)
+        core = self._engine.reducescatter(src, list(src.shape), code, op, *scales,
                                           self._name(name))
         return self._track(core, self._output(src.dtype), (src,))
 
@@ -504,17 +526,19 @@ class Communicator:
                        name: Optional[str] = None) -> Handle:
         """Start an alltoall (see ``alltoall``)."""
         what = call_label("alltoall", name)
-        src = for_reading(x, what, None)
-        if src.ndim == 0:
-            raise InvalidInputError(f"{what}: needs at least one dimension")
         given = splits is not None
-        if not given:
-            if src.shape[0] % self.size():
-                raise InvalidInputError(f"{what}: axis 0 ({src.shape[0]}) does not divide by "
-                                        f"size {self.size()}; pass splits=")
-            splits = [src.shape[0] // self.size()] * self.size()
-        core = self._engine.alltoall(src, list(src.shape), dtype_code(src.dtype, what, None),
-                                     [int(s) for s in splits], self._name(name))
+        with self._refusing("alltoall", name):
+            src = for_reading(x, what, None)
+            if src.ndim == 0:
+                raise InvalidInputError(f"{what}: needs at least one dimension")
+            if not given:
+                if src.shape[0] % self.size():
+                    raise InvalidInputError(f"{what}: axis 0 ({src.shape[0]}) does not divide "
+                                            f"by size {self.size()}; pass splits=")
+                splits = [src.shape[0] // self.size()] * self.size()
+            code = dtype_code(src.dtype, what, None)
+            splits = [int(s) for s in splits]
+        core = self._engine.alltoall(src, list(src.shape), code, splits, self._name(name))
         out = self._output(src.dtype)
 
         def finish(c: Any) -> Any:
@@ -633,6 +657,20 @@ class Communicator:
         core = self._engine.join()
         core.wait()
         return core.join_result
+
+    @contextlib.contextmanager
+    def _refusing(self, kind: str, name: Optional[str]) -> Iterator[None]:
+        """Checks of a call of ``kind`` run inside: if one refuses the call, rank 0 hears of
+        it (``Engine.reject``) and the other ranks' calls of that name raise at once, naming
+        this rank and the error, instead of waiting for this rank forever."""
+        try:
+            yield
+        except InvalidInputError as err:
+            self._refuse(kind, name, err)
+            raise
+
+    def _refuse(self, kind: str, name: Optional[str], err: Exception) -> None:
+        self._engine.reject(kind, self._name(name), f"rank {self.rank()}: {err}")
 
     @staticmethod
     def _name(name: Optional[str]) -> str:

@@ -33,6 +33,18 @@ def pair():
         c.close()
 
 
+@pytest.fixture(scope="module")
+def lonely():
+    """A world whose rank 0 alone makes calls that fail its own checks. Each refused call
+    takes its place in the order of calls and is told to rank 0 (so that the others' calls
+    of its name fail instead of waiting), which leaves this world's ranks out of step:
+    tests that need a working collective use ``pair``."""
+    comms = make_world(2)
+    yield comms
+    for c in comms:
+        c.close()
+
+
 def both(pair, fn):
     return run_threaded(2, fn, world=pair, return_exceptions=True)
 
@@ -48,31 +60,31 @@ def test_dlpack_input_in_place(pair):
     (np.zeros(3, np.complex64), "complex64 is not supported"),
     (object(), "expected a numpy array"),
 ])
-def test_unsupported_inputs(pair, bad, match):
+def test_unsupported_inputs(lonely, bad, match):
     with pytest.raises(rr.InvalidInputError, match=match):
-        pair[0].allreduce(bad)
+        lonely[0].allreduce(bad)
 
 
-def test_in_place_needs_contiguous_writable(pair):
+def test_in_place_needs_contiguous_writable(lonely):
     with pytest.raises(rr.InvalidInputError, match="C-contiguous"):
-        pair[0].allreduce_(np.zeros((4, 4))[:, 1])
+        lonely[0].allreduce_(np.zeros((4, 4))[:, 1])
     ro = np.zeros(4)
     ro.flags.writeable = False
     with pytest.raises(rr.InvalidInputError, match="read-only"):
-        pair[0].broadcast_(ro, root_rank=0)
+        lonely[0].broadcast_(ro, root_rank=0)
 
 
 @pytest.mark.parametrize("call", ["allreduce", "allreduce_", "allreduce_async_"])
-def test_byte_order_must_be_native(pair, call):
+def test_byte_order_must_be_native(lonely, call):
     # A big-endian float32 must not be summed as if it were little-endian.
     with pytest.raises(rr.InvalidInputError, match="byte order"):
-        getattr(pair[0], call)(np.arange(3, dtype=np.dtype(np.float32).newbyteorder()))
+        getattr(lonely[0], call)(np.arange(3, dtype=np.dtype(np.float32).newbyteorder()))
 
 
-def test_in_place_async_hot_path_checks(pair):
+def test_in_place_async_hot_path_checks(lonely):
     # allreduce_async_ checks plain arrays in C++; anything off takes the general path,
     # which raises the same errors as the blocking form.
-    c = pair[0]
+    c = lonely[0]
     ro = np.zeros(4, np.float32)
     ro.flags.writeable = False
     with pytest.raises(rr.InvalidInputError, match="read-only"):
@@ -123,10 +135,10 @@ def test_in_place_async_takes_every_plain_input(pair):
 
 
 @pytest.mark.parametrize("bad", ["2", None, float("nan"), float("inf"), 2**2000, [1.0]])
-def test_scale_factors_must_be_finite_numbers(pair, bad):
+def test_scale_factors_must_be_finite_numbers(lonely, bad):
     """Every path that takes scale factors (the C++ hot paths hand odd ones over); async
     forms only, so that a call that wrongly went through cannot block this test."""
-    c = pair[0]
+    c = lonely[0]
     calls = [
         lambda kw: c.allreduce_async_(np.ones(3, np.float32), **kw),
         lambda kw: c.allreduce_async(np.ones(3, np.float32), **kw),
@@ -140,8 +152,8 @@ def test_scale_factors_must_be_finite_numbers(pair, bad):
                 call(kw)
 
 
-def test_local_argument_errors(pair):
-    c = pair[0]
+def test_local_argument_errors(lonely):
+    c = lonely[0]
     with pytest.raises(rr.InvalidInputError, match="root_rank must be an int in"):
         c.broadcast(np.zeros(3), root_rank=2)
     with pytest.raises(rr.InvalidInputError, match="op must be one of"):
@@ -190,6 +202,29 @@ def test_mismatch_raises_on_every_rank_then_recovers(pair, call):
         assert "float32[10]" in str(errs[0]) and "float32[11]" in str(errs[0])
     ok = both(pair, lambda c: c.allreduce(np.full(3, c.rank(), np.float32), op=rr.Sum))
     assert all((o == 1).all() for o in ok)
+
+
+@pytest.mark.parametrize("case", ["python-check", "core-check", "unnamed"])
+def test_call_refused_on_one_rank_fails_the_others_at_once(pair, case):
+    """Rank 1's call fails its own checks (in Python, or in the core's submit) and its
+    caller goes on; rank 0's matching call must raise at once naming rank 1 and the
+    reason, not wait for rank 1 forever. Later calls (unnamed too) still line up."""
+    def body(c):
+        bad = c.rank() == 1
+        if case == "python-check":
+            return c.broadcast(np.ones(3), root_rank=5 if bad else 0, name="refused-py")
+        if case == "core-check":
+            return c.allreduce(np.zeros(3, bool), op=rr.Average if bad else rr.Max,
+                               name="refused-core")
+        return c.allreduce(np.ones(3), op=99 if bad else rr.Sum)
+
+    errs = both(pair, body)
+    assert isinstance(errs[1], rr.InvalidInputError), errs
+    assert isinstance(errs[0], rr.MismatchError), errs
+    assert "rank 1 refused this call locally" in str(errs[0]), errs[0]
+    assert str(errs[1]).split(": ")[-1] in str(errs[0]), errs  # the reason, verbatim
+    ok = both(pair, lambda c: c.allreduce(np.full(3, c.rank(), np.float32), op=rr.Sum))
+    assert all((o == 1).all() for o in ok), ok
 
 
 def test_use_before_init_is_clear():

@@ -333,19 +333,18 @@ def test_shape_mismatch_raises_on_both_ranks_then_recovers(launcher, transport, 
 
 
 # --------------------------------------------------------------- stranger
-@pytest.mark.parametrize("case", ["tcp", "stranger-on-other-host", "same-host-shm"])
-def test_stranger_cannot_join(case, tmp_path):
+def test_stranger_cannot_join(tmp_path):
     """Rank 0 of a 2-rank job, then a process with RANK=1 but another RINGREDUCE_SECRET.
 
-    Over TCP (forced, or because the stranger claims another host) rank 0's
-    handshake refuses it. On the same host with shm nobody handshakes: the two
-    look for each other's segments under different job names and time out.
+    The rendezvous refuses it before it writes anything (rank 0 publishes a digest
+    of the job's secret; ``_bootstrap._claim``), whatever the transport would have
+    been; rank 0 then waits for its rank 1 until the connect timeout. (A stranger
+    that skips the rendezvous and connects to a rank directly meets the TCP
+    handshake: ``test_handshake_refuses_a_stranger``.)
     """
     connect_timeout = 5
-    env = {"RINGREDUCE_CONNECT_TIMEOUT_SECONDS": connect_timeout,
-           **(TRANSPORTS["tcp"] if case == "tcp" else {})}
-    stranger = {"RINGREDUCE_SECRET": "stranger-" * 4,
-                **({"RINGREDUCE_HOST_ID": "elsewhere"} if case == "stranger-on-other-host" else {})}
+    env = {"RINGREDUCE_CONNECT_TIMEOUT_SECONDS": connect_timeout, **TRANSPORTS["tcp"]}
+    stranger = {"RINGREDUCE_SECRET": "stranger-" * 4}
     rank_env = [{"RINGREDUCE_SECRET": "member-" * 5}, stranger]
     before = shm_entries()
     specs = env_launch_specs(2, FAULT, ["--scenario", "join"], env, rank_env, tmp_path)
@@ -356,8 +355,42 @@ def test_stranger_cannot_join(case, tmp_path):
         raised = job.event(r, "raised")
         assert raised is not None and raised["rr"], f"{proc.name} was not refused\n{job.describe()}"
         assert job.event(r, "joined") is None, job.describe()
-    if case != "same-host-shm":
-        assert "refused" in member.stderr, f"rank 0 logged no refusal\n{job.describe()}"
+    assert "belongs to another job" in job.event(1, "raised")["msg"], job.describe()
     slack = 3
     assert member.elapsed < connect_timeout + slack, job.describe()
     assert intruder.elapsed < connect_timeout + slack, job.describe()
+
+
+def test_handshake_refuses_a_stranger(monkeypatch, capfd):
+    """A process that knows a rank's endpoint but not the job's secret (it skipped the
+    rendezvous) is refused by the handshake: the accepting rank logs the refusal and
+    keeps waiting for its real peer (until the connect timeout); the stranger raises."""
+    import threading
+
+    import ringreduce as rr
+    from ringreduce import _core
+
+    monkeypatch.setenv("RINGREDUCE_CONNECT_TIMEOUT_SECONDS", "2")
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "tcp")
+    member = _core.Context(0, 2, b"member-secret-0123456789", "host-a")
+    stranger = _core.Context(1, 2, b"stranger-secret-0123456789", "host-b")
+    infos = [member.local_info(), stranger.local_info()]
+    errors: dict = {}
+
+    def connect(name: str, ctx) -> None:
+        try:
+            ctx.connect(infos)
+        except rr.RingReduceError as err:
+            errors[name] = err
+
+    threads = [threading.Thread(target=connect, args=a)
+               for a in (("member", member), ("stranger", stranger))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert isinstance(errors["stranger"], rr.PeerLostError), errors
+    assert isinstance(errors["member"], rr.RingReduceTimeoutError), errors
+    assert "refused connection" in capfd.readouterr().err
+    member.close()
+    stranger.close()

@@ -331,6 +331,14 @@ void bind_engine_class(py::module_& m) {
              }
              return r ? py::cast(r) : py::none();
            })
+      .def("reject",
+           [](Engine& eng, const std::string& kind, const std::string& name,
+              const std::string& why) {
+             for (uint32_t k = 1; k <= static_cast<uint32_t>(CollKind::kBarrier); ++k)
+               if (kind == coll_name(static_cast<CollKind>(k)))
+                 return eng.reject(static_cast<CollKind>(k), name, why);
+             throw_error(ErrorKind::kInvalidArgument, "no collective is called '", kind, "'");
+           })
       .def("join", &Engine::join, py::call_guard<py::gil_scoped_release>())
       .def("join_epoch", &Engine::join_epoch)
       .def("start_timeline", &Engine::start_timeline, py::arg("path"),

@@ -47,6 +47,18 @@ void bind_stores(py::module_& m) {
           py::arg("key"), py::arg("timeout"),
           "Block until key exists and return its value; raise on timeout (seconds).")
       .def(
+          "add",
+          [](Store& s, const std::string& key, const py::bytes& value) {
+            std::string v = bytes_arg(value), now;
+            {
+              py::gil_scoped_release nogil;
+              now = s.add(key, v);
+            }
+            return py::bytes(now);
+          },
+          py::arg("key"), py::arg("value"),
+          "Publish value under key unless it exists; return what the key holds now.")
+      .def(
           "allgather",
           [](Store& s, const std::string& prefix, int rank, int size, const py::bytes& value,
              double timeout) {

@@ -13,6 +13,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/sha256.h"
+#include "transport/heartbeat.h"
 #include "transport/shm/doorbell.h"
 
 namespace rr {
@@ -142,21 +143,27 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
                   n, "': a tensor of this name is already in flight on this rank; synchronize() ",
                   "it before submitting the name again, or give each tensor its own name");
   }
-  // Counters advance only once every entry passed validation: a call that
-  // fails locally on one rank must not shift the names of later calls.
-  // One counter for every kind, so ranks that make different unnamed calls
-  // at the same point get a mismatch error naming both calls.
-  // Every completed join() restarts the count in a new epoch: ranks that ran
-  // more batches before joining made more unnamed calls, and the names must
-  // agree again once all have joined.
-  uint64_t counter = noname_;
+  // Unnamed calls are named by one counter for every kind, so ranks that make
+  // different unnamed calls at the same point get a mismatch error naming
+  // both calls. Every completed join() restarts the count in a new epoch:
+  // ranks that ran more batches before joining made more unnamed calls, and
+  // the names must agree again once all have joined. A call refused here
+  // still takes its name and is told to rank 0 (reject_locked), so that names
+  // stay in step and the other ranks' calls of that name fail instead of
+  // waiting for this one.
   const std::string prefix = join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.";
+  std::vector<Entry*> unnamed;  // validated by submit() when named
   for (Entry& e : entries) {
-    if (!e.meta.name.empty() || e.join) continue;  // validated by submit()
-    e.meta.name = cat(prefix, counter++);
-    validate(e);
+    if (!e.meta.name.empty() || e.join) continue;
+    e.meta.name = cat(prefix, noname_++);
+    unnamed.push_back(&e);
   }
-  noname_ = counter;
+  try {
+    for (Entry* e : unnamed) validate(*e);
+  } catch (const Error& err) {
+    reject_locked(entries, err.what());
+    throw;
+  }
   batch_.submitted(queue_.empty());
   for (size_t i = 0; i < entries.size(); ++i) {
     entries[i].handle = h;
@@ -172,14 +179,42 @@ std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   auto h = std::make_shared<HandleState>(entries.size(), batch_.signal());
   // Named entries are checked before taking the lock, which submitting
   // threads and the engine contend for; unnamed ones need their name first.
-  for (Entry& e : entries)
-    if (!e.meta.name.empty() || e.join) validate(e);
+  try {
+    for (Entry& e : entries)
+      if (!e.meta.name.empty() || e.join) validate(e);
+  } catch (const Error& err) {
+    std::lock_guard<std::mutex> lock(mu_);
+    reject_locked(entries, err.what());
+    throw;
+  }
   // notify() under the lock: shutdown() sets stopping_ under it before the
   // Context (and its doorbell) can go away.
   std::lock_guard<std::mutex> lock(mu_);
   enqueue_locked(entries, h);
   notify();
   return h;
+}
+
+// Every named entry of the refused call is reported: the other ranks wait
+// for each of them (a group's members, or the only one). A join is nothing
+// the others wait for by name.
+void Engine::reject_locked(const std::vector<Entry>& entries, const std::string& why) {
+  if (failed_ || stopping_ || size_ == 1) return;
+  for (const Entry& e : entries)
+    if (!e.join && !e.meta.name.empty())
+      rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why});
+  has_work_.store(true);
+  notify();
+}
+
+void Engine::reject(CollKind kind, const std::string& name, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry e;
+  e.meta.kind = kind;
+  e.meta.name = name;
+  if (name.empty())
+    e.meta.name = cat(join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.", noname_++);
+  reject_locked({e}, why);
 }
 
 std::shared_ptr<SharedRegion> Engine::create_shared(size_t bytes) {
@@ -315,7 +350,7 @@ Engine::Wake Engine::idle_wait() {
     try {
       if (ready_to_start()) return Wake::kWork;
     } catch (const Error& e) {
-      throw Error(e.kind(), cat("rank ", rank_, ": while idle: ", e.what()));
+      throw Error(e.kind(), cat("rank ", rank_, ": ", idle_state(), ": ", e.what()));
     }
     const double t = now();
     if (t - start < ps.spin_seconds || (busy && t - start < kBusySpinSeconds)) {
@@ -342,10 +377,22 @@ void Engine::check_peers(double& last_check) {
   try {
     for (int p = 0; p < size_; ++p)
       if (p != rank_) ctx_->link(p).check_alive();
+    if (const Heartbeat* hb = ctx_->progress().heartbeat) hb->check();
   } catch (const Error& e) {
-    throw Error(e.kind(), cat("rank ", rank_, ": while idle: ", e.what()));
+    throw Error(e.kind(), cat("rank ", rank_, ": ", idle_state(), ": ", e.what()));
   }
   last_check = t;
+}
+
+// What the thread was doing between rounds, for errors found meanwhile: a
+// caller in a loop of collectives is not "idle" while its call waits.
+std::string Engine::idle_state() const {
+  if (!pending_.empty())
+    return cat("while waiting for the other ranks to submit ",
+               coll_name(pending_.begin()->second.meta.kind), " '", pending_.begin()->first, "'",
+               pending_.size() > 1 ? cat(" (and ", pending_.size() - 1, " more)") : "");
+  if (has_work_.load()) return "while holding submitted work back (RINGREDUCE_BATCH_US)";
+  return "while idle";
 }
 
 // Sleeps until a peer may have sent something, a caller submitted work, or

@@ -75,6 +75,12 @@ class Engine {
   // Unnamed entries get "noname.<n>". Throws if the engine failed.
   std::shared_ptr<HandleState> submit(std::vector<Entry> entries);
   std::shared_ptr<HandleState> join();
+  // The caller refused a call of `kind` under `name` ("" = the next unnamed
+  // call's name) for `why` before submitting it (the Python layer's checks):
+  // rank 0 hears of it, so the other ranks' matching calls fail naming this
+  // rank and `why` instead of waiting for it (Negotiator::reject). submit()
+  // does this itself for calls that fail its own checks.
+  void reject(CollKind kind, const std::string& name, const std::string& why);
   // Completed join()s; changes before the completing join's handle resolves.
   uint64_t join_epoch() const;
   // Horovod's start_timeline/stop_timeline: rank 0 writes the trace; elsewhere no-ops.
@@ -95,6 +101,13 @@ class Engine {
 
  private:
   enum class Wake { kStop, kWork };
+  struct Rejection {
+    CollKind kind;
+    std::string name;
+    std::string why;
+  };
+  void reject_locked(const std::vector<Entry>& entries, const std::string& why);
+  static RequestMeta rejected_meta(const Rejection& rj);
   void agree_on_settings();
   void validate(Entry& e);
   void enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h);
@@ -103,6 +116,7 @@ class Engine {
   Wake idle_wait();
   bool ready_to_start();
   void check_peers(double& last_check);
+  std::string idle_state() const;
   void block(int64_t timeout_ns);
   void coordinator_round();
   void worker_round();
@@ -147,6 +161,7 @@ class Engine {
   // Shared with submitting threads, under mu_.
   mutable std::mutex mu_;
   std::deque<Entry> queue_;
+  std::vector<Rejection> rejected_;  // refused calls not yet told to rank 0
   ExecutorFactory device_factory_;
   std::unordered_set<std::string> in_flight_;
   uint64_t noname_ = 0;
@@ -161,6 +176,7 @@ class Engine {
 
   // Background thread only.
   std::unordered_map<std::string, Entry> pending_;  // submitted, awaiting a response
+  std::vector<Rejection> rejections_;               // drained, for this round
   std::vector<Entry> joins_;
   bool joined_ = false;
   uint64_t round_ = 0;

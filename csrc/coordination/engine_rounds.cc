@@ -7,6 +7,13 @@
 
 namespace rr {
 
+RequestMeta Engine::rejected_meta(const Rejection& rj) {
+  RequestMeta m;
+  m.kind = rj.kind;
+  m.name = rj.name;
+  return m;
+}
+
 namespace {
 
 void expect(const CtrlMessage& m, CtrlType type, uint64_t round, int rank) {
@@ -25,6 +32,8 @@ std::vector<Entry> Engine::drain() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     taken.swap(queue_);
+    rejections_.swap(rejected_);
+    rejected_.clear();
     has_work_.store(false);
   }
   return std::vector<Entry>(std::make_move_iterator(taken.begin()),
@@ -65,6 +74,8 @@ void Engine::coordinator_round() {
       negotiator_->submit(0, e.meta, t);
   }
   if (join) negotiator_->join(0, t);
+  for (Rejection& rj : rejections_) negotiator_->reject(0, rejected_meta(rj), rj.why, t);
+  rejections_.clear();
   record_local(fresh);
   if (size_ > 1)
     for (const CtrlMessage& m : ctrl_.receive(workers_, what)) {
@@ -113,6 +124,13 @@ std::vector<uint8_t> Engine::encode_requests(const std::vector<Entry>& fresh, bo
   w.put_bytes(bits);
   w.put<uint32_t>(static_cast<uint32_t>(full.size()));
   for (const RequestMeta* m : full) m->write(w);
+  w.put<uint32_t>(static_cast<uint32_t>(rejections_.size()));  // then: kind, name, why
+  for (const Rejection& rj : rejections_) {
+    w.put<uint32_t>(static_cast<uint32_t>(rj.kind));
+    w.put_str(rj.name);
+    w.put_str(rj.why);
+  }
+  rejections_.clear();
   return std::move(w.bytes());
 }
 
@@ -133,6 +151,14 @@ void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload,
     if (bits[i / 8] & (1u << (i % 8))) negotiator_->submit(rank, cache_.at(i), t);
   const uint32_t n = r.get<uint32_t>();
   for (uint32_t i = 0; i < n; ++i) negotiator_->submit(rank, RequestMeta::read(r), t);
+  const uint32_t refused = r.get<uint32_t>();
+  for (uint32_t i = 0; i < refused; ++i) {
+    Rejection rj;
+    rj.kind = static_cast<CollKind>(r.get<uint32_t>());
+    rj.name = r.get_str();
+    rj.why = r.get_str();
+    negotiator_->reject(rank, rejected_meta(rj), std::move(rj.why), t);
+  }
   if (join) negotiator_->join(rank, t);
 }
 

@@ -38,6 +38,7 @@ void Negotiator::submit(int rank, RequestMeta m, double now) {
   if (fresh) {
     p.metas.resize(opt_.size);
     p.submitted.assign(opt_.size, false);
+    p.rejected.assign(opt_.size, std::string());
     p.first_seen = p.last_warned = now;
     p.order = next_order_++;
     if (timeline_ && timeline_->active()) timeline_->negotiate_begin(m.name, coll_name(m.kind));
@@ -48,6 +49,13 @@ void Negotiator::submit(int rank, RequestMeta m, double now) {
   ++p.count;
   if (timeline_ && timeline_->active()) timeline_->rank_ready(m.name, rank);
   p.metas[rank] = std::move(m);
+}
+
+void Negotiator::reject(int rank, RequestMeta m, std::string why, double now) {
+  const std::string name = m.name;
+  submit(rank, std::move(m), now);
+  std::string& slot = table_.at(name).rejected[rank];
+  if (slot.empty()) slot = why.empty() ? std::string("(no reason given)") : std::move(why);
 }
 
 void Negotiator::join(int rank, double now) {
@@ -92,6 +100,20 @@ std::string Negotiator::mismatch(const Pending& p) const {
   return msg;
 }
 
+std::string Negotiator::rejection(const Pending& p) const {
+  std::vector<int> ranks;
+  std::string reasons;
+  for (int r = 0; r < opt_.size; ++r) {
+    if (p.rejected[r].empty()) continue;
+    ranks.push_back(r);
+    reasons += cat(reasons.empty() ? "" : "; ", p.rejected[r]);
+  }
+  if (ranks.empty()) return "";
+  const RequestMeta& m = any_meta(p);
+  return cat(coll_name(m.kind), " '", m.name, "': ", rank_list(ranks),
+             " refused this call locally: ", reasons);
+}
+
 std::string Negotiator::unsupported_with_joined(const Pending& p) const {
   if (joined_count_ == 0) return "";
   const RequestMeta& m = any_meta(p);
@@ -111,7 +133,8 @@ std::string Negotiator::unsupported_with_joined(const Pending& p) const {
 Response Negotiator::verdict(Pending& p) const {
   Response r;
   r.contributors = p.count;
-  std::string why = mismatch(p);
+  std::string why = rejection(p);
+  if (why.empty()) why = mismatch(p);
   ErrorKind kind = ErrorKind::kMismatch;
   if (why.empty()) {
     why = unsupported_with_joined(p);

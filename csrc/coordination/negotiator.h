@@ -42,6 +42,11 @@ class Negotiator {
   // By value: a request decoded from the wire is moved in, not copied.
   void submit(int rank, RequestMeta m, double now);
   void join(int rank, double now);
+  // `rank` refused its own call under m.name (kind and name are all m holds)
+  // because it failed that rank's checks; its caller already got the error.
+  // The name counts as submitted by `rank`, so once the other ranks submit it
+  // too they get an error response naming `rank` and `why`, as for a mismatch.
+  void reject(int rank, RequestMeta m, std::string why, double now);
   std::vector<Response> decide(double now);
   // When decide() should next run to report a stall (+inf: nothing pending).
   double next_deadline() const;
@@ -51,6 +56,7 @@ class Negotiator {
   struct Pending {
     std::vector<RequestMeta> metas;  // by rank, valid where submitted
     std::vector<bool> submitted;
+    std::vector<std::string> rejected;  // by rank: why it refused its call, or ""
     int count = 0;
     double first_seen = 0;
     double last_warned = 0;
@@ -61,6 +67,7 @@ class Negotiator {
   bool ready(const Pending& p) const;
   Response verdict(Pending& p) const;  // moves one of p's metas into the response
   std::string mismatch(const Pending& p) const;
+  std::string rejection(const Pending& p) const;
   std::string unsupported_with_joined(const Pending& p) const;
   void stall_report(double now, std::vector<Response>* out);
   std::string missing_ranks(const Pending& p) const;

@@ -12,6 +12,16 @@ void InMemoryStore::set(const std::string& key, const std::string& value) {
   changed_.notify_all();
 }
 
+std::string InMemoryStore::add(const std::string& key, const std::string& value) {
+  std::string now;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    now = data_.emplace(key, value).first->second;
+  }
+  changed_.notify_all();
+  return now;
+}
+
 std::string InMemoryStore::get(const std::string& key, double timeout_s) {
   const auto deadline = deadline_after(timeout_s);
   std::unique_lock<std::mutex> lock(mu_);

@@ -20,6 +20,7 @@ class InMemoryStore : public Store {
 
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, double timeout_s) override;
+  std::string add(const std::string& key, const std::string& value) override;
 
  private:
   std::mutex mu_;

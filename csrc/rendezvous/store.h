@@ -26,6 +26,11 @@ class Store {
   // remote store the timeout includes the round trip, so a timeout shorter than
   // one round trip fails even for a key that exists.
   virtual std::string get(const std::string& key, double timeout_s) = 0;
+
+  // Publishes value under key unless the key exists; returns what the key
+  // holds afterwards (value itself when this call was first). Atomic, so
+  // claims cannot both win (the rendezvous refuses a second job this way).
+  virtual std::string add(const std::string& key, const std::string& value) = 0;
 };
 
 // Turns a caller's timeout into an absolute deadline. Infinite timeouts are

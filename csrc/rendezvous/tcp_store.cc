@@ -27,6 +27,9 @@ namespace rr {
 //   server -> client:       u8 0   (the SET has been applied)
 //   client -> server, GET:  u8 2, u32 key_len, key
 //   server -> client:       u8 0, u32 value_len, value
+//   client -> server, ADD:  u8 3, u32 key_len, key, u32 value_len, value
+//   server -> client:       u8 0, u32 value_len, value (what the key now holds:
+//                           the value sent if the key was absent, else the old one)
 //
 // Invariants:
 //  - Requests on a connection are answered in order, one reply per request.
@@ -46,6 +49,7 @@ namespace {
 constexpr char kMagic[4] = {'R', 'R', 'S', '1'};
 constexpr uint8_t kOpSet = 1;
 constexpr uint8_t kOpGet = 2;
+constexpr uint8_t kOpAdd = 3;  // set if absent: claims (two jobs on one port)
 constexpr uint8_t kReplyOk = 0;
 constexpr size_t kMaxKeyBytes = 4096;
 constexpr size_t kMaxValueBytes = size_t{64} << 20;
@@ -134,7 +138,7 @@ Parse parse_request(const std::string& in, size_t pos, Request* req, std::string
   const char* p = in.data() + pos;
   if (avail < 1) return Parse::kNeedMore;
   req->op = static_cast<uint8_t>(p[0]);
-  if (req->op != kOpSet && req->op != kOpGet) {
+  if (req->op != kOpSet && req->op != kOpGet && req->op != kOpAdd) {
     *why = cat("unknown op ", int{req->op});
     return Parse::kGarbage;
   }
@@ -146,7 +150,7 @@ Parse parse_request(const std::string& in, size_t pos, Request* req, std::string
   }
   size_t need = 5 + key_len;
   size_t value_len = 0;
-  if (req->op == kOpSet) {
+  if (req->op != kOpGet) {
     if (avail < need + 4) return Parse::kNeedMore;
     value_len = get_u32(p + need);
     if (value_len > kMaxValueBytes) {
@@ -157,7 +161,7 @@ Parse parse_request(const std::string& in, size_t pos, Request* req, std::string
   }
   if (avail < need) return Parse::kNeedMore;
   req->key.assign(p + 5, key_len);
-  if (req->op == kOpSet) req->value.assign(p + 5 + key_len + 4, value_len);
+  if (req->op != kOpGet) req->value.assign(p + 5 + key_len + 4, value_len);
   req->frame_bytes = need;
   return Parse::kOk;
 }
@@ -355,9 +359,16 @@ void TcpStoreServer::Loop::handle(Conn& c, Request& req) {
     reply(c, out);
     return;
   }
-  reply(c, std::string(1, static_cast<char>(kReplyOk)));
+  const bool existed = data_.count(req.key) != 0;
   std::string& stored = data_[req.key];
-  stored = std::move(req.value);
+  if (req.op == kOpSet || !existed) stored = std::move(req.value);
+  if (req.op == kOpSet) {
+    reply(c, std::string(1, static_cast<char>(kReplyOk)));
+  } else {
+    std::string out(1, static_cast<char>(kReplyOk));
+    put_u32(&out, static_cast<uint32_t>(stored.size()));
+    reply(c, out + stored);
+  }
   auto w = waiters_.find(req.key);
   if (w == waiters_.end()) return;
   std::string out(1, static_cast<char>(kReplyOk));
@@ -654,22 +665,28 @@ void TcpStoreClient::ensure_connected(const std::string& what) {
   if (fd_ < 0) connect_until(deadline_after(connect_timeout_s_), &what);
 }
 
-void TcpStoreClient::set(const std::string& key, const std::string& value) {
+// A SET or ADD request; throws if the key or value is over the limits.
+static std::string key_value_frame(uint8_t op, const std::string& key, const std::string& value) {
   if (key.size() > kMaxKeyBytes || value.size() > kMaxValueBytes) {
     throw_error(ErrorKind::kInvalidArgument, "store key '", key.substr(0, 64), "' (", key.size(),
                 " bytes) or its value (", value.size(), " bytes) exceeds the limit of ",
                 kMaxKeyBytes, " / ", kMaxValueBytes, " bytes");
   }
+  std::string frame(1, static_cast<char>(op));
+  put_u32(&frame, static_cast<uint32_t>(key.size()));
+  frame += key;
+  put_u32(&frame, static_cast<uint32_t>(value.size()));
+  frame += value;
+  return frame;
+}
+
+void TcpStoreClient::set(const std::string& key, const std::string& value) {
+  const std::string frame = key_value_frame(kOpSet, key, value);
   const std::string what = cat("setting key '", key, "' in the store at ", endpoint());
   std::lock_guard<std::mutex> lock(mu_);
   ensure_connected(what);
   const auto deadline = deadline_after(connect_timeout_s_);
   try {
-    std::string frame(1, static_cast<char>(kOpSet));
-    put_u32(&frame, static_cast<uint32_t>(key.size()));
-    frame += key;
-    put_u32(&frame, static_cast<uint32_t>(value.size()));
-    frame += value;
     send_all(fd_, frame, deadline, what);
     char ack = 0;
     recv_all(fd_, &ack, 1, deadline, what);
@@ -679,6 +696,31 @@ void TcpStoreClient::set(const std::string& key, const std::string& value) {
     disconnect();  // the connection is mid-exchange and cannot be reused
     throw;
   }
+}
+
+std::string TcpStoreClient::add(const std::string& key, const std::string& value) {
+  const std::string frame = key_value_frame(kOpAdd, key, value);
+  const std::string what = cat("claiming key '", key, "' in the store at ", endpoint());
+  std::lock_guard<std::mutex> lock(mu_);
+  ensure_connected(what);
+  try {
+    send_all(fd_, frame, deadline_after(connect_timeout_s_), what);
+    return read_value(deadline_after(connect_timeout_s_), what);
+  } catch (...) {
+    disconnect();
+    throw;
+  }
+}
+
+std::string TcpStoreClient::read_value(Clock::time_point deadline, const std::string& what) {
+  char header[5];
+  recv_all(fd_, header, sizeof(header), deadline, what);
+  const uint32_t len = get_u32(header + 1);
+  RR_CHECK(static_cast<uint8_t>(header[0]) == kReplyOk && len <= kMaxValueBytes,
+           "store protocol error: bad reply header while ", what);
+  std::string value(len, '\0');
+  recv_all(fd_, value.data(), len, deadline, what);
+  return value;
 }
 
 std::string TcpStoreClient::get(const std::string& key, double timeout_s) {
@@ -696,14 +738,7 @@ std::string TcpStoreClient::get(const std::string& key, double timeout_s) {
     put_u32(&frame, static_cast<uint32_t>(key.size()));
     frame += key;
     send_all(fd_, frame, deadline, what);
-    char header[5];
-    recv_all(fd_, header, sizeof(header), deadline, what);
-    const uint32_t len = get_u32(header + 1);
-    RR_CHECK(static_cast<uint8_t>(header[0]) == kReplyOk && len <= kMaxValueBytes,
-             "store protocol error: bad reply header while ", what);
-    std::string value(len, '\0');
-    recv_all(fd_, value.data(), len, deadline, what);
-    return value;
+    return read_value(deadline, what);
   } catch (...) {
     disconnect();  // also tells the server to forget the parked GET
     throw;

@@ -64,6 +64,7 @@ class TcpStoreClient : public Store {
   // Waits for the server's acknowledgement; connect_timeout_s bounds the wait.
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, double timeout_s) override;
+  std::string add(const std::string& key, const std::string& value) override;
 
  private:
   // reconnect_for is null for the first connection, else what the caller was
@@ -72,6 +73,7 @@ class TcpStoreClient : public Store {
                      const std::string* reconnect_for);
   void ensure_connected(const std::string& what);
   void disconnect();
+  std::string read_value(std::chrono::steady_clock::time_point deadline, const std::string& what);
   std::string endpoint() const;  // "host:port" for messages
 
   const std::string host_;

@@ -34,6 +34,9 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
   o.bind_addr = env_str("RINGREDUCE_BIND_ADDR", o.bind_addr);
   o.connect_timeout_s = env_double("RINGREDUCE_CONNECT_TIMEOUT_SECONDS", o.connect_timeout_s);
   o.timeout_s = env_double("RINGREDUCE_TIMEOUT_SECONDS", o.timeout_s);
+  o.link_timeout_s = env_double("RINGREDUCE_LINK_TIMEOUT_SECONDS", o.link_timeout_s);
+  o.stall_check_s = env_double("RINGREDUCE_STALL_CHECK_SECONDS", o.stall_check_s);
+  o.peer_timeout_s = env_double("RINGREDUCE_PEER_TIMEOUT_SECONDS", o.peer_timeout_s);
   o.spin_us = env_double("RINGREDUCE_SPIN_US", o.spin_us);
   o.shm_slots = static_cast<uint32_t>(env_int("RINGREDUCE_SHM_SLOTS", o.shm_slots));
   o.shm_slot_bytes = static_cast<uint64_t>(
@@ -86,6 +89,8 @@ Context::~Context() {
 }
 
 void Context::close() {
+  if (heartbeat_) heartbeat_->stop();  // before its sockets and its peers' links close
+  progress_.heartbeat = nullptr;
   leave(cat("rank ", opt_.rank, " shut down"));
   progress_.doorbell = nullptr;  // it lived in our segment
   links_.clear();
@@ -171,9 +176,15 @@ void Context::connect(const std::vector<std::string>& infos) {
   progress_.yield_while_spinning = local_size_ > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   links_.clear();
   links_.resize(opt_.size);
+  std::vector<std::string> hosts;
+  for (const auto& p : peers_) hosts.push_back(p.host_id);
+  heartbeat_ = std::make_unique<Heartbeat>(
+      HeartbeatOptions{opt_.rank, opt_.stall_check_s, opt_.peer_timeout_s, std::move(hosts)});
   connect_shm();
   connect_tcp();
   listener_.reset();  // no more strangers can knock once the mesh is complete
+  heartbeat_->start();
+  progress_.heartbeat = heartbeat_.get();
   connected_ = true;
 }
 
@@ -245,36 +256,64 @@ std::shared_ptr<SharedRegion> Context::create_shared(size_t bytes) {
   return shared_.create(shm_prefix(), opt_.rank, opt_.size, peers, bytes, opt_.connect_timeout_s);
 }
 
+// Data links to every peer not reached through shared memory (the lower
+// rank accepts), plus one heartbeat connection from every worker to rank 0,
+// whatever the transport (heartbeat.h).
 void Context::connect_tcp() {
   HandshakeParams hp{opt_.secret, job_id(), opt_.rank, opt_.size};
   auto deadline = deadline_in(opt_.connect_timeout_s);
-  const size_t chunk = opt_.shm_slot_bytes;
-  int expect_accepts = 0;
+  int expect_accepts = opt_.rank == 0 ? opt_.size - 1 : 0;  // heartbeats
   for (int r = 0; r < opt_.size; ++r) {
-    if (r == opt_.rank || use_shm_with(r)) continue;
+    if (r == opt_.rank) continue;
+    const bool data = !use_shm_with(r);
     if (r > opt_.rank) {
-      ++expect_accepts;
+      expect_accepts += data;
       continue;
     }
     std::string who = cat("rank ", r, " at ", peers_[r].addr, ":", peers_[r].port);
-    Fd fd = connect_until(peers_[r].addr, peers_[r].port, deadline);
-    handshake_connect(fd.get(), hp, r, deadline, who);
-    links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk);
+    for (Channel ch : {Channel::kData, Channel::kHeartbeat}) {
+      if ((ch == Channel::kData && !data) || (ch == Channel::kHeartbeat && r != 0)) continue;
+      Fd fd = connect_until(peers_[r].addr, peers_[r].port, deadline);
+      handshake_connect(fd.get(), hp, r, ch, deadline, who);
+      if (ch == Channel::kHeartbeat) {
+        tune_data_socket(fd.get(), opt_.link_timeout_s);
+        heartbeat_->add(r, std::move(fd));
+      } else {
+        links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk(),
+                                              opt_.link_timeout_s);
+      }
+    }
   }
+  accept_tcp(expect_accepts, hp, deadline);
+}
+
+void Context::accept_tcp(int expect_accepts, const HandshakeParams& hp, Deadline deadline) {
+  std::vector<bool> beating(opt_.size, false);
   while (expect_accepts > 0) {
     std::string from;
     Fd fd = accept_until(listener_.get(), deadline, &from);
     if (fd.get() < 0)
       throw_error(ErrorKind::kTimeout, "rank ", opt_.rank, ": ", expect_accepts,
-                  " higher ranks did not connect within ", opt_.connect_timeout_s, " s");
+                  " connections from other ranks did not arrive within ", opt_.connect_timeout_s,
+                  " s");
     std::string why;
-    int r = handshake_accept(fd.get(), hp, deadline_in(5), &why);
-    if (r <= opt_.rank || links_[r]) {
+    Channel ch = Channel::kData;
+    int r = handshake_accept(fd.get(), hp, deadline_in(5), &ch, &why);
+    const bool beat = ch == Channel::kHeartbeat;
+    const bool fresh = r > opt_.rank && (beat ? !beating[r] : !links_[r] && !use_shm_with(r));
+    if (r < 0 || !fresh) {
       log(LogLevel::kWarning, opt_.rank, "refused connection from ", from, ": ",
           why.empty() ? cat("unexpected rank ", r) : why);
       continue;
     }
-    links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk);
+    if (beat) {
+      beating[r] = true;
+      tune_data_socket(fd.get(), opt_.link_timeout_s);
+      heartbeat_->add(r, std::move(fd));
+    } else {
+      links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk(),
+                                            opt_.link_timeout_s);
+    }
     --expect_accepts;
   }
 }

@@ -13,11 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "transport/heartbeat.h"
 #include "transport/link.h"
 #include "transport/progress.h"
 #include "transport/shm/shared_region.h"
 #include "transport/shm/shm_segment.h"
 #include "transport/stream_choice.h"
+#include "transport/tcp/handshake.h"
 #include "transport/tcp/socket_util.h"
 
 namespace rr {
@@ -39,8 +41,16 @@ struct ContextOptions {
   std::string host_id;  // ranks with equal host_id share memory
   TransportMode mode = TransportMode::kAuto;
   std::string bind_addr = "0.0.0.0";
-  double connect_timeout_s = 60;        // RINGREDUCE_CONNECT_TIMEOUT_SECONDS
-  double timeout_s = 1800;              // RINGREDUCE_TIMEOUT_SECONDS
+  double connect_timeout_s = 60;  // RINGREDUCE_CONNECT_TIMEOUT_SECONDS
+  double timeout_s = 1800;        // RINGREDUCE_TIMEOUT_SECONDS
+  // RINGREDUCE_LINK_TIMEOUT_SECONDS: a TCP peer that acknowledges nothing (or
+  // is unheard while idle) this long is lost (tune_data_socket); 0 = never.
+  double link_timeout_s = 30;
+  // Heartbeats (heartbeat.h): a rank unheard for stall_check_s is named in a
+  // warning (RINGREDUCE_STALL_CHECK_SECONDS), for peer_timeout_s it fails the
+  // job (RINGREDUCE_PEER_TIMEOUT_SECONDS); 0 turns either off.
+  double stall_check_s = 60;
+  double peer_timeout_s = 120;
   double spin_us = 1000;                // RINGREDUCE_SPIN_US
   uint32_t shm_slots = 8;               // RINGREDUCE_SHM_SLOTS
   uint64_t shm_slot_bytes = 256 << 10;  // RINGREDUCE_SHM_SLOT_BYTES
@@ -127,7 +137,9 @@ class Context {
   void compute_topology();
   void connect_shm();
   void connect_tcp();
+  void accept_tcp(int expect_accepts, const HandshakeParams& hp, Deadline deadline);
   bool use_shm_with(int peer) const;
+  size_t chunk() const { return opt_.shm_slot_bytes; }  // TCP staging = shm slot
   uint64_t job_id() const;
   std::string shm_prefix() const;  // of every shm object of this job
 
@@ -135,6 +147,7 @@ class Context {
   ProgressSettings progress_;
   std::vector<PeerInfo> peers_;
   std::vector<std::unique_ptr<Link>> links_;
+  std::unique_ptr<Heartbeat> heartbeat_;
   std::vector<std::unique_ptr<ShmSegment>> segments_;  // by local rank; ours included
   Fd listener_;
   int port_ = 0;

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/stream_copy.h"
+#include "transport/heartbeat.h"
 #include "transport/shm/doorbell.h"
 
 #if defined(__x86_64__)
@@ -153,6 +154,7 @@ void drive(const ProgressSettings& st, ProgressTask& task, const Describe& what)
       task.pending_io(&io);
       if (now - last_check > std::chrono::milliseconds(100)) {
         for (const auto& p : io) p.link->check_alive();
+        if (st.heartbeat) st.heartbeat->check();
         last_check = now;
       }
       if (now - last_progress > std::chrono::duration<double>(st.timeout_seconds))

@@ -18,6 +18,7 @@
 namespace rr {
 
 class Doorbell;
+class Heartbeat;
 
 struct SendOp {
   Link* link;
@@ -35,10 +36,11 @@ struct RecvOp {
 
 struct ProgressSettings {
   int rank = 0;
-  double spin_seconds = 50e-6;        // RINGREDUCE_SPIN_US
-  bool yield_while_spinning = false;  // more local ranks than cores: let them run
-  double timeout_seconds = 1800;      // RINGREDUCE_TIMEOUT_SECONDS
-  Doorbell* doorbell = nullptr;       // this rank's, when it has shm links
+  double spin_seconds = 50e-6;           // RINGREDUCE_SPIN_US
+  bool yield_while_spinning = false;     // more local ranks than cores: let them run
+  double timeout_seconds = 1800;         // RINGREDUCE_TIMEOUT_SECONDS
+  Doorbell* doorbell = nullptr;          // this rank's, when it has shm links
+  const Heartbeat* heartbeat = nullptr;  // checked between waits: a frozen peer fails
 };
 
 // A link direction that is still waiting for bytes to move.

@@ -112,6 +112,9 @@ def _slow_store_reads(seconds: float) -> None:
         def get(self, key: str, timeout: float) -> bytes:
             return self._client.get(key, timeout)
 
+        def add(self, key: str, value: bytes) -> bytes:
+            return self._client.add(key, value)
+
         def allgather(self, prefix: str, rank: int, size: int, value: bytes,
                       timeout: float) -> list[bytes]:
             self._client.set(f"{prefix}/{rank}", value)

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -165,18 +166,28 @@ void set_nonblocking(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
-void tune_data_socket(int fd) {
+void tune_data_socket(int fd, double link_timeout_s) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   // A host that vanishes without closing its sockets (power loss, a cut
-  // link) sends no FIN: keepalive probes of an idle connection find out in
-  // about 10 s (5 s idle, then 5 unanswered probes a second apart), where the
-  // idle liveness check (a peek) would see "no data" forever.
-  int idle = 5, interval = 1, count = 5;
-  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+  // link) sends no FIN or RST. Keepalive alone does not help while data is
+  // queued (the kernel retransmits for ~15 minutes instead of probing), so
+  // TCP_USER_TIMEOUT bounds how long sent data may stay unacknowledged, and,
+  // with keepalive probing an idle connection every second after a short
+  // idle time, how long the peer may stay unheard. A slow but live link keeps
+  // acknowledging, so only a dead path (or a receiver whose buffer stayed full
+  // that long) trips it. Either way the socket fails with ETIMEDOUT.
+  if (link_timeout_s > 0) {
+    const double ms = std::min(link_timeout_s * 1000.0, 2e9);
+    unsigned user_timeout = static_cast<unsigned>(ms);
+    int idle = static_cast<int>(std::clamp(link_timeout_s / 3, 1.0, 5.0));
+    int interval = 1, count = std::max(1, static_cast<int>(link_timeout_s));
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout));
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+  }
   int buf = 4 << 20;
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));

@@ -48,7 +48,10 @@ void write_full(int fd, const void* data, size_t n, Deadline deadline, const std
 void read_full(int fd, void* data, size_t n, Deadline deadline, const std::string& who);
 
 void set_nonblocking(int fd);
-void tune_data_socket(int fd);  // TCP_NODELAY and large buffers
+// TCP_NODELAY, large buffers, and (link_timeout_s > 0) TCP_USER_TIMEOUT plus
+// keepalive: unacknowledged data or an unheard peer fails the socket with
+// ETIMEDOUT after about link_timeout_s (RINGREDUCE_LINK_TIMEOUT_SECONDS).
+void tune_data_socket(int fd, double link_timeout_s);
 
 // The address other hosts should use to reach this one: RINGREDUCE_ADVERTISE_ADDR,
 // else the IPv4 address of interface RINGREDUCE_IFACE, else the first

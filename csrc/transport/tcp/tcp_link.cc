@@ -10,10 +10,14 @@
 
 namespace rr {
 
-TcpLink::TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes)
-    : peer_(peer), host_(std::move(host)), fd_(std::move(fd)), staging_(chunk_bytes) {
+TcpLink::TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes, double link_timeout_s)
+    : peer_(peer),
+      host_(std::move(host)),
+      fd_(std::move(fd)),
+      staging_(chunk_bytes),
+      link_timeout_s_(link_timeout_s) {
   set_nonblocking(fd_.get());
-  tune_data_socket(fd_.get());
+  tune_data_socket(fd_.get(), link_timeout_s);
 }
 
 namespace {
@@ -86,6 +90,11 @@ void TcpLink::fail(const char* what, int err) {
     throw_error(ErrorKind::kPeerLost, "rank ", peer_, " on host ", host_,
                 " closed its connection (it exited, crashed, shut down or failed)");
   }
+  if (err == ETIMEDOUT)
+    throw_error(ErrorKind::kPeerLost, what, " rank ", peer_, " on host ", host_,
+                " failed: the link is dead (nothing acknowledged or heard for ", link_timeout_s_,
+                " s, RINGREDUCE_LINK_TIMEOUT_SECONDS): its host is ",
+                "unreachable, or it stopped reading");
   throw_error(ErrorKind::kPeerLost, what, " rank ", peer_, " on host ", host_,
               " failed: ", errno_string(err));
 }

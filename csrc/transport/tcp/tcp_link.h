@@ -21,7 +21,8 @@ namespace rr {
 
 class TcpLink : public Link {
  public:
-  TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes);
+  // link_timeout_s: RINGREDUCE_LINK_TIMEOUT_SECONDS (tune_data_socket).
+  TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes, double link_timeout_s);
 
   int peer() const override { return peer_; }
   const char* kind() const override { return "tcp"; }
@@ -45,6 +46,7 @@ class TcpLink : public Link {
   size_t staged_ = 0;          // bytes of the current chunk already in staging_
   std::vector<uint8_t> tail_;  // the last bytes received, for last words
   bool aborted_ = false;
+  double link_timeout_s_;
 };
 
 }  // namespace rr

@@ -319,6 +319,7 @@ void bind_engine_class(py::module_& m) {
              d["responses"] = s.responses;
              d["tensors"] = s.tensors;
              d["shared_allreduces"] = s.shared_allreduces;
+             d["hierarchical_allreduces"] = s.hierarchical_allreduces;
              return d;
            })
       .def("create_shared",

@@ -251,6 +251,7 @@ EngineStats Engine::stats() const {
   s.responses = executed_responses_.load();
   s.tensors = executed_tensors_.load();
   s.shared_allreduces = ctx_->shared_allreduces();
+  s.hierarchical_allreduces = ctx_->hierarchical_allreduces();
   return s;
 }
 

@@ -61,7 +61,8 @@ struct EngineStats {
   uint64_t rounds = 0;
   uint64_t responses = 0;
   uint64_t tensors = 0;
-  uint64_t shared_allreduces = 0;  // over shared buffers (allreduce_shared.cc)
+  uint64_t shared_allreduces = 0;        // over shared buffers (allreduce_shared.cc)
+  uint64_t hierarchical_allreduces = 0;  // allreduce_hierarchical.cc
 };
 
 class Engine {

@@ -95,11 +95,31 @@ double Engine::now() const {
 }
 
 // ------------------------------------------------------------- submitting
+// A process set lists distinct ranks of the job in ascending order, this
+// rank among them (Python's ProcessSet guarantees it; checked again here).
+void Engine::validate_members(const RequestMeta& m) const {
+  const auto& ms = m.members;
+  bool ok = ms.empty() || (ms.front() >= 0 && ms.back() < size_);
+  for (size_t i = 1; ok && i < ms.size(); ++i) ok = ms[i - 1] < ms[i];
+  if (!ok)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
+                "': process set ", ranks_text(ms), " must list distinct ranks of [0, ", size_,
+                ") in ascending order");
+  if (!m.has_rank(rank_))
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
+                "': this rank is not a member of process set ", ranks_text(ms));
+  if (!ms.empty() && m.device >= 0)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
+                "': process sets run on host memory only; the tensor is on GPU ", m.device);
+}
+
 void Engine::validate(Entry& e) {
   const RequestMeta& m = e.meta;
   const char* what = coll_name(m.kind);
   Tensor t{e.in, m.shape, m.dtype, m.name};
   check_shape(*ctx_, t, what);
+  validate_members(m);
+  const int n = m.set_size(size_);
   switch (m.kind) {
     case CollKind::kAllreduce:
     case CollKind::kReducescatter:
@@ -110,12 +130,18 @@ void Engine::validate(Entry& e) {
     case CollKind::kAllgather: check_has_rows(*ctx_, t, what); break;
     case CollKind::kAlltoall:
       check_has_rows(*ctx_, t, what);
-      check_splits(*ctx_, t, e.splits);
+      if (m.members.empty())
+        check_splits(*ctx_, t, e.splits);
+      else if (static_cast<int>(e.splits.size()) != n)
+        throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": alltoall '", m.name,
+                    "': splits must have one entry per rank of process set ", ranks_text(m.members),
+                    "; got ", e.splits.size());
       break;
     case CollKind::kBroadcast:
-      if (m.root < 0 || m.root >= size_)
+      if (m.root < 0 || m.root >= n)
         throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": broadcast '", m.name,
-                    "': root_rank ", m.root, " is not in [0, ", size_, ")");
+                    "': root_rank ", m.root, " is not in [0, ", n, ")",
+                    m.members.empty() ? "" : " (ranks of the process set)");
       break;
     case CollKind::kBarrier: break;
   }
@@ -147,14 +173,20 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   // Every completed join() restarts the count in a new epoch: ranks that ran
   // more batches before joining made more unnamed calls, and the names must
   // agree again once all have joined.
+  // Each process set counts its own: its members make its unnamed calls in
+  // one order, whatever else each of them calls meanwhile.
   uint64_t counter = noname_;
+  auto set_counters = noname_sets_;
   const std::string prefix = join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.";
   for (Entry& e : entries) {
     if (!e.meta.name.empty() || e.join) continue;  // validated by submit()
-    e.meta.name = cat(prefix, counter++);
+    const auto& ms = e.meta.members;
+    e.meta.name = ms.empty() ? cat(prefix, counter++)
+                             : cat(prefix, "set", ranks_text(ms), ".", set_counters[ms]++);
     validate(e);
   }
   noname_ = counter;
+  noname_sets_ = std::move(set_counters);
   batch_.submitted(queue_.empty());
   for (size_t i = 0; i < entries.size(); ++i) {
     entries[i].handle = h;

@@ -95,6 +95,7 @@ class Engine {
   enum class Wake { kStop, kWork };
   void agree_on_settings();
   void validate(Entry& e);
+  void validate_members(const RequestMeta& m) const;
   void enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h);
   void notify();
   void loop();
@@ -148,6 +149,7 @@ class Engine {
   ExecutorFactory device_factory_;
   std::unordered_set<std::string> in_flight_;
   uint64_t noname_ = 0;
+  std::map<std::vector<int32_t>, uint64_t> noname_sets_;  // by process set
   uint64_t join_epoch_ = 0;  // completed join()s; with noname_, under mu_
   bool stopping_ = false;
   bool failed_ = false;

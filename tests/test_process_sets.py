@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from procs import run_env_launch
+from procs import run_env_launch, run_mpi
 
 import ringreduce as rr
 from ringreduce import ProcessSet
@@ -145,8 +145,9 @@ def test_dynamic_sets_add_remove_and_disagreement():
 PS_WORKER = "process_sets_worker.py"
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_process_sets_processes(n):
-    """Real processes (env-var launch): static sets at init, a dynamic one, torch included."""
-    job = run_env_launch(n, PS_WORKER, timeout=120)
+@pytest.mark.parametrize("launch, n", [("env", 2), ("mpirun", 3)])
+def test_process_sets_processes(launch, n):
+    """Real processes: static sets at init, a dynamic one, numpy and torch."""
+    job = (run_env_launch(n, PS_WORKER, timeout=120) if launch == "env" else
+           run_mpi(n, PS_WORKER, timeout=120))
     job.check_ok(expect_ranks=n)

@@ -202,8 +202,13 @@ std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   auto h = std::make_shared<HandleState>(entries.size(), batch_.signal());
   // Named entries are checked before taking the lock, which submitting
   // threads and the engine contend for; unnamed ones need their name first.
-  for (Entry& e : entries)
+  // A process set's names are its own (as in Horovod, where each set has its
+  // own tensor table): two sets may use one name at the same time.
+  for (Entry& e : entries) {
+    if (!e.meta.name.empty() && !e.meta.members.empty())
+      e.meta.name += cat("@", ranks_text(e.meta.members));
     if (!e.meta.name.empty() || e.join) validate(e);
+  }
   // notify() under the lock: shutdown() sets stopping_ under it before the
   // Context (and its doorbell) can go away.
   std::lock_guard<std::mutex> lock(mu_);

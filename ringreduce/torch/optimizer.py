@@ -32,6 +32,7 @@ import torch
 from ringreduce import Average, Communicator, Sum
 from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import binder, to_numpy
 from .broadcast import agree
@@ -159,12 +160,15 @@ class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
 
     def _rr_setup(self, named: dict, compression: type[Compressor], passes: int, op: int,
-                  scales: tuple[float, float], sparse_as_dense: bool) -> None:
-        self._rr_comm: Callable[[], Communicator] = binder()
+                  scales: tuple[float, float], sparse_as_dense: bool,
+                  process_set: ProcessSet) -> None:
+        self._rr_comm: Callable[[], Communicator] = binder(process_set)
         c = self._rr_comm()
         index = _INSTANCES.get(c, 0)
         _INSTANCES[c] = index + 1
-        self._rr_prefix = "grad." if index == 0 else f"grad{index}."
+        # A process set's gradients get names of their own: an optimizer of the whole job
+        # may have the same parameter names in flight on this rank.
+        self._rr_prefix = ("grad." if index == 0 else f"grad{index}.") + c._names
         self._rr_compression = compression
         self._rr_passes = passes
         self._rr_op = op
@@ -182,7 +186,8 @@ class _DistributedMixin:
         self._rr_frozen: dict = {}  # parameter -> name, for those without requires_grad
         self._rr_register(named)
         agree("DistributedOptimizer", [(s.name, (tuple(s.param.shape), str(s.param.dtype)))
-                                       for s in self._rr_order], " on the parameters")
+                                       for s in self._rr_order], " on the parameters",
+              process_set=process_set)
 
     def _rr_register(self, named: dict) -> None:
         ref = self._rr_ref
@@ -422,7 +427,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Optional[Any] = None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Collective: every rank must wrap an optimizer over the same parameters.
@@ -450,6 +456,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     sparse_as_dense : bool
         Send sparse gradients (``nn.Embedding(sparse=True)``) as dense tensors;
         otherwise they are allgathered as (indices, values).
+    process_set : ProcessSet
+        Average over the members of this set only (called by its members only).
 
     Returns
     -------
@@ -478,6 +486,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     # per-instance method overrides such as an LR scheduler's wrapper of the old step().
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                           if k not in ("step", "zero_grad")})
-    dist._rr_setup(named, compression, backward_passes_per_step, op, scales, sparse_as_dense)
+    dist._rr_setup(named, compression, backward_passes_per_step, op, scales, sparse_as_dense,
+                   process_set)
     dist._rr_original = weakref.ref(optimizer)
     return dist

@@ -35,7 +35,7 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _tc(ns: str, dev: str, rate: str) -> None:
-    bits = _rate_bits(rate)
+    bits = rate_bits(rate)
     # A burst of 2 ms at the rate (at least 64 KiB): large enough for GSO segments and for
     # the timer to keep the link busy, small enough not to inflate a measured rate.
     burst = max(64 << 10, int(bits / 8 * 0.002))
@@ -46,7 +46,7 @@ def _tc(ns: str, dev: str, rate: str) -> None:
         raise NetnsError(f"{' '.join(cmd)}: {res.stderr.strip()}")
 
 
-def _rate_bits(rate: str) -> float:
+def rate_bits(rate: str) -> float:
     """Bits per second of a tc rate such as ``1gbit`` or ``500mbit``."""
     m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate.lower())
     if not m:

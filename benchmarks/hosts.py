@@ -32,6 +32,9 @@ from collections.abc import Sequence
 from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The namespace "hosts" share this machine's cores: ranks that spin while waiting take the
+# CPU from the ranks they wait for (real hosts have cores of their own). --spin-us sets it.
+SPIN_US = "0"
 sys.path.insert(0, HERE)
 
 import _netns  # noqa: E402  (next to this file)
@@ -140,7 +143,7 @@ def run_job(hosts: _netns.Hosts, placement: Sequence[int], sizes: Sequence[int],
             seconds: float, extra_env: dict, timeout: float) -> list[dict]:
     """Run the worker with rank r on host placement[r]; rank 0's result lines."""
     env = {**os.environ, "MASTER_PORT": "29611", "RINGREDUCE_SECRET": os.urandom(16).hex(),
-           "PYTHONUNBUFFERED": "1", **extra_env}
+           "PYTHONUNBUFFERED": "1", "RINGREDUCE_SPIN_US": SPIN_US, **extra_env}
     for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "PMIX_RANK"):
         env.pop(k, None)
     procs = _netns.spawn(hosts, placement, worker_argv(sizes, iters, seconds), env)
@@ -229,7 +232,7 @@ def sweep_rates(args: argparse.Namespace, sizes: list[int]) -> list[dict]:
         shaped = None if rate == "none" else rate
         for h in args.hosts:
             with _netns.Hosts(h, rate=shaped) as hosts:
-                link = _netns._rate_bits(shaped) if shaped else None
+                link = _netns.rate_bits(shaped) if shaped else None
                 if link is None and args.ceiling:
                     link = tcp_ceiling(hosts, args.ceiling_bytes) * 8
                     print(f"# plain TCP stream between two namespaces: {link / 1e9:.2f} Gbit/s "
@@ -247,7 +250,7 @@ def compare_hierarchical(args: argparse.Namespace, sizes: list[int]) -> list[dic
     rows = []
     rate = args.hier_rate
     with _netns.Hosts(2, rate=rate) as hosts:
-        link = _netns._rate_bits(rate)
+        link = _netns.rate_bits(rate)
         for place_name, placement in (("by-host", [0, 0, 1, 1]), ("interleaved", [0, 1, 0, 1])):
             times = {}
             for setting in ("0", "1"):
@@ -286,6 +289,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    global SPIN_US
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1M,16M,64M")
     p.add_argument("--hosts", default="2,3,4")
@@ -300,11 +304,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--ceiling-bytes", type=parse_size, default=parse_size("512M"))
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--spin-us", default=SPIN_US, help="RINGREDUCE_SPIN_US of the ranks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--receiver", type=int, help=argparse.SUPPRESS)
     p.add_argument("--sender", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    SPIN_US = args.spin_us
     if args.worker:
         return worker(sizes, args.iters, args.seconds, args.mpi)
     if args.receiver is not None:
@@ -322,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.hosts = [int(h) for h in args.hosts.split(",")]
     print(f"# allreduce across network-namespace hosts; float32 Sum in place; 1 warmup, then "
           f">= {args.iters} calls and about {args.seconds} s per size; "
-          f"{os.cpu_count()} CPUs shared by all ranks")
+          f"{os.cpu_count()} CPUs shared by all ranks; RINGREDUCE_SPIN_US={SPIN_US}")
     print(HEADER)
     rows = sweep_rates(args, sizes)
     if not args.no_hier:

@@ -129,7 +129,6 @@ class Communicator:
 
     def _init_calls(self) -> None:
         """State of the calls made through this communicator (not shared with views)."""
-        self._names = ""  # prefix of generated group names (process set views have one)
         self._lock = threading.Lock()
         self._in_flight: deque[Handle] = deque()  # keeps buffers alive until complete
         self._prune_at = 64
@@ -331,7 +330,7 @@ class Communicator:
         if epoch != self._groups_epoch:
             self._groups_epoch, self._groups = epoch, 0
         prefix = f"{epoch}." if epoch else ""
-        return f"grouped_allreduce.noname.{self._names}{prefix}{self._groups}"
+        return f"grouped_allreduce.noname.{prefix}{self._groups}"
 
     def _submit_group(self, srcs: list, outs: list, op: int, name: Optional[str],
                       prescale: float, postscale: float) -> Any:
@@ -547,7 +546,6 @@ class ProcessSetCommunicator(Communicator):
         self._ctx = parent._ctx
         self._engine = parent._engine.process_set(members)
         self._init_calls()
-        self._names = "set" + ",".join(map(str, members)) + "."
         self._members = list(members)
         self._rank = self._members.index(parent.rank())
         self.process_sets = parent.process_sets

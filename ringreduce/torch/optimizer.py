@@ -166,9 +166,7 @@ class _DistributedMixin:
         c = self._rr_comm()
         index = _INSTANCES.get(c, 0)
         _INSTANCES[c] = index + 1
-        # A process set's gradients get names of their own: an optimizer of the whole job
-        # may have the same parameter names in flight on this rank.
-        self._rr_prefix = ("grad." if index == 0 else f"grad{index}.") + c._names
+        self._rr_prefix = "grad." if index == 0 else f"grad{index}."
         self._rr_compression = compression
         self._rr_passes = passes
         self._rr_op = op

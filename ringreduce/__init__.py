@@ -17,7 +17,7 @@ import atexit
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from .exceptions import (
     RingReduceError,
     RingReduceTimeoutError,
 )
+from .process_sets import ProcessSet, global_process_set
 
 __version__ = "0.1.0"
 
@@ -54,7 +55,8 @@ __all__ = [
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
     "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size",
     "start_timeline", "stop_timeline", "synchronize",
-    "use_communicator", "cuda_built", "nccl_built", "run",
+    "use_communicator", "cuda_built", "nccl_built", "run", "ProcessSet", "add_process_set",
+    "global_process_set", "remove_process_set",
 ]
 
 
@@ -64,17 +66,29 @@ class _Process:
     comm: Optional[Communicator] = None
 
 
-def init() -> None:
+def init(process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
     """Join the job: discover rank and size, connect to the peers.
 
     Under mpirun (Open MPI, MPICH, Intel MPI, srun) the launcher's ranks are
     used; otherwise ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
     (torchrun-style); otherwise a single process. Calling it twice is harmless.
+
+    Parameters
+    ----------
+    process_sets : list of ProcessSet or "dynamic", optional
+        Static process sets to register (the same on every rank), or "dynamic" to allow
+        ``add_process_set`` / ``remove_process_set`` (as Horovod's ``hvd.init``).
     """
     if _Process.comm is None:
         from ._bootstrap import connect
 
-        _Process.comm = Communicator(*connect())
+        comm = Communicator(*connect())
+        try:
+            comm.process_sets.setup(process_sets)
+        except BaseException:
+            comm.close()
+            raise
+        _Process.comm = comm
         # Registered after mpi4py's own exit hook (imported by connect), so it
         # runs first: peers learn this rank left before MPI_Finalize can block.
         atexit.unregister(shutdown)
@@ -138,6 +152,15 @@ def _binder() -> Callable[[], Communicator]:
     return _comm
 
 
+def _on(process_set: Optional[ProcessSet], what: str) -> Communicator:
+    """The communicator of ``process_set`` on this rank (the current one for the global set);
+    InvalidInputError if this rank is not a member."""
+    c = _comm()
+    if process_set is None or process_set.process_set_id == 0:
+        return c
+    return c.process_sets.communicator(process_set, what)
+
+
 def _comm() -> Communicator:
     override = _thread.comm
     if override is not None:
@@ -180,41 +203,55 @@ def cross_size() -> int:
 
 
 def allreduce(x: Any, op: int = Average, name: Optional[str] = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce ``x`` across ranks; new array. See ``Communicator.allreduce``."""
-    return _comm().allreduce(x, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "allreduce")
+    return c.allreduce(x, op, name, prescale_factor, postscale_factor)
 
 
 def allreduce_(x: Any, op: int = Average, name: Optional[str] = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Reduce ``x`` across ranks in place and return it."""
-    return _comm().allreduce_(x, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "allreduce_")
+    return c.allreduce_(x, op, name, prescale_factor, postscale_factor)
 
 
-def allgather(x: Any, name: Optional[str] = None) -> np.ndarray:
+def allgather(x: Any, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenate every rank's ``x`` along axis 0 (lengths may differ)."""
-    return _comm().allgather(x, name)
+    c = _on(process_set, "allgather")
+    return c.allgather(x, name)
 
 
-def broadcast(x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
+def broadcast(x: Any, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Return root_rank's ``x`` on every rank, as a new array."""
-    return _comm().broadcast(x, root_rank, name)
+    c = _on(process_set, "broadcast")
+    return c.broadcast(x, root_rank, name)
 
 
-def broadcast_(x: Any, root_rank: int, name: Optional[str] = None) -> Any:
+def broadcast_(x: Any, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Overwrite ``x`` with root_rank's ``x`` in place and return it."""
-    return _comm().broadcast_(x, root_rank, name)
+    c = _on(process_set, "broadcast_")
+    return c.broadcast_(x, root_rank, name)
 
 
 def reducescatter(x: Any, op: int = Average, name: Optional[str] = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce ``x`` across ranks and return this rank's share of axis 0."""
-    return _comm().reducescatter(x, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "reducescatter")
+    return c.reducescatter(x, op, name, prescale_factor, postscale_factor)
 
 
-def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
+def alltoall(x: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Exchange rows of ``x`` between all ranks. See ``Communicator.alltoall``."""
-    return _comm().alltoall(x, splits, name)
+    c = _on(process_set, "alltoall")
+    return c.alltoall(x, splits, name)
 
 
 def shared_zeros(shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
@@ -222,59 +259,76 @@ def shared_zeros(shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndar
     return _comm().shared_zeros(shape, dtype)
 
 
-def barrier(name: Optional[str] = None) -> None:
+def barrier(name: Optional[str] = None,
+            process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank has called ``barrier()``."""
-    _comm().barrier(name)
+    _on(process_set, "barrier").barrier(name)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Return root_rank's picklable ``obj`` on every rank."""
-    return _comm().broadcast_object(obj, root_rank, name)
+    c = _on(process_set, "broadcast_object")
+    return c.broadcast_object(obj, root_rank, name)
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> list:
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
     """Return every rank's picklable ``obj`` as a list in rank order."""
-    return _comm().allgather_object(obj, name)
+    c = _on(process_set, "allgather_object")
+    return c.allgather_object(obj, name)
 
 
 # ------------------------------------------------------------------ async forms
 def allreduce_async(x: Any, op: int = Average, name: Optional[str] = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce and return at once; ``synchronize(h)`` returns the new array."""
-    return _comm().allreduce_async(x, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "allreduce_async")
+    return c.allreduce_async(x, op, name, prescale_factor, postscale_factor)
 
 
 def allreduce_async_(x: Any, op: int = Average, name: Optional[str] = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce of ``x``; ``synchronize(h)`` returns ``x``."""
-    return _comm().allreduce_async_(x, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "allreduce_async_")
+    return c.allreduce_async_(x, op, name, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
                             prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> Handle:
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
-    return _comm().grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "grouped_allreduce_async")
+    return c.grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_async_(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
                              prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> Handle:
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
     """In-place ``grouped_allreduce_async``; the result is the list ``xs``."""
-    return _comm().grouped_allreduce_async_(xs, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "grouped_allreduce_async_")
+    return c.grouped_allreduce_async_(xs, op, name, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list:
     """Allreduce all of ``xs`` as one fused unit; returns a list of new arrays."""
-    return synchronize(grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor,
+                                               process_set=process_set))
 
 
 def grouped_allreduce_(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list:
     """In-place ``grouped_allreduce``; returns ``xs`` as a list."""
     return synchronize(grouped_allreduce_async_(xs, op, name, prescale_factor,
-                                                postscale_factor))
+                                                postscale_factor,
+                                               process_set=process_set))
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -311,31 +365,41 @@ def grouped_reducescatter_async(xs: Sequence[Any], op: int = Average,
     return _comm().grouped_reducescatter_async(xs, op, name, prescale_factor, postscale_factor)
 
 
-def allgather_async(x: Any, name: Optional[str] = None) -> Handle:
+def allgather_async(x: Any, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather; ``synchronize(h)`` returns the concatenation."""
-    return _comm().allgather_async(x, name)
+    c = _on(process_set, "allgather_async")
+    return c.allgather_async(x, name)
 
 
-def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async(x: Any, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast into a new array."""
-    return _comm().broadcast_async(x, root_rank, name)
+    c = _on(process_set, "broadcast_async")
+    return c.broadcast_async(x, root_rank, name)
 
 
-def broadcast_async_(x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async_(x: Any, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place broadcast into ``x``."""
-    return _comm().broadcast_async_(x, root_rank, name)
+    c = _on(process_set, "broadcast_async_")
+    return c.broadcast_async_(x, root_rank, name)
 
 
 def reducescatter_async(x: Any, op: int = Average, name: Optional[str] = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Handle:
     """Start a reducescatter."""
-    return _comm().reducescatter_async(x, op, name, prescale_factor, postscale_factor)
+    c = _on(process_set, "reducescatter_async")
+    return c.reducescatter_async(x, op, name, prescale_factor, postscale_factor)
 
 
 def alltoall_async(x: Any, splits: Optional[Sequence[int]] = None,
-                   name: Optional[str] = None) -> Handle:
+                   name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall."""
-    return _comm().alltoall_async(x, splits, name)
+    c = _on(process_set, "alltoall_async")
+    return c.alltoall_async(x, splits, name)
 
 
 def synchronize(handle: Handle) -> Any:
@@ -355,6 +419,19 @@ def _release_done() -> None:
 def poll(handle: Handle) -> bool:
     """True if ``handle`` has completed; ``synchronize`` will then not block."""
     return handle.done()
+
+
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a process set (dynamic sets only); every rank calls it identically, in order.
+
+    Returns the registered ``ProcessSet`` (with its ``process_set_id``).
+    """
+    return _comm().process_sets.add(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Deregister a process set (dynamic sets only; every rank, in order). True if removed."""
+    return _comm().process_sets.remove(process_set)
 
 
 def join() -> int:

@@ -131,11 +131,18 @@ class Communicator:
     """
 
     def __init__(self, context: Any, rendezvous: Any = None) -> None:
+        from .process_sets import ProcessSetRegistry
+
         self._ctx = context
         self._rendezvous = rendezvous
         self._engine = _core.Engine(context)
         configure_engine(self._engine)
         self._gpu = GpuCollectives(self._engine, context.rank)
+        self._init_calls()
+        self.process_sets = ProcessSetRegistry(self)
+
+    def _init_calls(self) -> None:
+        """State of the calls made through this communicator (not shared with views)."""
         self._lock = threading.Lock()
         self._in_flight: deque[Handle] = deque()  # keeps buffers alive until complete
         self._prune_at = 64
@@ -703,6 +710,47 @@ class Communicator:
             raise InvalidInputError(f"{what}: root_rank must be an int in [0, {self.size()}), "
                                     f"got {root_rank!r}")
         return int(root_rank)
+
+
+class ProcessSetCommunicator(Communicator):
+    """The collectives of one process set (``ringreduce.ProcessSet``), as seen by a member:
+    ``rank()`` and ``size()`` count the set's ranks, root ranks are ranks of the set (as in
+    Horovod), and every call negotiates and moves data among the members only, over the
+    job's existing links. Made by ``ProcessSetRegistry``; closing the job closes it.
+
+    Parameters
+    ----------
+    parent : Communicator
+        The job's communicator on this rank.
+    members : list of int
+        The set's global ranks, ascending, this rank among them.
+    """
+
+    def __init__(self, parent: Communicator, members: list[int]) -> None:
+        self._ctx = parent._ctx
+        self._rendezvous = None
+        self._engine = parent._engine.process_set(members)
+        self._gpu = parent._gpu  # GPU tensors are refused in sets (the engine says so)
+        self._init_calls()
+        self._members = list(members)
+        self._rank = self._members.index(parent.rank())
+        self.process_sets = parent.process_sets
+
+    def rank(self) -> int:
+        """This process's rank within the set."""
+        return self._rank
+
+    def size(self) -> int:
+        """Number of ranks in the set."""
+        return len(self._members)
+
+    def close(self) -> None:
+        """Nothing to release: the job's communicator owns the engine and the links."""
+
+    def shared_zeros(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+        """Not for process sets: shared buffers are mapped by every rank of the job."""
+        raise InvalidInputError("shared_zeros is collective over the whole job; call it "
+                                "without a process set")
 
 
 class _HandleGroup:

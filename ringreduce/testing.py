@@ -9,16 +9,18 @@ launcher::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 from . import _core
 from ._communicator import Communicator
 
 
-def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> list[Communicator]:
+def make_world(size: int, host_ids: Optional[Sequence[str]] = None,
+               rank_env: Optional[Sequence[dict]] = None) -> list[Communicator]:
     """Create ``size`` connected communicators in this process.
 
     Parameters
@@ -28,10 +30,17 @@ def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> list[Comm
     host_ids : sequence of str, optional
         Host identity per rank; ranks with different ids talk over TCP,
         equal ids over shared memory (unless RINGREDUCE_TRANSPORT says otherwise).
+    rank_env : sequence of dict, optional
+        Environment variables set while each rank's context and engine are made (each
+        rank reads its own settings, as separate processes would).
     """
     secret = os.urandom(32)
     ids = list(host_ids) if host_ids is not None else ["threads"] * size
-    contexts = [_core.Context(r, size, secret, ids[r]) for r in range(size)]
+    envs = list(rank_env) if rank_env is not None else [{}] * size
+    contexts = []
+    for r in range(size):
+        with environ(envs[r]):
+            contexts.append(_core.Context(r, size, secret, ids[r]))
     infos = [c.local_info() for c in contexts]
     errors: list[BaseException] = []
 
@@ -48,7 +57,26 @@ def make_world(size: int, host_ids: Optional[Sequence[str]] = None) -> list[Comm
         t.join()
     if errors:
         raise errors[0]
-    return [Communicator(c) for c in contexts]
+    comms = []
+    for r, c in enumerate(contexts):
+        with environ(envs[r]):
+            comms.append(Communicator(c))
+    return comms
+
+
+@contextlib.contextmanager
+def environ(values: dict) -> Iterator[None]:
+    """Set environment variables for the ``with`` block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_threaded(size: int, fn: Callable[[Communicator], Any],

@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-
 import ml_dtypes
 import numpy as np
 
 import ringreduce as rr
+from ringreduce.testing import environ
 
 DTYPES = [np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
           np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.bool_]
 OPS = [rr.Sum, rr.Average, rr.Min, rr.Max, rr.Product]
 
 
-@contextmanager
 def env(**values: str):
     """Temporarily set RINGREDUCE_* variables (read when a Context is created)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return environ(values)
 
 
 def contribution(rank: int, count: int, dtype, seed: int = 0) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import pytest
 from procs import ROOT, Job, run_mpi, run_single
@@ -130,3 +131,20 @@ def test_gpu_allreduce_says_what_is_missing_without_a_gpu():
     assert proc.returncode == 2, job.describe()
     assert "gpu_allreduce: needs one CUDA GPU per rank and NCCL; " in proc.stderr, proc.stderr
     assert rr.gpu_info()["cuda_error"] or "no CUDA device" in proc.stderr
+
+
+def test_hosts_benchmark_across_network_namespaces():
+    """benchmarks/hosts.py at toy sizes: 2 namespace hosts on a shaped link (ringreduce and
+    MPICH), and the 2 x 2 hierarchical comparison; skipped where namespaces cannot be made."""
+    res = subprocess.run([sys.executable, str(BENCH / "hosts.py"), "--rates", "1gbit",
+                          "--hosts", "2", "--sizes", "1M", "--iters", "1", "--seconds", "0"],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    if res.stdout.startswith("# skipped:"):
+        pytest.skip(res.stdout.strip())
+    rows = [line for line in res.stdout.splitlines() if not line.startswith(("#", "config"))]
+    assert rows and all(line.endswith("OK") for line in rows), res.stdout
+    for label in ("1gbit 2x1 ", "1gbit 2x1 mpich", "2x2 by-host flat", "2x2 by-host hier",
+                  "2x2 interleaved hier"):
+        assert any(line.startswith(label) or label in line for line in rows), label
+    assert "hierarchical is" in res.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import threading
 import time
 
@@ -16,7 +15,6 @@ from conftest import env
 
 import ringreduce as rr
 from ringreduce import _core
-from ringreduce._communicator import Communicator
 from ringreduce.testing import make_world, run_threaded
 
 
@@ -566,21 +564,8 @@ def test_joined_rank_neutral_elements_survive_prescale():
 @pytest.mark.parametrize("var,values", [("RINGREDUCE_CACHE_CAPACITY", ("1024", "2")),
                                         ("RINGREDUCE_RING_SLICE_BYTES", ("1048576", "524288"))])
 def test_settings_that_must_match_are_checked(var, values):
-    secret = os.urandom(32)
-    ctxs = []
-    for r, value in enumerate(values):  # each rank reads its own environment
-        with env(**{var: value}):
-            ctxs.append(_core.Context(r, 2, secret, "h"))
-    infos = [c.local_info() for c in ctxs]
-    ts = [threading.Thread(target=c.connect, args=(infos,)) for c in ctxs]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    comms = []
-    for value, ctx in zip(values, ctxs):
-        with env(**{var: value}):
-            comms.append(Communicator(ctx))
+    # each rank reads its own environment
+    comms = make_world(2, ["h", "h"], rank_env=[{var: value} for value in values])
     errs = run_threaded(2, lambda c: c.allreduce(np.ones(2)), world=comms,
                         return_exceptions=True)
     for e in errs:

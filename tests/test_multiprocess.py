@@ -96,11 +96,14 @@ def test_collectives_env_launch(n):
     (("A", "B", "A"), True),  # interleaved: every ring link is tcp, but 0-2 is shm
 ], ids=["AABB", "ABA"])
 def test_collectives_fake_hosts(hosts, quick):
-    """RINGREDUCE_HOST_ID splits one machine into fake hosts: shm inside, tcp across."""
+    """RINGREDUCE_HOST_ID splits one machine into fake hosts: shm inside, tcp across; a host
+    with two ranks makes the large allreduces hierarchical (tests/test_hierarchical.py)."""
     rank_env = [{"RINGREDUCE_HOST_ID": f"fake-host-{h}"} for h in hosts]
     job = run_env_launch(len(hosts), WORKER, ["--quick"] if quick else [], rank_env=rank_env,
                          timeout=120)
     check_collectives(job, hosts)
+    for r in range(len(hosts)):
+        assert job.event(r, "done")["hierarchical"] > 0, job.describe()
 
 
 def test_collectives_single_process_without_launcher():

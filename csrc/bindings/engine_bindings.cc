@@ -54,11 +54,36 @@ Entry& reducing(Entry& e, int32_t op, double pre, double post) {
   return e;
 }
 
-std::shared_ptr<HandleState> submit_one(Engine& eng, Entry e) {
+// A process set's face of the engine (Python's ProcessSet): the same calls,
+// every entry stamped with the set's members.
+struct SetEngine {
+  std::shared_ptr<Engine> eng;
+  std::vector<int32_t> members;
+};
+
+Engine& engine_of(Engine& e) {
+  return e;
+}
+Engine& engine_of(SetEngine& s) {
+  return *s.eng;
+}
+void stamp(const Engine&, std::vector<Entry>&) {}
+void stamp(const SetEngine& s, std::vector<Entry>& es) {
+  for (Entry& e : es) e.meta.members = s.members;
+}
+
+template <class T>
+std::shared_ptr<HandleState> submit_all(T& target, std::vector<Entry> es) {
+  stamp(target, es);
+  py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
+  return engine_of(target).submit(std::move(es));
+}
+
+template <class T>
+std::shared_ptr<HandleState> submit_one(T& target, Entry e) {
   std::vector<Entry> v;
   v.push_back(std::move(e));
-  py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
-  return eng.submit(std::move(v));
+  return submit_all(target, std::move(v));
 }
 
 // The core's code for a numpy dtype that every path handles alike, or -1
@@ -168,7 +193,8 @@ bool scale_args(py::handle pre_obj, py::handle post_obj, double* pre, double* po
 // allreduce_async_ of a plain numpy array, with the Python-side checks done
 // here (the hot path: one call per gradient). Returns None when the array or
 // an argument needs the general path.
-py::object allreduce_array(Engine& eng, py::handle x, py::handle op_obj, py::handle name,
+template <class T>
+py::object allreduce_array(T& eng, py::handle x, py::handle op_obj, py::handle name,
                            py::handle pre_obj, py::handle post_obj) {
   int32_t op = 0;
   double pre = 1, post = 1;
@@ -188,7 +214,8 @@ py::object allreduce_array(Engine& eng, py::handle x, py::handle op_obj, py::han
 // Python per member. Returns None when any member needs the general path.
 // A tuple, which the caller keeps until the collective completes: nothing can
 // drop a member while the GIL is released below (a list could lose one).
-py::object grouped_allreduce_arrays(Engine& eng, py::handle xs, py::handle op_obj,
+template <class T>
+py::object grouped_allreduce_arrays(T& eng, py::handle xs, py::handle op_obj,
                                     const std::string& group, py::handle pre_obj,
                                     py::handle post_obj) {
   int32_t op = 0;
@@ -204,12 +231,7 @@ py::object grouped_allreduce_arrays(Engine& eng, py::handle xs, py::handle op_ob
       return py::none();
     es[i].meta.group = group;
   }
-  std::shared_ptr<HandleState> h;
-  {
-    py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
-    h = eng.submit(std::move(es));
-  }
-  return py::cast(std::move(h));
+  return py::cast(submit_all(eng, std::move(es)));
 }
 
 // The engine-allocated result as a flat uint8 array that owns the memory.
@@ -247,22 +269,19 @@ void bind_shared_buffer(py::module_& m) {
       .def_property_readonly("nbytes", &SharedRegion::bytes);
 }
 
-void bind_engine_class(py::module_& m) {
-  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init([](std::shared_ptr<Context> ctx) {
-        return std::make_shared<Engine>(std::move(ctx), engine_options_from_env());
-      }))
-      .def("allreduce",
-           [](Engine& eng, py::handle in, py::handle out, std::vector<int64_t> shape, int32_t dtype,
-              int32_t op, double pre, double post, std::string name) {
-             Entry e =
-                 entry(CollKind::kAllreduce, in, out, std::move(shape), dtype, std::move(name));
-             return submit_one(eng, std::move(reducing(e, op, pre, post)));
-           })
-      .def("allreduce_array", &allreduce_array)
-      .def("grouped_allreduce_arrays", &grouped_allreduce_arrays)
+// The collectives, on the engine and on a process set's view of it.
+template <class T>
+void def_collectives(py::class_<T, std::shared_ptr<T>>& c) {
+  c.def("allreduce",
+        [](T& eng, py::handle in, py::handle out, std::vector<int64_t> shape, int32_t dtype,
+           int32_t op, double pre, double post, std::string name) {
+          Entry e = entry(CollKind::kAllreduce, in, out, std::move(shape), dtype, std::move(name));
+          return submit_one(eng, std::move(reducing(e, op, pre, post)));
+        })
+      .def("allreduce_array", &allreduce_array<T>)
+      .def("grouped_allreduce_arrays", &grouped_allreduce_arrays<T>)
       .def("grouped_allreduce",
-           [](Engine& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,
+           [](T& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,
               std::vector<std::vector<int64_t>> shapes, std::vector<int32_t> dtypes,
               std::vector<std::string> names, int32_t op, double pre, double post,
               std::string group) {
@@ -272,17 +291,15 @@ void bind_engine_class(py::module_& m) {
                                   dtypes.at(i), names.at(i)));
                reducing(es.back(), op, pre, post).meta.group = group;
              }
-             py::gil_scoped_release nogil;
-             return eng.submit(std::move(es));
+             return submit_all(eng, std::move(es));
            })
       .def("allgather",
-           [](Engine& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype,
-              std::string name) {
+           [](T& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype, std::string name) {
              return submit_one(eng, entry(CollKind::kAllgather, in, py::none(), std::move(shape),
                                           dtype, std::move(name)));
            })
       .def("broadcast",
-           [](Engine& eng, py::handle buf, std::vector<int64_t> shape, int32_t dtype, int root,
+           [](T& eng, py::handle buf, std::vector<int64_t> shape, int32_t dtype, int root,
               std::string name) {
              Entry e =
                  entry(CollKind::kBroadcast, buf, buf, std::move(shape), dtype, std::move(name));
@@ -290,27 +307,39 @@ void bind_engine_class(py::module_& m) {
              return submit_one(eng, std::move(e));
            })
       .def("reducescatter",
-           [](Engine& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype, int32_t op,
+           [](T& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype, int32_t op,
               double pre, double post, std::string name) {
              Entry e = entry(CollKind::kReducescatter, in, py::none(), std::move(shape), dtype,
                              std::move(name));
              return submit_one(eng, std::move(reducing(e, op, pre, post)));
            })
       .def("alltoall",
-           [](Engine& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype,
+           [](T& eng, py::handle in, std::vector<int64_t> shape, int32_t dtype,
               std::vector<int64_t> splits, std::string name) {
              Entry e = entry(CollKind::kAlltoall, in, py::none(), std::move(shape), dtype,
                              std::move(name));
              e.splits = std::move(splits);
              return submit_one(eng, std::move(e));
            })
-      .def("barrier",
-           [](Engine& eng, std::string name) {
-             Entry e;
-             e.meta.kind = CollKind::kBarrier;
-             e.meta.dtype = DType::kUInt8;
-             e.meta.name = std::move(name);
-             return submit_one(eng, std::move(e));
+      .def("barrier", [](T& eng, std::string name) {
+        Entry e;
+        e.meta.kind = CollKind::kBarrier;
+        e.meta.dtype = DType::kUInt8;
+        e.meta.name = std::move(name);
+        return submit_one(eng, std::move(e));
+      });
+}
+
+void bind_engine_class(py::module_& m) {
+  py::class_<Engine, std::shared_ptr<Engine>> engine(m, "Engine");
+  engine.def(py::init([](std::shared_ptr<Context> ctx) {
+    return std::make_shared<Engine>(std::move(ctx), engine_options_from_env());
+  }));
+  def_collectives(engine);
+  engine
+      .def("process_set",
+           [](std::shared_ptr<Engine> eng, std::vector<int32_t> members) {
+             return std::make_shared<SetEngine>(SetEngine{std::move(eng), std::move(members)});
            })
       .def("stats",
            [](const Engine& eng) {
@@ -320,6 +349,7 @@ void bind_engine_class(py::module_& m) {
              d["responses"] = s.responses;
              d["tensors"] = s.tensors;
              d["shared_allreduces"] = s.shared_allreduces;
+             d["hierarchical_allreduces"] = s.hierarchical_allreduces;
              return d;
            })
       .def("create_shared",
@@ -345,6 +375,14 @@ void bind_engine_class(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("stop_timeline", &Engine::stop_timeline, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+  py::class_<SetEngine, std::shared_ptr<SetEngine>> set(m, "ProcessSetEngine");
+  def_collectives(set);
+  set.def_readonly("members", &SetEngine::members)
+      .def("stats", [](SetEngine& s) { return py::cast(s.eng).attr("stats")(); })
+      .def(
+          "join", [](SetEngine& s) { return s.eng->join(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("join_epoch", [](SetEngine& s) { return s.eng->join_epoch(); });
 }
 
 }  // namespace

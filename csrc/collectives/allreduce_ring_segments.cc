@@ -97,6 +97,8 @@ void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceO
     }
     if (shared_agreed(x))
       allreduce_shared(ctx, segs, dtype, op, postscale, describe_op(d, seq));
+    else if (hierarchical_agreed(x))
+      allreduce_hierarchical_segments(ctx, segs, dtype, op, postscale, describe_op(d, seq));
     else
       allreduce_ring_segments(ctx, segs, count, dtype, op, postscale, describe_op(d, seq));
   });

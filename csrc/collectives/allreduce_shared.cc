@@ -79,6 +79,7 @@ SharedKey shared_key(const Context& ctx, const Segments& segs) {
   SharedKey key;
   std::shared_ptr<SharedRegion> region;
   uint64_t digest = 14695981039346656037ULL;
+  key.hierarchical = wants_hierarchical(ctx);
   bool ok = segs.bytes() > 0 && segs.bytes() >= ctx.options().shared_min_bytes;
   if (!ok) return key;
   segs.for_each(0, segs.bytes(), [&](uint8_t* p, size_t, size_t len) {
@@ -88,7 +89,7 @@ SharedKey shared_key(const Context& ctx, const Segments& segs) {
     region = r;
     digest = fnv1a(fnv1a(digest, off), len);
   });
-  if (ok) key = SharedKey{region->id(), digest};
+  if (ok) key = SharedKey{region->id(), digest, key.hierarchical};
   return key;
 }
 

@@ -50,6 +50,8 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
       allreduce_direct(ctx, buf, count, in.dtype, op, postscale, x.extras);
     else if (shared_agreed(x))
       allreduce_shared(ctx, whole, in.dtype, op, postscale, describe_op(d, seq));
+    else if (hierarchical_agreed(x))
+      allreduce_hierarchical(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq));
     else
       allreduce_ring(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq), own);
   });

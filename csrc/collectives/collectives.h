@@ -55,13 +55,20 @@ void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceO
 // region its data lies in (0: none, or less than RINGREDUCE_SHARED_MIN_BYTES)
 // and digests where; it rides in the allreduce header, and allreduce_shared
 // runs when every rank's is equal.
+// The key also carries the rank's wish for the hierarchical algorithm, which
+// runs only when every rank wishes it.
 struct SharedKey {
   uint64_t region = 0;
   uint64_t layout = 0;
+  uint64_t hierarchical = 0;
 };
 struct HeaderExchange;
 SharedKey shared_key(const Context& ctx, const Segments& segs);
 bool shared_agreed(const HeaderExchange& x);
+bool hierarchical_agreed(const HeaderExchange& x);
+uint64_t wants_hierarchical(const Context& ctx);  // 1 if this rank wishes it
+// Several hosts, one of them with several ranks (allreduce_hierarchical.cc).
+bool hierarchical_applies(const Context& ctx);
 
 // --- algorithms (one file each) ---
 // `own`: this rank's contribution when it is not already in `buf` (out of place).
@@ -71,6 +78,10 @@ void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, D
                              ReduceOp op, double postscale, const std::string& what);
 void allreduce_shared(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
                       double postscale, const std::string& what);
+void allreduce_hierarchical(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
+                            double postscale, const std::string& what);
+void allreduce_hierarchical_segments(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
+                                     double postscale, const std::string& what);
 void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                       double postscale, const std::vector<std::vector<uint8_t>>& contributions);
 // Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r.

@@ -32,12 +32,14 @@ void fill(void* buf, size_t count, T v) {
 
 class CpuExecutor : public Executor {
  public:
-  CpuExecutor(Context& ctx, Timeline* timeline) : ctx_(ctx), timeline_(timeline) {}
+  CpuExecutor(Context& ctx, Timeline* timeline) : root_(ctx), ctx_(&ctx), timeline_(timeline) {}
 
   bool handles(int32_t device) const override { return device < 0; }
 
   bool execute(const Response& r, const std::vector<Entry*>& local) override {
     const RequestMeta& m = r.tensors.front();
+    // A process set runs over its members' view of the links: its own ring.
+    ctx_ = m.members.empty() ? &root_ : &root_.group(m.members);
     const bool traced = timeline_ && timeline_->active();
     if (traced) start_activity(r, cat(coll_name(m.kind)));
     switch (m.kind) {
@@ -53,7 +55,7 @@ class CpuExecutor : public Executor {
       case CollKind::kBroadcast: bcast(m, local[0]); break;
       case CollKind::kReducescatter: scatter(m, local[0]); break;
       case CollKind::kAlltoall: exchange(m, local[0]); break;
-      case CollKind::kBarrier: barrier(ctx_, m.name); break;
+      case CollKind::kBarrier: barrier(*ctx_, m.name); break;
     }
     if (traced) end_activity(r);
     return true;
@@ -70,7 +72,7 @@ class CpuExecutor : public Executor {
   };
   Plan plan(const Response& r) const {
     const RequestMeta& m = r.tensors.front();
-    if (m.op == ReduceOp::kAverage && r.contributors < ctx_.size())
+    if (m.op == ReduceOp::kAverage && r.contributors < ctx_->size())
       return {ReduceOp::kSum, true, 1.0};
     return {m.op, false, m.postscale};
   }
@@ -85,13 +87,13 @@ class CpuExecutor : public Executor {
     const size_t count = static_cast<size_t>(num_elements(m.shape));
     const Plan p = plan(r);
     const void* in = e ? e->in : neutral(m, p.op, count);
-    void* out = e ? e->out : ctx_.scratch(2, m.bytes());
+    void* out = e ? e->out : ctx_->scratch(2, m.bytes());
     if (e && m.prescale != 1.0) {
       if (out != in && m.bytes()) std::memcpy(out, in, m.bytes());
       apply_prescale(out, count, m.dtype, m.prescale);
       in = out;
     }
-    allreduce(ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, 1.0, p.postscale);
+    allreduce(*ctx_, Tensor{in, m.shape, m.dtype, m.name}, out, p.op, 1.0, p.postscale);
     finish(r, p, out, count);
   }
 
@@ -113,7 +115,7 @@ class CpuExecutor : public Executor {
       }
     }
     const size_t count = off.back() / es;
-    allreduce(ctx_,
+    allreduce(*ctx_,
               Tensor{buf,
                      {static_cast<int64_t>(count)},
                      m.dtype,
@@ -142,7 +144,7 @@ class CpuExecutor : public Executor {
     std::sort(spans.begin(), spans.end());
     for (size_t i = 1; i < spans.size(); ++i)
       if (spans[i].first < spans[i - 1].second) return false;
-    return total > ctx_.options().small_bytes;
+    return total > ctx_->options().small_bytes;
   }
 
   void allreduce_segmented(const Response& r, const std::vector<Entry*>& local) {
@@ -159,7 +161,7 @@ class CpuExecutor : public Executor {
       segs.add(static_cast<uint8_t*>(e->out), n);
     }
     const Plan p = plan(r);
-    allreduce_segments(ctx_, segs, m.dtype, p.op, p.postscale,
+    allreduce_segments(*ctx_, segs, m.dtype, p.op, p.postscale,
                        cat(m.name, "+", r.tensors.size() - 1, " fused"));
     if (p.divide_after)
       segs.for_each(0, segs.bytes(), [&](uint8_t* q, size_t, size_t len) {
@@ -171,7 +173,7 @@ class CpuExecutor : public Executor {
     std::vector<int64_t> shape = e ? e->meta.shape : m.shape;
     if (!e) shape[0] = 0;
     OwnedBuffer result;
-    allgather(ctx_, Tensor{e ? e->in : nullptr, shape, m.dtype, m.name},
+    allgather(*ctx_, Tensor{e ? e->in : nullptr, shape, m.dtype, m.name},
               [&](const std::vector<int64_t>& s) {
                 result = allocate_owned(s, m.dtype);
                 return static_cast<void*>(result.data.get());
@@ -180,13 +182,13 @@ class CpuExecutor : public Executor {
   }
 
   void bcast(const RequestMeta& m, Entry* e) {
-    void* buf = e ? e->out : ctx_.scratch(2, m.bytes());
-    broadcast(ctx_, buf, Tensor{buf, m.shape, m.dtype, m.name}, m.root);
+    void* buf = e ? e->out : ctx_->scratch(2, m.bytes());
+    broadcast(*ctx_, buf, Tensor{buf, m.shape, m.dtype, m.name}, m.root);
   }
 
   void scatter(const RequestMeta& m, Entry* e) {
     OwnedBuffer result;
-    reducescatter(ctx_, Tensor{e->in, m.shape, m.dtype, m.name}, m.op, m.prescale, m.postscale,
+    reducescatter(*ctx_, Tensor{e->in, m.shape, m.dtype, m.name}, m.op, m.prescale, m.postscale,
                   [&](const std::vector<int64_t>& s) {
                     result = allocate_owned(s, m.dtype);
                     return static_cast<void*>(result.data.get());
@@ -196,7 +198,7 @@ class CpuExecutor : public Executor {
 
   void exchange(const RequestMeta& m, Entry* e) {
     OwnedBuffer result;
-    e->handle->received_splits = alltoall(ctx_, Tensor{e->in, e->meta.shape, m.dtype, m.name},
+    e->handle->received_splits = alltoall(*ctx_, Tensor{e->in, e->meta.shape, m.dtype, m.name},
                                           e->splits, [&](const std::vector<int64_t>& s) {
                                             result = allocate_owned(s, m.dtype);
                                             return static_cast<void*>(result.data.get());
@@ -205,7 +207,7 @@ class CpuExecutor : public Executor {
   }
 
   const void* neutral(const RequestMeta& m, ReduceOp op, size_t count) {
-    void* buf = ctx_.scratch(1, m.bytes());
+    void* buf = ctx_->scratch(1, m.bytes());
     fill_identity(buf, count, m.dtype, op);
     return buf;
   }
@@ -215,7 +217,7 @@ class CpuExecutor : public Executor {
     return fusion_.data();
   }
 
-  void phase(const char* name) { ctx_.phase(name); }
+  void phase(const char* name) { ctx_->phase(name); }
   void start_activity(const Response& r, const std::string& activity) {
     std::vector<std::string> names;
     for (const auto& t : r.tensors) {
@@ -230,7 +232,8 @@ class CpuExecutor : public Executor {
     for (const auto& t : r.tensors) timeline_->end(t.name);
   }
 
-  Context& ctx_;
+  Context& root_;
+  Context* ctx_;  // root_, or the response's process set view of it
   Timeline* timeline_;
   std::vector<uint8_t> fusion_;
 };

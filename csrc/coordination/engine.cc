@@ -98,11 +98,31 @@ double Engine::now() const {
 }
 
 // ------------------------------------------------------------- submitting
+// A process set lists distinct ranks of the job in ascending order, this
+// rank among them (Python's ProcessSet guarantees it; checked again here).
+void Engine::validate_members(const RequestMeta& m) const {
+  const auto& ms = m.members;
+  bool ok = ms.empty() || (ms.front() >= 0 && ms.back() < size_);
+  for (size_t i = 1; ok && i < ms.size(); ++i) ok = ms[i - 1] < ms[i];
+  if (!ok)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
+                "': process set ", ranks_text(ms), " must list distinct ranks of [0, ", size_,
+                ") in ascending order");
+  if (!m.has_rank(rank_))
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
+                "': this rank is not a member of process set ", ranks_text(ms));
+  if (!ms.empty() && m.device >= 0)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
+                "': process sets run on host memory only; the tensor is on GPU ", m.device);
+}
+
 void Engine::validate(Entry& e) {
   const RequestMeta& m = e.meta;
   const char* what = coll_name(m.kind);
   Tensor t{e.in, m.shape, m.dtype, m.name};
   check_shape(*ctx_, t, what);
+  validate_members(m);
+  const int n = m.set_size(size_);
   switch (m.kind) {
     case CollKind::kAllreduce:
     case CollKind::kReducescatter:
@@ -113,12 +133,18 @@ void Engine::validate(Entry& e) {
     case CollKind::kAllgather: check_has_rows(*ctx_, t, what); break;
     case CollKind::kAlltoall:
       check_has_rows(*ctx_, t, what);
-      check_splits(*ctx_, t, e.splits);
+      if (m.members.empty())
+        check_splits(*ctx_, t, e.splits);
+      else if (static_cast<int>(e.splits.size()) != n)
+        throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": alltoall '", m.name,
+                    "': splits must have one entry per rank of process set ", ranks_text(m.members),
+                    "; got ", e.splits.size());
       break;
     case CollKind::kBroadcast:
-      if (m.root < 0 || m.root >= size_)
+      if (m.root < 0 || m.root >= n)
         throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": broadcast '", m.name,
-                    "': root_rank ", m.root, " is not in [0, ", size_, ")");
+                    "': root_rank ", m.root, " is not in [0, ", n, ")",
+                    m.members.empty() ? "" : " (ranks of the process set)");
       break;
     case CollKind::kBarrier: break;
   }
@@ -147,15 +173,18 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   // different unnamed calls at the same point get a mismatch error naming
   // both calls. Every completed join() restarts the count in a new epoch:
   // ranks that ran more batches before joining made more unnamed calls, and
-  // the names must agree again once all have joined. A call refused here
-  // still takes its name and is told to rank 0 (reject_locked), so that names
-  // stay in step and the other ranks' calls of that name fail instead of
-  // waiting for this one.
+  // the names must agree again once all have joined. Each process set counts
+  // its own: its members make its unnamed calls in one order, whatever else
+  // each of them calls meanwhile. A call refused here still takes its name
+  // and is told to rank 0 (reject_locked), so that names stay in step and the
+  // other ranks' calls of that name fail instead of waiting for this one.
   const std::string prefix = join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.";
   std::vector<Entry*> unnamed;  // validated by submit() when named
   for (Entry& e : entries) {
     if (!e.meta.name.empty() || e.join) continue;
-    e.meta.name = cat(prefix, noname_++);
+    const auto& ms = e.meta.members;
+    e.meta.name = ms.empty() ? cat(prefix, noname_++)
+                             : cat(prefix, "set", ranks_text(ms), ".", noname_sets_[ms]++);
     unnamed.push_back(&e);
   }
   try {
@@ -179,6 +208,11 @@ std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   auto h = std::make_shared<HandleState>(entries.size(), batch_.signal());
   // Named entries are checked before taking the lock, which submitting
   // threads and the engine contend for; unnamed ones need their name first.
+  // A process set's names are its own (as in Horovod, where each set has its
+  // own tensor table): two sets may use one name at the same time.
+  for (Entry& e : entries)
+    if (!e.meta.name.empty() && !e.meta.members.empty())
+      e.meta.name += cat("@", ranks_text(e.meta.members));
   try {
     for (Entry& e : entries)
       if (!e.meta.name.empty() || e.join) validate(e);
@@ -296,6 +330,7 @@ EngineStats Engine::stats() const {
   s.responses = executed_responses_.load();
   s.tensors = executed_tensors_.load();
   s.shared_allreduces = ctx_->shared_allreduces();
+  s.hierarchical_allreduces = ctx_->hierarchical_allreduces();
   return s;
 }
 

@@ -61,7 +61,8 @@ struct EngineStats {
   uint64_t rounds = 0;
   uint64_t responses = 0;
   uint64_t tensors = 0;
-  uint64_t shared_allreduces = 0;  // over shared buffers (allreduce_shared.cc)
+  uint64_t shared_allreduces = 0;        // over shared buffers (allreduce_shared.cc)
+  uint64_t hierarchical_allreduces = 0;  // allreduce_hierarchical.cc
 };
 
 class Engine {
@@ -110,6 +111,7 @@ class Engine {
   static RequestMeta rejected_meta(const Rejection& rj);
   void agree_on_settings();
   void validate(Entry& e);
+  void validate_members(const RequestMeta& m) const;
   void enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h);
   void notify();
   void loop();
@@ -165,6 +167,7 @@ class Engine {
   ExecutorFactory device_factory_;
   std::unordered_set<std::string> in_flight_;
   uint64_t noname_ = 0;
+  std::map<std::vector<int32_t>, uint64_t> noname_sets_;  // by process set
   uint64_t join_epoch_ = 0;  // completed join()s; with noname_, under mu_
   bool stopping_ = false;
   bool failed_ = false;

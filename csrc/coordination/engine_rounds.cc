@@ -237,6 +237,7 @@ void Engine::finish_join(int32_t last_joined) {
     std::lock_guard<std::mutex> lock(mu_);
     ++join_epoch_;
     noname_ = 0;
+    noname_sets_.clear();
   }
   for (Entry& j : joins_) {
     j.handle->join_result = last_joined;
@@ -246,7 +247,9 @@ void Engine::finish_join(int32_t last_joined) {
   joined_ = false;
 }
 
+// Every rank sees every response; a process set's run on its members only.
 void Engine::execute(const Response& r) {
+  if (!r.tensors.front().has_rank(rank_)) return;
   std::vector<Entry*> local;
   for (const RequestMeta& m : r.tensors) {
     auto it = pending_.find(m.name);

@@ -8,7 +8,7 @@ namespace rr {
 
 namespace {
 
-using FuseKey = std::tuple<int, int, double, double, int, int, std::string>;
+using FuseKey = std::tuple<int, int, double, double, int, int, std::string, std::vector<int32_t>>;
 
 FuseKey key_of(const Response& r) {
   const RequestMeta& m = r.tensors.front();
@@ -18,7 +18,8 @@ FuseKey key_of(const Response& r) {
           m.postscale,
           m.device,
           r.contributors,
-          m.group};
+          m.group,
+          m.members};
 }
 
 bool fusable(const Response& r) {

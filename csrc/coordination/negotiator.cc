@@ -69,9 +69,11 @@ void Negotiator::join(int rank, double now) {
 // A tensor some rank submitted just before its join() arrives in the round
 // in which the last rank joins: it is ready (the others contribute neutral
 // elements) and runs before the join completes, never left behind by it.
+// A process set's tensor waits for its members only.
 bool Negotiator::ready(const Pending& p) const {
+  const RequestMeta& m = any_meta(p);
   for (int r = 0; r < opt_.size; ++r)
-    if (!joined_[r] && !p.submitted[r]) return false;
+    if (!joined_[r] && !p.submitted[r] && m.has_rank(r)) return false;
   return true;
 }
 
@@ -119,9 +121,9 @@ std::string Negotiator::unsupported_with_joined(const Pending& p) const {
   const RequestMeta& m = any_meta(p);
   std::vector<int> absent;
   for (int r = 0; r < opt_.size; ++r)
-    if (joined_[r] && !p.submitted[r]) absent.push_back(r);
+    if (joined_[r] && !p.submitted[r] && m.has_rank(r)) absent.push_back(r);
   if (absent.empty()) return "";
-  if (m.kind == CollKind::kBroadcast && !p.submitted[m.root])
+  if (m.kind == CollKind::kBroadcast && !p.submitted[m.global_rank(m.root)])
     return cat("broadcast '", m.name, "': root rank ", m.root, " has already joined");
   if (m.kind == CollKind::kAllreduce || m.kind == CollKind::kAllgather ||
       m.kind == CollKind::kBroadcast)
@@ -182,8 +184,10 @@ std::vector<Response> Negotiator::decide(double now) {
 
 std::string Negotiator::missing_ranks(const Pending& p) const {
   std::vector<int> have, miss;  // a joined rank is not missing: it will contribute zeros
+  const RequestMeta& m = any_meta(p);
   for (int r = 0; r < opt_.size; ++r)
-    if (p.submitted[r] || !joined_[r]) (p.submitted[r] ? have : miss).push_back(r);
+    if (p.submitted[r] || (!joined_[r] && m.has_rank(r)))
+      (p.submitted[r] ? have : miss).push_back(r);
   return cat("submitted by ", rank_list(have), ", missing on ", rank_list(miss));
 }
 

@@ -1,5 +1,7 @@
 #include "coordination/request.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace rr {
@@ -19,6 +21,8 @@ void RequestMeta::write(ByteWriter& w) const {
   w.put_dims(shape);
   w.put_str(name);
   w.put_str(group);
+  w.put<uint32_t>(static_cast<uint32_t>(members.size()));
+  for (int32_t r : members) w.put<int32_t>(r);
 }
 
 RequestMeta RequestMeta::read(ByteReader& r) {
@@ -33,6 +37,8 @@ RequestMeta RequestMeta::read(ByteReader& r) {
   m.shape = r.get_dims();
   m.name = r.get_str();
   m.group = r.get_str();
+  m.members.resize(r.get<uint32_t>());
+  for (int32_t& x : m.members) x = r.get<int32_t>();
   return m;
 }
 
@@ -66,18 +72,29 @@ std::string RequestMeta::describe() const {
   if (kind == CollKind::kBroadcast) s += cat(" root=", root);
   if (device >= 0) s += cat(" device=", device);
   if (!group.empty()) s += cat(" group='", group, "'");
+  if (!members.empty()) s += cat(" process_set=", ranks_text(members));
   return s;
+}
+
+bool RequestMeta::has_rank(int rank) const {
+  return members.empty() || std::find(members.begin(), members.end(), rank) != members.end();
+}
+
+std::string ranks_text(const std::vector<int32_t>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += cat(i ? "," : "", ranks[i]);
+  return s + "]";
 }
 
 bool operator==(const RequestMeta& a, const RequestMeta& b) {
   return a.kind == b.kind && a.dtype == b.dtype && a.op == b.op && a.root == b.root &&
          same_place(a, b) && a.prescale == b.prescale && a.postscale == b.postscale &&
-         a.shape == b.shape && a.name == b.name && a.group == b.group;
+         a.shape == b.shape && a.name == b.name && a.group == b.group && a.members == b.members;
 }
 
 bool compatible(const RequestMeta& a, const RequestMeta& b) {
   if (a.kind != b.kind || a.dtype != b.dtype || !same_place(a, b) || a.group != b.group ||
-      a.shape.size() != b.shape.size())
+      a.members != b.members || a.shape.size() != b.shape.size())
     return false;
   const bool rows_free = a.kind == CollKind::kAllgather || a.kind == CollKind::kAlltoall;
   for (size_t i = rows_free ? 1 : 0; i < a.shape.size(); ++i)

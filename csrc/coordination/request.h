@@ -27,13 +27,23 @@ struct RequestMeta {
   std::vector<int64_t> shape;
   std::string name;
   std::string group;  // grouped_allreduce: members share it and run as one fused unit
+  // Process set: the global ranks that run it, ascending (empty: every rank).
+  // Readiness waits for these ranks only, and the data moves among them over
+  // a group view of the Context (Context::group); rank numbers in the
+  // meta (root) are positions in this list, as in Horovod.
+  std::vector<int32_t> members;
 
   size_t bytes() const;
   void write(ByteWriter& w) const;
   static RequestMeta read(ByteReader& r);
   // "allreduce float32[4,3] op=Sum": what a mismatch message shows per rank.
   std::string describe() const;
+  int set_size(int world) const { return members.empty() ? world : int(members.size()); }
+  int global_rank(int set_rank) const { return members.empty() ? set_rank : members[set_rank]; }
+  bool has_rank(int rank) const;
 };
+
+std::string ranks_text(const std::vector<int32_t>& ranks);  // "[0,2]"
 
 bool operator==(const RequestMeta& a, const RequestMeta& b);
 inline bool operator!=(const RequestMeta& a, const RequestMeta& b) {

@@ -59,6 +59,10 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
   else if (stream != "auto")
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_STREAM_SEND='", stream,
                 "' is not one of auto, always, never");
+  o.hierarchical = static_cast<int>(env_int("RINGREDUCE_HIERARCHICAL_ALLREDUCE", -1));
+  if (o.hierarchical < -1 || o.hierarchical > 1)
+    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_HIERARCHICAL_ALLREDUCE=", o.hierarchical,
+                " is not 0 or 1");
   if (o.shm_slots < 2 || o.shm_slot_bytes < 4096 || o.shm_slot_bytes % 4096 != 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_SLOTS must be >= 2 and ",
                 "RINGREDUCE_SHM_SLOT_BYTES a multiple of 4096");
@@ -89,6 +93,7 @@ Context::~Context() {
 }
 
 void Context::close() {
+  groups_.clear();  // views borrow our links
   if (heartbeat_) heartbeat_->stop();  // before its sockets and its peers' links close
   progress_.heartbeat = nullptr;
   leave(cat("rank ", opt_.rank, " shut down"));
@@ -138,10 +143,17 @@ uint64_t Context::job_id() const {
 void Context::compute_topology() {
   std::vector<std::string> hosts;  // in order of their lowest rank
   local_index_.assign(opt_.size, -1);
+  hosts_.clear();
   local_rank_ = 0;
   local_size_ = 0;
   for (const auto& p : peers_) {
-    if (std::find(hosts.begin(), hosts.end(), p.host_id) == hosts.end()) hosts.push_back(p.host_id);
+    auto h = std::find(hosts.begin(), hosts.end(), p.host_id);
+    if (h == hosts.end()) {
+      hosts.push_back(p.host_id);
+      hosts_.emplace_back();
+      h = hosts.end() - 1;
+    }
+    hosts_[h - hosts.begin()].push_back(p.rank);
     if (p.host_id == opt_.host_id) {
       if (p.rank == opt_.rank) local_rank_ = local_size_;
       local_index_[p.rank] = local_size_++;
@@ -243,6 +255,7 @@ void Context::connect_shm() {
 }
 
 bool Context::all_shm() const {
+  if (parent_) return false;  // shared regions span the whole job
   for (int r = 0; r < opt_.size; ++r)
     if (r != opt_.rank && !use_shm_with(r)) return false;
   return true;
@@ -319,7 +332,9 @@ void Context::accept_tcp(int expect_accepts, const HandshakeParams& hp, Deadline
 }
 
 Link& Context::link(int peer) {
-  if (peer < 0 || peer >= opt_.size || !links_[peer])
+  if (parent_ && peer >= 0 && peer < opt_.size && peer != opt_.rank)
+    return parent_->link(members_[peer]);
+  if (peer < 0 || peer >= opt_.size || parent_ || !links_[peer])
     throw_error(ErrorKind::kInternal, "rank ", opt_.rank, " has no link to rank ", peer);
   return *links_[peer];
 }
@@ -337,6 +352,7 @@ void Context::leave(const std::string& reason) {
 }
 
 void Context::mark_broken(const std::string& why) {
+  if (parent_) return parent_->mark_broken(why);
   if (!broken_.empty()) return;
   broken_ = why;
   // Tell every peer, not only the ring neighbours that saw the failure. The
@@ -346,6 +362,7 @@ void Context::mark_broken(const std::string& why) {
 }
 
 void Context::check_usable() const {
+  if (parent_) return parent_->check_usable();
   if (!broken_.empty())
     throw_error(ErrorKind::kPeerLost, "rank ", opt_.rank,
                 ": ringreduce cannot continue after an earlier failure: ", broken_);

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +68,9 @@ struct ContextOptions {
   // hand-over is 4x slower (README, "Benchmarks").
   uint64_t shm_stream_send_bytes = 1 << 20;
   StreamMode shm_stream_mode = StreamMode::kAuto;  // RINGREDUCE_SHM_STREAM_SEND
+  // RINGREDUCE_HIERARCHICAL_ALLREDUCE: 1 on, 0 off, -1 (unset) automatic
+  // (allreduce_hierarchical.cc; the ranks agree through the header).
+  int hierarchical = -1;
 };
 
 // Reads RINGREDUCE_* settings over the defaults.
@@ -98,6 +102,8 @@ class Context {
   int local_size() const { return local_size_; }
   int cross_rank() const { return cross_rank_; }
   int cross_size() const { return cross_size_; }
+  // Global ranks of each host, hosts in order of their lowest rank.
+  const std::vector<std::vector<int>>& hosts() const { return hosts_; }
   const ContextOptions& options() const { return opt_; }
   const std::vector<PeerInfo>& peers() const { return peers_; }
   Link& link(int peer);
@@ -125,14 +131,31 @@ class Context {
   // How many allreduces ran over shared buffers (read from any thread).
   uint64_t shared_allreduces() const { return shared_allreduces_.load(); }
   void count_shared_allreduce() { shared_allreduces_.fetch_add(1); }
+  uint64_t hierarchical_allreduces() const { return hierarchical_allreduces_.load(); }
+  void count_hierarchical_allreduce() { hierarchical_allreduces_.fetch_add(1); }
+
+  // A view of some of this job's ranks as a job of its own (context_group.cc):
+  // rank() and size() are positions in `members` (global ranks, in ring
+  // order, this rank among them) and link(i) is this context's link to
+  // members[i], so every algorithm runs on it unchanged. Traffic shares the
+  // links: ranks must run the group's work in the same order relative to
+  // the rest. A failure inside breaks this whole context. Cached per member
+  // list; lives as long as this context stays open.
+  Context& group(const std::vector<int>& members);
+  // Global rank of a rank of this context (itself unless it is a group view).
+  int global_rank(int r) const { return parent_ ? parent_->global_rank(members_[r]) : r; }
 
   StreamChoice& stream_choice() { return stream_choice_; }
   void set_phase_observer(PhaseObserver* o) { observer_ = o; }
   void phase(const char* name) {
-    if (observer_) observer_->phase(name);
+    if (parent_)
+      parent_->phase(name);
+    else if (observer_)
+      observer_->phase(name);
   }
 
  private:
+  Context(Context& parent, std::vector<int> members);  // a group view
   void leave(const std::string& reason);
   void compute_topology();
   void connect_shm();
@@ -162,6 +185,11 @@ class Context {
   StreamChoice stream_choice_;
   SharedRegistry shared_;
   std::atomic<uint64_t> shared_allreduces_{0};
+  std::atomic<uint64_t> hierarchical_allreduces_{0};
+  std::vector<std::vector<int>> hosts_;
+  Context* parent_ = nullptr;  // set on group views only
+  std::vector<int> members_;   // a view's ranks in parent_
+  std::map<std::vector<int>, std::unique_ptr<Context>> groups_;
 };
 
 }  // namespace rr

@@ -30,14 +30,17 @@ from ringreduce import (
     MismatchError,
     NotInitializedError,
     PeerLostError,
+    ProcessSet,
     Product,
     RingReduceError,
     RingReduceTimeoutError,
     Sum,
+    add_process_set,
     barrier,
     cross_rank,
     cross_size,
     cuda_built,
+    global_process_set,
     init,
     is_initialized,
     local_rank,
@@ -45,6 +48,7 @@ from ringreduce import (
     nccl_built,
     rank,
     reduce_isa,
+    remove_process_set,
     run,
     shutdown,
     size,
@@ -116,22 +120,27 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "load_checkpoint", "local_rank", "local_size", "poll", "rank",
     "reduce_isa", "reducescatter", "reducescatter_async", "save_checkpoint", "shared_zeros",
-    "sparse_allreduce_async", "run", "shutdown",
+    "sparse_allreduce_async", "run", "shutdown", "ProcessSet", "add_process_set",
+    "global_process_set", "remove_process_set",
     "size", "start_timeline", "stop_timeline", "synchronize", "use_communicator",
 ]
 
 
-def join(device: int = -1) -> int:
+def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     """Declare that this rank has no more data; returns the last rank to join.
 
     Until every rank has joined, this rank takes part in the other ranks'
     allreduce / allgather / broadcast (e.g. DistributedOptimizer's gradient
     allreduces) with neutral elements; Average divides by the ranks that
     contributed. ``device`` is Horovod's (where to allocate the zeros) and is
-    ignored: the engine provides them itself.
+    ignored: the engine provides them itself. ``process_set`` must be the global set:
+    a joined rank takes part with neutral elements in every set it belongs to.
     """
     if isinstance(device, bool) or not isinstance(device, int):
         raise InvalidInputError(f"join: device must be an int, got {device!r}")
+    if process_set.process_set_id != 0:
+        raise InvalidInputError("join: only the global process set can be joined; a joined "
+                                "rank already contributes neutral elements to its other sets")
     return _comm().join()
 
 

@@ -12,21 +12,33 @@ instead of the process's default communicator (``ringreduce.init()``).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 import ringreduce as _rr
+from ringreduce import Communicator
 from ringreduce._dtypes import SUPPORTED
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet
 
 # One override mechanism for every framework layer: ringreduce's own.
 use_communicator = _rr.use_communicator
-comm = _rr._comm
 
 
-binder = _rr._binder
+def comm(process_set: Optional[ProcessSet] = None) -> Communicator:
+    """The current communicator, or its view of ``process_set`` (InvalidInputError if this
+    rank is not a member)."""
+    return _rr._on(process_set, "ringreduce.torch")
+
+
+def binder(process_set: Optional[ProcessSet] = None) -> Callable[[], Communicator]:
+    """``ringreduce._binder`` for ``process_set``: later calls reach the same set."""
+    bound = _rr._binder()
+    if process_set is None or process_set.process_set_id == 0:
+        return bound
+    return lambda: bound().process_sets.communicator(process_set, "ringreduce.torch")
 
 
 def _bfloat16() -> Any:

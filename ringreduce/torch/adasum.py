@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ringreduce._adasum import Adasum
+from ringreduce.process_sets import ProcessSet
 
 from ._tensors import binder, to_numpy, to_torch
 from .broadcast import agree
@@ -36,8 +37,9 @@ _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Communica
 class _AdasumMixin:
     """Methods put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
 
-    def _rr_adasum_setup(self, named: dict, compression: type[Compressor]) -> None:
-        self._rr_comm = binder()
+    def _rr_adasum_setup(self, named: dict, compression: type[Compressor],
+                         process_set: Optional[ProcessSet] = None) -> None:
+        self._rr_comm = binder(process_set)
         c = self._rr_comm()
         index = _INSTANCES.get(c, 0)
         _INSTANCES[c] = index + 1
@@ -47,7 +49,7 @@ class _AdasumMixin:
         self._rr_original: Callable[[], Any] = lambda: None
         agree("DistributedOptimizer(op=Adasum)",
               [(n, (tuple(p.shape), str(p.dtype))) for n, p in self._rr_params],
-              " on the parameters")
+              " on the parameters", process_set=process_set)
 
     def synchronize(self) -> None:
         """Nothing to wait for: with Adasum the parameter changes are combined in step()."""

@@ -10,6 +10,7 @@ import torch
 from ringreduce._state import agree as _agree
 from ringreduce._state import collect_slots, join_skeleton, split_skeleton, wait_all
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import comm
 from .movement import broadcast_async_
@@ -20,19 +21,22 @@ __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
 Params = Union[Mapping[str, Any], Iterable[tuple[str, Any]]]
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s picklable ``obj`` (tensors included) on every rank."""
-    return comm().broadcast_object(obj, root_rank, name)
+    return comm(process_set).broadcast_object(obj, root_rank, name)
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> list:
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
     """Return every rank's picklable ``obj`` as a list in rank order."""
-    return comm().allgather_object(obj, name)
+    return comm(process_set).allgather_object(obj, name)
 
 
-def agree(what: str, signature: Any, describe: str = "") -> None:
+def agree(what: str, signature: Any, describe: str = "",
+          process_set: ProcessSet = global_process_set) -> None:
     """``ringreduce._state.agree`` on the current communicator (collective)."""
-    _agree(comm(), what, signature, describe)
+    _agree(comm(process_set), what, signature, describe)
 
 
 def _named_tensors(params: Params, what: str) -> list[tuple[str, torch.Tensor]]:
@@ -65,7 +69,8 @@ def _named_tensors(params: Params, what: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
+def broadcast_parameters(params: Params, root_rank: int = 0,
+                         process_set: ProcessSet = global_process_set) -> None:
     """Overwrite every rank's tensors in place with ``root_rank``'s.
 
     Collective. Checks first that all ranks pass the same names, shapes and
@@ -82,7 +87,7 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
     what = "broadcast_parameters"
     items = _named_tensors(params, what)
     agree(what, [(n, (tuple(t.shape), str(t.dtype))) for n, t in items],
-          " on the tensors to broadcast")
+          " on the tensors to broadcast", process_set=process_set)
     handles, seen = [], set()
     with torch.no_grad():
         for name, t in items:
@@ -90,7 +95,8 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
             if t.numel() and key in seen:  # tied weights: the same memory under two names
                 continue
             seen.add(key)
-            handles.append(broadcast_async_(t, root_rank, name=f"broadcast.{name}"))
+            handles.append(broadcast_async_(t, root_rank, name=f"broadcast.{name}",
+                                            process_set=process_set))
         wait_all(handles)
 
 
@@ -102,7 +108,8 @@ def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
     return [len(g["params"]) for g in optimizer.param_groups]
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
 
     Collective. Works for any ``torch.optim.Optimizer`` (DistributedOptimizer
@@ -121,16 +128,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidInputError(f"{what}: expected a torch.optim.Optimizer, got "
                                 f"{type(optimizer).__name__}")
-    c = comm()
+    c = comm(process_set)
     tensors: list = []
     skeleton = split_skeleton(optimizer.state_dict(), tensors, torch.is_tensor,
                               _describe) if c.rank() == root_rank else None
     skeleton, groups = broadcast_object((skeleton, _group_sizes(optimizer)), root_rank,
-                                        name=f"{what}.skeleton")
+                                        name=f"{what}.skeleton", process_set=process_set)
     mine = _group_sizes(optimizer)
     error = None if mine == groups else (f"rank {c.rank()} has parameter groups of sizes "
                                          f"{mine}, rank {root_rank} has {groups}")
-    errors = [e for e in allgather_object(error, name=f"{what}.check") if e]
+    errors = [e for e in allgather_object(error, name=f"{what}.check", process_set=process_set)
+              if e]
     if errors:
         raise InvalidInputError(f"{what}: " + "; ".join(errors))
     if c.rank() != root_rank:
@@ -138,7 +146,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     else:  # the others receive on the host; load_state_dict moves state to each param's device
         tensors = [t.cpu() for t in tensors]
     with torch.no_grad():
-        wait_all([broadcast_async_(t, root_rank, name=f"{what}.{i}")
+        wait_all([broadcast_async_(t, root_rank, name=f"{what}.{i}", process_set=process_set)
                   for i, t in enumerate(tensors)])
     if c.rank() != root_rank:
         optimizer.load_state_dict(join_skeleton(skeleton, tensors))

@@ -18,6 +18,7 @@ from ringreduce import Average, Communicator, Sum
 from ringreduce._communicator import _part, check_scales
 from ringreduce._grads import allgather_grad, reducescatter_grad
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
 from .compression import Compression, Compressor
@@ -73,7 +74,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
                       name: Optional[str] = None,
                       compression: type[Compressor] = Compression.none,
                       op: Optional[int] = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list:
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list:
     """Allreduce all of ``tensors`` as one fused unit; returns a list of new tensors.
 
     The arguments are ``allreduce``'s, in Horovod's order (``compression`` before ``op``).
@@ -84,9 +86,9 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
     op = resolve_op(average, op, what)
     pre, post = check_scales(prescale_factor, postscale_factor, "grouped_allreduce", name)
     if _wants_grad(tensors, what):
-        args = (op, name, compression, pre, post, binder())
+        args = (op, name, compression, pre, post, binder(process_set))
         return list(_GroupedAllreduceFn.apply(args, *tensors))
-    return _grouped_allreduce_now(comm(), tensors, op, name, compression, pre, post)
+    return _grouped_allreduce_now(comm(process_set), tensors, op, name, compression, pre, post)
 
 
 # ------------------------------------------------------------ allgather
@@ -109,7 +111,8 @@ class _GroupedAllgatherFn(torch.autograd.Function):
         return (None, *out)
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None) -> list:
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list:
     """Allgather each of ``tensors`` (submitted together); differentiable.
 
     Parameters
@@ -121,16 +124,17 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
     """
     what = label("grouped_allgather", name)
     if _wants_grad(tensors, what):
-        return list(_GroupedAllgatherFn.apply((name, binder()), *tensors))
-    return [to_torch(o) for o in comm().grouped_allgather(_arrays(tensors, what), name)]
+        return list(_GroupedAllgatherFn.apply((name, binder(process_set)), *tensors))
+    return [to_torch(o) for o in comm(process_set).grouped_allgather(_arrays(tensors, what),
+                                                                     name)]
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor],
-                            name: Optional[str] = None) -> Handle:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start a grouped allgather; ``synchronize(handle)`` returns the list of results."""
     what = label("grouped_allgather_async", name)
     _wants_grad(tensors, what)
-    return Handle(comm().grouped_allgather_async(_arrays(tensors, what), name),
+    return Handle(comm(process_set).grouped_allgather_async(_arrays(tensors, what), name),
                   lambda out: [to_torch(o) for o in out])
 
 
@@ -157,7 +161,8 @@ class _GroupedReducescatterFn(torch.autograd.Function):
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: type[Compressor] = Compression.none,
                           op: int = Average, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list:
+                          postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list:
     """Reducescatter each of ``tensors`` (submitted together); differentiable for Sum and
     Average. The arguments are Horovod's, in its order; ``compression`` applies per tensor."""
     what = label("grouped_reducescatter", name)
@@ -166,20 +171,23 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
     packed = [compression.compress(t) for t in tensors] if tensors else []
     bufs = [b for b, _ in packed]
     if _wants_grad(bufs, what):
-        out = list(_GroupedReducescatterFn.apply((op, name, pre, post, binder()), *bufs))
+        out = list(_GroupedReducescatterFn.apply((op, name, pre, post, binder(process_set)),
+                                                 *bufs))
     else:
-        out = [to_torch(o) for o in comm().grouped_reducescatter(_arrays(bufs, what), op, name,
-                                                                 pre, post)]
+        out = [to_torch(o) for o in comm(process_set).grouped_reducescatter(
+            _arrays(bufs, what), op, name, pre, post)]
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, packed)]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                                 op: int = Average, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
+                                postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> Handle:
     """Start a grouped reducescatter; ``synchronize(handle)`` returns the list of results."""
     what = label("grouped_reducescatter_async", name)
     op = resolve_op(None, op, what)
     _wants_grad(tensors, what)
-    return Handle(comm().grouped_reducescatter_async(_arrays(tensors, what), op, name,
-                                                     prescale_factor, postscale_factor),
+    return Handle(comm(process_set).grouped_reducescatter_async(_arrays(tensors, what), op, name,
+                                                                prescale_factor,
+                                                                postscale_factor),
                   lambda out: [to_torch(o) for o in out])

@@ -15,6 +15,7 @@ from ringreduce import Average, Communicator
 from ringreduce._communicator import check_scales
 from ringreduce._grads import allgather_grad, alltoall_grad, broadcast_grad, reducescatter_grad
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
 from .compression import Compression, Compressor
@@ -40,7 +41,8 @@ class _AllgatherFn(torch.autograd.Function):
         return to_torch(g), None, None
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (lengths may differ); differentiable.
 
     Parameters
@@ -51,15 +53,16 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
         Identifies the tensor across ranks and in error messages.
     """
     if _wants_grad(tensor, label("allgather", name)):
-        return _AllgatherFn.apply(tensor, name, binder())
-    return to_torch(comm().allgather(to_numpy(tensor, label("allgather", name)), name))
+        return _AllgatherFn.apply(tensor, name, binder(process_set))
+    return to_torch(comm(process_set).allgather(to_numpy(tensor, label("allgather", name)), name))
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather; ``synchronize(handle)`` returns the concatenation."""
     what = label("allgather_async", name)
-    return Handle(comm().allgather_async(to_numpy(check_tensor(tensor, what), what), name),
-                  to_torch)
+    arr = to_numpy(check_tensor(tensor, what), what)
+    return Handle(comm(process_set).allgather_async(arr, name), to_torch)
 
 
 # ------------------------------------------------------------- broadcast
@@ -78,30 +81,34 @@ class _BroadcastFn(torch.autograd.Function):
         return to_torch(g), None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; differentiable."""
     if _wants_grad(tensor, label("broadcast", name)):
-        return _BroadcastFn.apply(tensor, root_rank, name, binder())
+        return _BroadcastFn.apply(tensor, root_rank, name, binder(process_set))
     what = label("broadcast", name)
-    return to_torch(comm().broadcast(to_numpy(tensor, what), root_rank, name))
+    return to_torch(comm(process_set).broadcast(to_numpy(tensor, what), root_rank, name))
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s in place (not tracked by autograd)."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set=process_set))
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast into a new tensor."""
     what = label("broadcast_async", name)
-    return Handle(comm().broadcast_async(to_numpy(check_tensor(tensor, what), what), root_rank,
-                                         name), to_torch)
+    arr = to_numpy(check_tensor(tensor, what), what)
+    return Handle(comm(process_set).broadcast_async(arr, root_rank, name), to_torch)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place broadcast into ``tensor``; ``synchronize`` returns ``tensor``."""
     arr, finish = _writable(tensor, label("broadcast_async_", name))
-    return Handle(comm().broadcast_async_(arr, root_rank, name), finish)
+    return Handle(comm(process_set).broadcast_async_(arr, root_rank, name), finish)
 
 
 # --------------------------------------------------------- reducescatter
@@ -123,7 +130,8 @@ class _ReducescatterFn(torch.autograd.Function):
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression: type[Compressor] = Compression.none, op: int = Average,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's share of dim 0; differentiable.
 
     Dim 0 is split as evenly as possible; lower ranks get the extra rows. The arguments
@@ -135,20 +143,22 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     if _wants_grad(buf, what):
         out = _ReducescatterFn.apply(buf, op, name,
                                      *check_scales(prescale_factor, postscale_factor,
-                                                   "reducescatter", name), binder())
+                                                   "reducescatter", name), binder(process_set))
     else:
-        out = to_torch(comm().reducescatter(to_numpy(buf, what), op, name, prescale_factor,
-                                            postscale_factor))
+        out = to_torch(comm(process_set).reducescatter(to_numpy(buf, what), op, name,
+                                                       prescale_factor, postscale_factor))
     return compression.decompress(out, cctx)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Handle:
     """Start a reducescatter; ``synchronize(handle)`` returns this rank's share."""
     what = label("reducescatter_async", name)
     op = resolve_op(None, op, what)
-    return Handle(comm().reducescatter_async(to_numpy(check_tensor(tensor, what), what), op,
-                                             name, prescale_factor, postscale_factor), to_torch)
+    arr = to_numpy(check_tensor(tensor, what), what)
+    return Handle(comm(process_set).reducescatter_async(arr, op, name, prescale_factor,
+                                                        postscale_factor), to_torch)
 
 
 # --------------------------------------------------------------- alltoall
@@ -193,7 +203,8 @@ class _AlltoallFn(torch.autograd.Function):
         return to_torch(g), None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None) -> Any:
+def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; differentiable.
 
     Without ``splits`` dim 0 must divide by ``size()`` and the received tensor is
@@ -202,16 +213,17 @@ def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = 
     what = label("alltoall", name)
     given = splits is not None
     if _wants_grad(tensor, what):
-        out, received = _AlltoallFn.apply(tensor, _splits_list(splits), name, binder())
+        out, received = _AlltoallFn.apply(tensor, _splits_list(splits), name, binder(process_set))
         return (out, received) if given else out
-    return _alltoall_result(given)(comm().alltoall(to_numpy(tensor, what),
+    return _alltoall_result(given)(comm(process_set).alltoall(to_numpy(tensor, what),
                                                    _splits_list(splits), name))
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Splits = None,
-                   name: Optional[str] = None) -> Handle:
+                   name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; ``synchronize(handle)`` returns what ``alltoall`` would."""
     what = label("alltoall_async", name)
-    return Handle(comm().alltoall_async(to_numpy(check_tensor(tensor, what), what),
+    return Handle(comm(process_set).alltoall_async(to_numpy(check_tensor(tensor, what), what),
                                         _splits_list(splits), name),
                   _alltoall_result(splits is not None))

@@ -24,6 +24,7 @@ from ringreduce import Average, Communicator, Max, Min, Product, Sum
 from ringreduce._communicator import check_scales
 from ringreduce._horovod import resolve_op as _resolve_op
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
 from .compression import Compression, Compressor
@@ -128,7 +129,8 @@ class _AllreduceFn(torch.autograd.Function):
 
 def allreduce(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
               compression: type[Compressor] = Compression.none, op: Optional[int] = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks; return a new tensor (differentiable for Sum/Average).
 
     Parameters
@@ -155,50 +157,55 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: Optional[str] = N
     if torch.is_grad_enabled() and check_tensor(tensor, "allreduce").requires_grad:
         return _AllreduceFn.apply(tensor, op, name, compression,
                                   *check_scales(prescale_factor, postscale_factor, "allreduce",
-                                                name), binder())
-    return _allreduce_now(comm(), tensor, op, name, compression, prescale_factor,
+                                                name), binder(process_set))
+    return _allreduce_now(comm(process_set), tensor, op, name, compression, prescale_factor,
                           postscale_factor)
 
 
 def allreduce_(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place (not tracked by autograd) and return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor))
+                                        postscale_factor, process_set=process_set))
 
 
 def allreduce_async(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> Handle:
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce; ``synchronize(handle)`` returns a new tensor."""
     what = label("allreduce_async", name)
     op = resolve_op(average, op, what)
     arr = to_numpy(check_tensor(tensor, what), what)
-    return Handle(comm().allreduce_async(arr, op, name, prescale_factor, postscale_factor),
+    c = comm(process_set)
+    return Handle(c.allreduce_async(arr, op, name, prescale_factor, postscale_factor),
                   _new_tensor)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> Handle:
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce; ``synchronize(handle)`` returns ``tensor``."""
     what = label("allreduce_async_", name)
     op = resolve_op(average, op, what)
     arr, finish = _writable(tensor, what)
-    return Handle(comm().allreduce_async_(arr, op, name, prescale_factor, postscale_factor),
-                  finish)
+    c = comm(process_set)
+    return Handle(c.allreduce_async_(arr, op, name, prescale_factor, postscale_factor), finish)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> Handle:
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start one fused allreduce of ``tensors``; the result is a list of new tensors."""
     what = label("grouped_allreduce_async", name)
     op = resolve_op(average, op, what)
     arrs = [to_numpy(check_tensor(t, what), what) for t in tensors]
-    return Handle(comm().grouped_allreduce_async(arrs, op, name, prescale_factor,
+    return Handle(comm(process_set).grouped_allreduce_async(arrs, op, name, prescale_factor,
                                                  postscale_factor),
                   lambda out: [to_torch(a) for a in out])
 
@@ -206,22 +213,24 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Any = None,
                              name: Optional[str] = None, op: Optional[int] = None,
                              prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> Handle:
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
     """In-place ``grouped_allreduce_async``; the result is the list ``tensors``."""
     what = label("grouped_allreduce_async_", name)
     op = resolve_op(average, op, what)
     views = [_writable(t, what) for t in tensors]
-    inner = comm().grouped_allreduce_async_([a for a, _ in views], op, name, prescale_factor,
-                                            postscale_factor)
+    inner = comm(process_set).grouped_allreduce_async_([a for a, _ in views], op, name,
+                                                       prescale_factor, postscale_factor)
     return Handle(inner, lambda _: [finish(None) for _, finish in views])
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Any = None,
                        name: Optional[str] = None, op: Optional[int] = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list:
     """In-place ``grouped_allreduce``; returns ``tensors`` as a list."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor))
+                                                postscale_factor, process_set=process_set))
 
 
 def shared_zeros(shape: Union[int, Sequence[int]],

@@ -34,6 +34,7 @@ from ringreduce import Average, Communicator, Sum
 from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import binder, to_numpy
 from .adasum import _AdasumMixin
@@ -175,8 +176,8 @@ class _DistributedMixin:
 
     def _rr_setup(self, named: dict, compression: type[Compressor], passes: int, op: int,
                   scales: tuple[float, float], sparse_as_dense: bool,
-                  gradient_buckets: Optional[bool] = None) -> None:
-        self._rr_comm: Callable[[], Communicator] = binder()
+                  process_set: ProcessSet, gradient_buckets: Optional[bool] = None) -> None:
+        self._rr_comm: Callable[[], Communicator] = binder(process_set)
         c = self._rr_comm()
         index = _INSTANCES.get(c, 0)
         _INSTANCES[c] = index + 1
@@ -198,10 +199,14 @@ class _DistributedMixin:
         self._rr_frozen: dict = {}  # parameter -> name, for those without requires_grad
         self._rr_register(named)
         agree("DistributedOptimizer", [(s.name, (tuple(s.param.shape), str(s.param.dtype)))
-                                       for s in self._rr_order], " on the parameters")
+                                       for s in self._rr_order], " on the parameters",
+              process_set=process_set)
         self._rr_buckets: Optional[GradientBuckets] = None
         params = [p for p in named if p in self._rr_slots]  # registration order
-        if buckets_enabled(gradient_buckets, compression is Compression.none, params):
+        # Buckets are shared_zeros memory, which the whole job allocates together.
+        whole_job = process_set is None or process_set.process_set_id == 0
+        if whole_job and buckets_enabled(gradient_buckets, compression is Compression.none,
+                                         params):
             self._rr_buckets = GradientBuckets(lambda n: c.shared_zeros(n, np.uint8), params)
             self._rr_attach_buckets(params)
 
@@ -476,7 +481,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Optional[Any] = None,
                          sparse_as_dense: bool = False,
-                         gradient_buckets: Optional[bool] = None) -> torch.optim.Optimizer:
+                         gradient_buckets: Optional[bool] = None,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Collective: every rank must wrap an optimizer over the same parameters.
@@ -510,6 +516,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         Lay the gradients out as views of one shared bucket per dtype, so backward
         accumulates where the allreduce reads the peers' gradients (``buckets``). Default:
         ``RINGREDUCE_GRADIENT_BUCKETS`` (on unless ``0``); never with compression.
+    process_set : ProcessSet
+        Average over the members of this set only (called by its members only).
 
     Returns
     -------
@@ -530,13 +538,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         if gradient_predivide_factor != 1.0:
             raise InvalidInputError(f"{what}: gradient_predivide_factor needs op=Average")
         dist = _swap_class(optimizer, _AdasumMixin)
-        dist._rr_adasum_setup(_param_names(optimizer, named_parameters), compression)
+        dist._rr_adasum_setup(_param_names(optimizer, named_parameters), compression,
+                              process_set)
     else:
         scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
                                   "ringreduce.torch")
         dist = _swap_class(optimizer, _DistributedMixin)
         dist._rr_setup(_param_names(optimizer, named_parameters), compression,
-                       backward_passes_per_step, op, scales, sparse_as_dense, gradient_buckets)
+                       backward_passes_per_step, op, scales, sparse_as_dense, process_set,
+                       gradient_buckets)
     dist._rr_original = weakref.ref(optimizer)
     return dist
 

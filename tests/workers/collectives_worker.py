@@ -339,7 +339,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     suite_barrier()
     suite_objects()
     compare_hashes()
-    event("done", seconds=time.monotonic() - t0, results=len(HASHES))
+    from ringreduce import _Process
+
+    event("done", seconds=time.monotonic() - t0, results=len(HASHES),
+          hierarchical=_Process.comm._engine.stats()["hierarchical_allreduces"])
     rank = rr.rank()
     rr.shutdown()
     say(f"OK rank {rank}")

@@ -1,0 +1,103 @@
+"""Hierarchical allreduce (csrc/collectives/allreduce_hierarchical.cc): threads as ranks on
+fake hosts (``host_ids``: shm inside a host, TCP across), against the flat ring's results,
+over every dtype and op the flat ring supports, odd sizes and hosts with unequal rank counts.
+Real processes run it in tests/test_multiprocess.py's two-host launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import env
+from test_threaded_collectives import check_sweep, sweep
+
+import ringreduce as rr
+from ringreduce.testing import make_world, run_threaded
+
+# No direct path and small slots: every size above zero takes the ring, in several chunks.
+SMALL = {"RINGREDUCE_SMALL_BYTES": "0", "RINGREDUCE_SHM_SLOT_BYTES": "4096"}
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "interleaved": ["a", "b", "a", "b"],
+    "uneven-3+1": ["a", "a", "a", "b"],
+    "uneven-1+2+3": ["c", "b", "b", "a", "a", "a"],
+}
+
+
+def hierarchical_count(comm) -> int:
+    return comm._engine.stats()["hierarchical_allreduces"]
+
+
+def run_sweep(hosts: list, setting: str) -> tuple:
+    """The sweep's results and how many allreduces ran hierarchically, per rank."""
+    n = len(hosts)
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE=setting, **SMALL):
+        comms = make_world(n, hosts)
+    try:
+        def body(c):
+            before = hierarchical_count(c)
+            return sweep(c, n), hierarchical_count(c) - before
+        out = run_threaded(n, body, world=comms)
+    finally:
+        for c in comms:
+            c.close()
+    return [r for r, _ in out], [k for _, k in out]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_flat_ring(layout):
+    hosts = LAYOUTS[layout]
+    n = len(hosts)
+    hier, ran = run_sweep(hosts, "1")
+    check_sweep(hier, n)  # every rank identical, and right against float64 (exact for ints)
+    assert min(ran) > 0 and ran == [ran[0]] * n, ran
+    if layout != "2x2":
+        return  # the flat ring does not care where ranks live: compare it once
+    flat, ran_flat = run_sweep(hosts, "0")
+    assert ran_flat == [0] * n
+    for key, got in hier[0].items():
+        if np.dtype(key[1]).kind in "iub" or key[2] in (rr.Min, rr.Max):
+            assert got.tobytes() == flat[0][key].tobytes(), key  # exact: order cannot matter
+
+
+def test_fused_tensors_in_place_and_automatic_choice():
+    """Fused in-place (segmented) allreduces take the hierarchical path when it is left
+    to choose (the default: several hosts, shm inside each); a forced-TCP world does not."""
+    hosts = LAYOUTS["interleaved"]
+
+    def body(c):
+        xs = [np.arange(k, dtype=np.float32) * (c.rank() + 1) for k in (3, 50001, 7, 20000)]
+        before = hierarchical_count(c)
+        hs = [c.allreduce_async_(x, op=rr.Average, name=f"t{i}") for i, x in enumerate(xs)]
+        for h in hs:
+            h.wait()
+        return xs, hierarchical_count(c) - before
+
+    for settings, expect_hier in (({}, True), ({"RINGREDUCE_TRANSPORT": "tcp"}, False)):
+        with env(**settings):
+            comms = make_world(4, hosts)
+        try:
+            out = run_threaded(4, body, world=comms)
+        finally:
+            for c in comms:
+                c.close()
+        for xs, ran in out:
+            assert (ran > 0) == expect_hier, (settings, ran)
+            for x, k in zip(xs, (3, 50001, 7, 20000)):
+                np.testing.assert_array_equal(x, np.arange(k, dtype=np.float32) * 2.5)
+
+
+def test_mixed_wishes_fall_back_to_the_flat_ring():
+    """The choice rides in the allreduce header: one rank that sets 0 makes all ranks run
+    the flat ring, instead of the ranks running different algorithms."""
+    wishes = [{"RINGREDUCE_HIERARCHICAL_ALLREDUCE": w, **SMALL} for w in "1101"]
+    comms = make_world(4, LAYOUTS["2x2"], rank_env=wishes)
+    try:
+        out = run_threaded(4, lambda c: (c.allreduce(np.full(999, c.rank() + 1, np.int32),
+                                                     op=rr.Sum), hierarchical_count(c)),
+                           world=comms)
+    finally:
+        for c in comms:
+            c.close()
+    for x, ran in out:
+        assert ran == 0
+        np.testing.assert_array_equal(x, np.full(999, 10, np.int32))

@@ -1,0 +1,92 @@
+"""Process sets in real processes: static sets at init, a dynamic one, numpy and torch.
+
+    RANK=r WORLD_SIZE=n ... python process_sets_worker.py
+
+Sets: ``tail`` = every rank but 0, ``solo`` = rank 0 alone (static, at init); then dynamic
+``pair`` = ranks 0 and n-1 (added and removed at run time). Each check raises on failure;
+at the end every rank logs ``OK rank <r>``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from workerlib import run, say, set_rank, watch_job
+
+import ringreduce.torch as rr
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(f"rank {rr.rank()}: {what}")
+
+
+def torch_on_set(ps: rr.ProcessSet) -> None:
+    """Every torch entry point with process_set=, among the set's members."""
+    r, members = rr.rank(), ps.ranks
+    got = rr.allreduce(torch.full((4,), float(r)), op=rr.Sum, process_set=ps)
+    check(torch.equal(got, torch.full((4,), float(sum(members)))), f"allreduce on {ps}")
+    g = rr.allgather(torch.tensor([r]), process_set=ps)
+    check(g.tolist() == members, f"allgather on {ps}: {g.tolist()}")
+    b = rr.broadcast(torch.tensor([r]), root_rank=ps.size() - 1, process_set=ps)
+    check(b.item() == members[-1], f"broadcast on {ps}")
+    check(rr.broadcast_object({"r": r}, root_rank=0, process_set=ps) == {"r": members[0]},
+          f"broadcast_object on {ps}")
+    check(rr.allgather_object(r, process_set=ps) == members, f"allgather_object on {ps}")
+    rr.barrier(process_set=ps)
+    torch.manual_seed(r)  # different weights until the broadcast
+    model = torch.nn.Linear(3, 2)
+    opt = rr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), process_set=ps)
+    rr.broadcast_parameters(model.state_dict(), root_rank=0, process_set=ps)
+    rr.broadcast_optimizer_state(opt, root_rank=0, process_set=ps)
+    opt.zero_grad()
+    model(torch.full((1, 3), float(r + 1))).sum().backward()
+    opt.step()
+    w = rr.allgather(model.weight.detach()[None], process_set=ps)
+    check(all(torch.equal(w[0], w[i]) for i in range(ps.size())), f"optimizer on {ps}")
+
+
+def main() -> None:
+    watch_job()
+    size = int(os.environ.get("WORLD_SIZE") or os.environ["PMI_SIZE"])  # env launch / MPICH
+    tail, solo = rr.ProcessSet(range(1, size)), rr.ProcessSet([0])
+    rr.init(process_sets=[tail, solo])
+    set_rank(rr.rank())
+    n, r = rr.size(), rr.rank()
+    check((tail.process_set_id, solo.process_set_id) == (1, 2), "static ids")
+    for ps in (tail, solo):
+        if ps.included():
+            torch_on_set(ps)
+        else:
+            try:
+                rr.allreduce(torch.ones(1), process_set=ps)
+            except rr.InvalidInputError as err:
+                check(f"rank {r} is not a member" in str(err), str(err))
+            else:
+                raise AssertionError("a non-member's call was not refused")
+    try:
+        rr.add_process_set([0, n - 1])
+    except rr.InvalidInputError:
+        pass
+    else:
+        raise AssertionError("add_process_set without dynamic sets was accepted")
+    rr.global_process_set  # noqa: B018 (the global set needs no registration)
+    x = np.full(3, r, np.int64)
+    import ringreduce
+
+    ringreduce._comm().process_sets.dynamic = True  # as init(process_sets="dynamic") would
+    pair = rr.add_process_set([0, n - 1])
+    if pair.included():
+        s = ringreduce.allreduce(x, op=rr.Sum, process_set=pair)
+        check(s.tolist() == [n - 1] * 3, f"numpy allreduce on {pair}")
+    check(rr.remove_process_set(pair), "remove_process_set")
+    check(rr.allreduce(torch.ones(1), op=rr.Sum).item() == n, "global after the sets")
+    rr.shutdown()
+    say(f"OK rank {r}")
+
+
+if __name__ == "__main__":
+    run(main)

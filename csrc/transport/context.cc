@@ -93,7 +93,7 @@ Context::~Context() {
 }
 
 void Context::close() {
-  groups_.clear();  // views borrow our links
+  groups_.clear();                     // views borrow our links
   if (heartbeat_) heartbeat_->stop();  // before its sockets and its peers' links close
   progress_.heartbeat = nullptr;
   leave(cat("rank ", opt_.rank, " shut down"));

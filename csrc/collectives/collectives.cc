@@ -23,12 +23,13 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     const size_t bytes = count * dtype_size(in.dtype);
     auto* buf = static_cast<uint8_t*>(out);
     const bool small = bytes <= ctx.options().small_bytes;
-    // Out of place, a large allreduce on more than one rank goes by the ring
-    // reading the input where it is (allreduce_ring's `own`); everything else
-    // works on a copy in the output.
+    // Out of place, a large allreduce on more than one rank goes by the flat
+    // ring reading the input where it is (allreduce_ring's `own`), unless this
+    // rank wishes the hierarchical algorithm; everything else works on a copy
+    // in the output.
     const uint8_t* own = nullptr;
     if (out != in.data && bytes) {
-      if (!small && ctx.size() > 1 && prescale == 1.0)
+      if (!small && ctx.size() > 1 && prescale == 1.0 && !wants_hierarchical(ctx))
         own = static_cast<const uint8_t*>(in.data);
       else
         std::memcpy(buf, in.data, bytes);

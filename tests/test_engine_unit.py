@@ -100,6 +100,33 @@ def test_a_stall_report_does_not_count_joined_ranks_as_missing():
     assert "submitted by rank 0, missing on rank 1," in w["message"], w["message"]
 
 
+def test_process_set_tensors_wait_for_members_only_and_never_fuse_across_sets():
+    neg = co.Negotiator(4, stall_check=1.0)
+    neg.submit(1, t("a", members=[1, 3]), 0.0)
+    neg.submit(0, t("g"), 0.0)  # the whole job's: waits for everyone
+    neg.submit(0, t("b", members=[0, 2]), 0.0)
+    (w,) = neg.decide(2.0)  # a stall report names the missing members only
+    assert "'a' (allreduce) submitted by rank 1, missing on rank 3," in w["message"], w
+    assert "'b' (allreduce) submitted by rank 0, missing on rank 2," in w["message"]
+    neg.submit(3, t("a", members=[1, 3]), 2.1)
+    neg.submit(2, t("b", members=[0, 2]), 2.1)
+    out = neg.decide(2.2)
+    assert [(r["tensors"], r["contributors"]) for r in out] == [(["a"], 2), (["b"], 2)]
+    neg.submit(1, t("c", members=[1, 3]), 2.3)
+    neg.submit(3, t("c", members=[1, 2, 3]), 2.3)  # another set under the same name
+    (r,) = neg.decide(2.4)
+    assert r["type"] == "error" and "process_set=[1,2,3]" in r["message"], r
+
+
+def test_join_with_process_sets_checks_the_root_within_the_set():
+    neg = co.Negotiator(3)
+    neg.join(2)
+    neg.submit(1, t("b", kind="broadcast", root=1, members=[1, 2]), 0.0)
+    (r,) = neg.decide(0.0)  # root 1 of the set is global rank 2, which joined
+    assert r["type"] == "error" and r["message"].endswith(
+        "root rank 1 of the process set (rank 2) has already joined"), r
+
+
 def test_join_rejects_collectives_that_need_every_rank():
     neg = co.Negotiator(2)
     neg.join(1)

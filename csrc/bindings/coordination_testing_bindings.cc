@@ -33,6 +33,7 @@ RequestMeta request_meta_from(const py::dict& d) {
   m.postscale = d.contains("postscale") ? d["postscale"].cast<double>() : 1.0;
   m.group = d.contains("group") ? d["group"].cast<std::string>() : "";
   m.device = d.contains("device") ? d["device"].cast<int32_t>() : -1;
+  if (d.contains("members")) m.members = d["members"].cast<std::vector<int32_t>>();
   return m;
 }
 

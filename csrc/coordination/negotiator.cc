@@ -124,7 +124,10 @@ std::string Negotiator::unsupported_with_joined(const Pending& p) const {
     if (joined_[r] && !p.submitted[r] && m.has_rank(r)) absent.push_back(r);
   if (absent.empty()) return "";
   if (m.kind == CollKind::kBroadcast && !p.submitted[m.global_rank(m.root)])
-    return cat("broadcast '", m.name, "': root rank ", m.root, " has already joined");
+    return cat(
+        "broadcast '", m.name, "': root rank ", m.root,
+        m.members.empty() ? "" : cat(" of the process set (rank ", m.global_rank(m.root), ")"),
+        " has already joined");
   if (m.kind == CollKind::kAllreduce || m.kind == CollKind::kAllgather ||
       m.kind == CollKind::kBroadcast)
     return "";

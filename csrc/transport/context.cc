@@ -185,7 +185,6 @@ void Context::connect(const std::vector<std::string>& infos) {
                   peers_.back().rank);
   }
   compute_topology();
-  progress_.yield_while_spinning = local_size_ > static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   links_.clear();
   links_.resize(opt_.size);
   std::vector<std::string> hosts;

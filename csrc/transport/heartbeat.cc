@@ -148,8 +148,9 @@ void Heartbeat::read_beats(Peer& p, double t) {
   if (opt_.rank != 0 && whole > 0) {
     Beat b;
     std::memcpy(&b, p.inbox.data() + whole - sizeof(Beat), sizeof(Beat));
+    // A rank that was frozen itself reads rank 0's beats about it on waking.
     if (b.magic == kBeatMagic) {
-      relayed_rank_ = b.silent_rank;
+      relayed_rank_ = b.silent_rank == opt_.rank ? -1 : b.silent_rank;
       relayed_s_ = b.silent_ms / 1000.0;
     }
   }

@@ -11,13 +11,6 @@
 #include "transport/heartbeat.h"
 #include "transport/shm/doorbell.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define RR_CPU_RELAX() _mm_pause()
-#else
-#define RR_CPU_RELAX() ((void)0)
-#endif
-
 namespace rr {
 
 void CopySink::consume(const uint8_t* data, size_t offset, size_t n) {
@@ -145,10 +138,13 @@ void drive(const ProgressSettings& st, ProgressTask& task, const Describe& what)
       if (pending == 0) break;
       auto now = Clock::now();
       if (now - last_progress < spin) {
-        if (st.yield_while_spinning)
-          sched_yield();
-        else
-          RR_CPU_RELAX();
+        // Yield on every turn rather than spin with pause: the thread we wait
+        // for (the peer's, or this rank's engine or caller) may need this very
+        // core, and a spin would keep it off for the rest of the spin time.
+        // That was the ms-level latency of small TCP allreduces on a busy
+        // 2-core machine (README, "Hosts, links and faults"); on an idle core
+        // sched_yield() returns at once.
+        sched_yield();
         continue;
       }
       task.pending_io(&io);

@@ -37,7 +37,6 @@ struct RecvOp {
 struct ProgressSettings {
   int rank = 0;
   double spin_seconds = 50e-6;           // RINGREDUCE_SPIN_US
-  bool yield_while_spinning = false;     // more local ranks than cores: let them run
   double timeout_seconds = 1800;         // RINGREDUCE_TIMEOUT_SECONDS
   Doorbell* doorbell = nullptr;          // this rank's, when it has shm links
   const Heartbeat* heartbeat = nullptr;  // checked between waits: a frozen peer fails

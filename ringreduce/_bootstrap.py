@@ -87,8 +87,19 @@ def _env_store() -> tuple[int, int, bytes, Exchange]:
     secret = secret_env.encode() if secret_env else os.urandom(32)
     job = _job_identity(size, secret if secret_env else None)
     server = _serve_store(port, addr, timeout, job) if rank == 0 else None
-    store = _core.TcpStoreClient(addr, port, timeout)
-    _claim(store, rank, job, f"{addr}:{port}", timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        store = _core.TcpStoreClient(addr, port, timeout)
+        if _claim(store, rank, job, f"{addr}:{port}", timeout):
+            break
+        # This process's previous init() (before a shutdown()) still owns the rank
+        # in a rendezvous whose rank 0 has not shut down yet: wait for the new one.
+        del store
+        if time.monotonic() > deadline:
+            raise InvalidInputError(f"rank {rank}: the rendezvous at {addr}:{port} is still "
+                                    "the one of this process's previous init() after "
+                                    f"{timeout} s; {_CONFLICT_HINT}")
+        time.sleep(0.1)
     if rank == 0 and not secret_env:
         store.set("rr/secret", secret)
     elif not secret_env:
@@ -130,8 +141,13 @@ _CONFLICT_HINT = ("two jobs on one MASTER_ADDR:MASTER_PORT? Give each job its ow
                   "(ringrun picks a free one) or its own RINGREDUCE_SECRET")
 
 
+def _process() -> str:
+    return f"host {socket.gethostname()} pid {os.getpid()}"
+
+
 def _identity() -> str:
-    return f"host {socket.gethostname()} pid {os.getpid()} ({os.urandom(6).hex()})"
+    """This process's claim in one rendezvous: the process, and this init() of it."""
+    return f"{_process()} ({os.urandom(6).hex()})"
 
 
 def _job_identity(size: int, secret: bytes | None) -> str:
@@ -155,7 +171,9 @@ def _serve_store(port: int, addr: str, timeout: float, job: str) -> object:
                                 f"{_CONFLICT_HINT}") from err
 
 
-def _claim(store: object, rank: int, job: str, where: str, timeout: float) -> None:
+def _claim(store: object, rank: int, job: str, where: str, timeout: float) -> bool:
+    """Check the job and claim ``rank``; False if the store is this process's previous
+    rendezvous (re-init after shutdown while the old rank 0 still serves it)."""
     if rank == 0:
         store.set("rr/job", job.encode())
     else:
@@ -165,11 +183,14 @@ def _claim(store: object, rank: int, job: str, where: str, timeout: float) -> No
                                     f"job (it has {theirs}, this rank {job}); {_CONFLICT_HINT}")
     me = _identity()
     owner = store.add(f"rr/rank/{rank}", me.encode()).decode()
+    if owner != me and owner.startswith(_process() + " ("):
+        return False
     if owner != me:
         why = f"rank {rank} was claimed twice: by {owner} and by {me}"
         store.set("rr/conflict", why.encode())
         raise InvalidInputError(f"rank {rank}: the rendezvous at {where} already has a rank "
                                 f"{rank} ({owner}); {_CONFLICT_HINT}")
+    return True
 
 
 def _await_workers(store: object, size: int, where: str, timeout: float) -> None:

@@ -342,27 +342,33 @@ def stop_timeline() -> None:
     _comm().stop_timeline()
 
 
-def grouped_allgather(xs: Sequence[Any], name: Optional[str] = None) -> list:
+def grouped_allgather(xs: Sequence[Any], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list:
     """Allgather each of ``xs`` (submitted together); see ``Communicator.grouped_allgather``."""
-    return _comm().grouped_allgather(xs, name)
+    return _on(process_set, "grouped_allgather").grouped_allgather(xs, name)
 
 
-def grouped_allgather_async(xs: Sequence[Any], name: Optional[str] = None) -> Handle:
+def grouped_allgather_async(xs: Sequence[Any], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start a grouped allgather; ``synchronize`` returns the list of results."""
-    return _comm().grouped_allgather_async(xs, name)
+    return _on(process_set, "grouped_allgather_async").grouped_allgather_async(xs, name)
 
 
 def grouped_reducescatter(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list:
     """Reducescatter each of ``xs`` (submitted together); returns a list."""
-    return _comm().grouped_reducescatter(xs, op, name, prescale_factor, postscale_factor)
+    return _on(process_set, "grouped_reducescatter").grouped_reducescatter(
+        xs, op, name, prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter_async(xs: Sequence[Any], op: int = Average,
                                 name: Optional[str] = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
+                                postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> Handle:
     """Start a grouped reducescatter; ``synchronize`` returns the list of results."""
-    return _comm().grouped_reducescatter_async(xs, op, name, prescale_factor, postscale_factor)
+    return _on(process_set, "grouped_reducescatter_async").grouped_reducescatter_async(
+        xs, op, name, prescale_factor, postscale_factor)
 
 
 def allgather_async(x: Any, name: Optional[str] = None,

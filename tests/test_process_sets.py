@@ -47,6 +47,9 @@ def every_collective(ps: ProcessSet) -> dict:
         "a2a": rr.alltoall(np.full(ps.size(), r, np.int64), process_set=ps),
         "grouped": rr.grouped_allreduce([value(r, 3), value(r, 70000)], op=rr.Max,
                                         process_set=ps),
+        "ggather": rr.grouped_allgather([np.full((r + 1, 2), r, np.int32)], process_set=ps),
+        "gscatter": rr.grouped_reducescatter([np.ones((2 * ps.size(), 3)) * r], op=rr.Sum,
+                                             process_set=ps),
         "obj": rr.allgather_object({"rank": r}, process_set=ps),
         "bobj": rr.broadcast_object(f"from {r}", root_rank=0, process_set=ps),
     }
@@ -64,6 +67,8 @@ def check_every_collective(got: dict, members: list, me: int) -> None:
     np.testing.assert_array_equal(got["scatter"], np.full((2, 3), float(sum(members))))
     np.testing.assert_array_equal(got["a2a"], np.array(members, np.int64))
     np.testing.assert_array_equal(got["grouped"][1], value(max(members), 70000))
+    np.testing.assert_array_equal(got["ggather"][0], want_rows)
+    np.testing.assert_array_equal(got["gscatter"][0], got["scatter"])
     assert got["obj"] == [{"rank": m} for m in members]
     assert got["bobj"] == f"from {members[0]}"
 

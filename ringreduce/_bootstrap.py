@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from . import _core
-from .exceptions import InvalidInputError, RingReduceError, RingReduceTimeoutError
+from .exceptions import InvalidInputError, PeerLostError, RingReduceError, RingReduceTimeoutError
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
             "HYDI_CONTROL_FD", "I_MPI_HYDRA_TOPOLIB", "MV2_COMM_WORLD_SIZE")
@@ -90,8 +90,14 @@ def _env_store() -> tuple[int, int, bytes, Exchange]:
     deadline = time.monotonic() + timeout
     while True:
         store = _core.TcpStoreClient(addr, port, timeout)
-        if _claim(store, rank, job, f"{addr}:{port}", timeout):
-            break
+        try:
+            if _claim(store, rank, job, f"{addr}:{port}", timeout):
+                break
+        except PeerLostError:
+            # The store closed under us: a previous rendezvous's rank 0 shutting down
+            # while this process re-inits. Retry until the new one is up (or time is out).
+            if rank == 0 or time.monotonic() > deadline:
+                raise
         # This process's previous init() (before a shutdown()) still owns the rank
         # in a rendezvous whose rank 0 has not shut down yet: wait for the new one.
         del store

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from ._adasum import Adasum
-from ._communicator import Average, Communicator, Handle, Max, Min, Product, Sum, reduce_isa
+from ._call_checks import Average, Max, Min, Product, Sum
+from ._communicator import Communicator, Handle, reduce_isa
 from ._cuda_arrays import register_gpu_array_type as register_gpu_array_type
 from ._gpu import cuda_built, nccl_built
 from ._gpu import gpu_info as gpu_info  # in __all__ once ringreduce.torch re-exports it

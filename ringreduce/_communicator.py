@@ -7,11 +7,7 @@ The module-level functions of ``ringreduce`` delegate to the Communicator that
 from __future__ import annotations
 
 import contextlib
-import math
-import operator
 import os
-import pickle
-import reprlib
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -20,102 +16,21 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import _core
-from ._adasum import Adasum, gather_and_combine
+from ._adasum import Adasum
 from ._arrays import for_reading, for_writing
+from ._call_checks import _OP_NAMES, Average, _check_op, check_scales
+from ._composite_calls import CompositeCalls
 from ._cuda_arrays import is_gpu_array
 from ._dtypes import dtype_code
 from ._gpu import configure_engine
-from ._gpu_collectives import ALLREDUCE, BROADCAST, REDUCESCATTER, GpuCollectives
+from ._gpu_calls import GpuCalls
+from ._gpu_collectives import GpuCollectives
+from ._handles import Handle, _oldest_done
 from ._pool import OutputPool
 from .exceptions import InvalidInputError, call_label
 
-Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
-_OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
-# Adasum (5) is handled in Python (``_adasum``) by the allreduce calls that accept it.
 
-
-
-def _check_op(op: Any, what: str) -> int:
-    """The op as a plain int; InvalidInputError unless it is an integer naming an op
-    (1.0 or 1+0j hash like 1, so a dict lookup alone would let them through)."""
-    if type(op) is int and op in _OP_NAMES:
-        return op
-    try:
-        code = operator.index(op)  # ints, bools, IntEnums, numpy integers
-    except TypeError:
-        code = None
-    if code not in _OP_NAMES:
-        raise InvalidInputError(f"{what}: op must be one of ringreduce.Sum, Average, Min, Max, "
-                                f"Product; got {reprlib.repr(op)}")
-    return code
-
-
-_TEXT = (str, bytes, bytearray)  # float() parses them; as a scale factor, text is a mistake
-
-
-def check_scales(prescale: Any, postscale: Any, op: str,
-                 name: Optional[str] = None) -> tuple[float, float]:
-    """The scale factors as floats; InvalidInputError unless both are finite real numbers.
-
-    Parameters
-    ----------
-    prescale, postscale : Any
-        What the caller passed as ``prescale_factor`` and ``postscale_factor``.
-    op, name : str
-        The call and tensor, for the message.
-    """
-    try:
-        pre, post = float(prescale), float(postscale)
-    except (TypeError, ValueError, OverflowError):
-        pre = post = math.nan
-    if math.isfinite(pre) and math.isfinite(post) and not isinstance(prescale, _TEXT) \
-            and not isinstance(postscale, _TEXT):
-        return pre, post
-    raise InvalidInputError(f"{call_label(op, name)}: prescale_factor and postscale_factor "
-                            f"must be finite real numbers, got {reprlib.repr(prescale)} and "
-                            f"{reprlib.repr(postscale)}")
-
-
-def _oldest_done(q: deque) -> bool:
-    """Whether the oldest handle kept alive is done (False if another thread's
-    release_done() emptied the deque meanwhile: appends take no lock)."""
-    try:
-        return q[0].done()
-    except IndexError:
-        return False
-
-
-class Handle:
-    """A collective in flight. Pass it to ``synchronize()`` or ``poll()``.
-
-    Holds the input and output arrays alive until the collective completes. (An in-place
-    allreduce of a plain numpy array returns a ``ringreduce._core.ArrayHandle`` instead: the
-    same ``wait()`` and ``done()``, made in C++ because it is the per-gradient hot path.)
-    """
-
-    __slots__ = ("_core", "_finish", "_keep", "_result")
-
-    def __init__(self, core: Any, finish: Callable[[Any], Any], keep: tuple = ()) -> None:
-        self._core = core
-        self._finish: Optional[Callable[[Any], Any]] = finish
-        self._keep = keep
-        self._result: Any = None
-
-    def done(self) -> bool:
-        """True once the collective has completed (successfully or not)."""
-        return self._core.done()
-
-    def wait(self) -> Any:
-        """Block until complete (the GIL is released) and return the result; raises on error."""
-        if self._finish is not None:
-            self._core.wait()
-            finish, self._finish = self._finish, None
-            self._result = finish(self._core)
-            self._keep = ()
-        return self._result
-
-
-class Communicator:
+class Communicator(GpuCalls, CompositeCalls):
     """One rank of a job: rank/size queries and collectives on arrays.
 
     Every collective goes through the rank's background engine (C++): the
@@ -305,25 +220,6 @@ class Communicator:
         """
         return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor))
 
-    def _gpu_allreduce(self, xs: Sequence[Any], in_place: bool, op: Any, name: Optional[str],
-                       prescale: Any, postscale: Any, what: str,
-                       result: Callable[[list], Any], grouped: bool = False) -> Handle:
-        """An allreduce of GPU arrays (one, or a fused group) through the GPU executor."""
-        op = _check_op(op, call_label(what, name))
-        pre, post = check_scales(prescale, postscale, what, name)
-        if not all(is_gpu_array(x) for x in xs) or not xs:
-            raise InvalidInputError(f"{call_label(what, name)}: a group is either all GPU "
-                                    "arrays or all host arrays, and not empty")
-        ins = self._gpu.views(xs, what, name)
-        outs = None if in_place else self._gpu.results(ins, what, name)
-        with self._lock:  # the unnamed-group counter advances only when the engine took it
-            group = self._group_name(name) if grouped else ""
-            names = [f"{group}.{i}" for i in range(len(ins))] if grouped else [self._name(name)]
-            core = self._gpu.submit(ALLREDUCE, ins, outs, names, group, op, pre, post)
-            self._groups += grouped and name is None
-        results = [o.obj for o in outs] if outs else list(xs)
-        return self._track(core, lambda _: result(results), (ins, outs))
-
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float, what: str) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
@@ -383,26 +279,6 @@ class Communicator:
         arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
         core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: list(xs), (arrs,))
-
-    def _adasum(self, xs: Sequence[Any], name: Optional[str], prescale: Any, postscale: Any,
-                in_place: bool, grouped: bool) -> Handle:
-        """An allreduce with ``op=Adasum`` (see ``_adasum``): a grouped allgather, then the
-        same float64 combination on every rank; in place, the results are copied back."""
-        what = ("grouped_allreduce" if grouped else "allreduce") + ("_" if in_place else "")
-        pre, post = check_scales(prescale, postscale, what, name)
-        srcs = [(for_writing if in_place else for_reading)(x, what, name)
-                for x in _members(xs, call_label(what, name))]
-        inner, combine = gather_and_combine(self, srcs, name, pre, post, what)
-
-        def finish(gathered: list) -> Any:
-            out = combine(gathered)
-            if in_place:
-                for dst, res in zip(srcs, out):
-                    dst[...] = res
-                out = list(xs)
-            return out if grouped else out[0]
-
-        return Handle(inner, lambda h: finish(h.wait()), (srcs,))
 
     def _group_name(self, name: Optional[str]) -> str:
         """The group's name: ``name``, or the next deterministic one (hold ``_lock``)."""
@@ -473,15 +349,6 @@ class Communicator:
         core = self._engine.broadcast(arr, list(arr.shape), code, root, self._name(name))
         return self._track(core, (lambda _: x) if op == "broadcast_" else (lambda _: arr), (arr,))
 
-    def _gpu_broadcast(self, x: Any, in_place: bool, root_rank: int, name: Optional[str],
-                       what: str) -> Handle:
-        """A broadcast of a GPU array: NCCL's broadcast from ``x`` into itself or a new array."""
-        root = self._check_root(root_rank, call_label(what, name))
-        ins = self._gpu.views([x], what, name)
-        outs = None if in_place else self._gpu.results(ins, what, name)
-        core = self._gpu.submit(BROADCAST, ins, outs, [self._name(name)], root=root)
-        return self._track(core, lambda _: outs[0].obj if outs else x, (ins, outs))
-
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""
         return self._wait(self.broadcast_async_(x, root_rank, name))
@@ -505,21 +372,6 @@ class Communicator:
         core = self._engine.reducescatter(src, list(src.shape), code, op, *scales,
                                           self._name(name))
         return self._track(core, self._output(src.dtype), (src,))
-
-    def _gpu_reducescatter(self, x: Any, op: Any, name: Optional[str], prescale: Any,
-                           postscale: Any) -> Handle:
-        """A reducescatter of a GPU array: this rank's rows in a new array of its type."""
-        what = call_label("reducescatter", name)
-        op = _check_op(op, what)
-        pre, post = check_scales(prescale, postscale, "reducescatter", name)
-        ins = self._gpu.views([x], "reducescatter", name)
-        if not ins[0].shape:
-            raise InvalidInputError(f"{what}: needs at least one dimension")
-        rows, n = ins[0].shape[0], self.size()
-        mine = rows // n + (self.rank() < rows % n)  # lower ranks get the extra rows
-        outs = self._gpu.results(ins, "reducescatter", name, [(mine, *ins[0].shape[1:])])
-        core = self._gpu.submit(REDUCESCATTER, ins, outs, [self._name(name)], "", op, pre, post)
-        return self._track(core, lambda _: outs[0].obj, (ins, outs))
 
     def reducescatter(self, x: Any, op: int = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
@@ -561,37 +413,6 @@ class Communicator:
         received array is returned; with ``splits`` a tuple ``(output, received_splits)``.
         """
         return self._wait(self.alltoall_async(x, splits, name))
-
-    def grouped_allgather_async(self, xs: Sequence[Any], name: Optional[str] = None) -> Handle:
-        """Start an allgather of each of ``xs``, submitted together; the result is a list.
-
-        Members are named ``<name>.<i>`` (unnamed: matched by order, like single calls).
-        """
-        what = call_label("grouped_allgather", name)
-        handles = [self.allgather_async(x, _part(name, str(i)))
-                   for i, x in enumerate(_members(xs, what))]
-        return Handle(_HandleGroup(handles), lambda g: g.results)
-
-    def grouped_allgather(self, xs: Sequence[Any], name: Optional[str] = None) -> list:
-        """Allgather each of ``xs`` (see ``allgather``); returns a list of new arrays."""
-        return self._wait(self.grouped_allgather_async(xs, name))
-
-    def grouped_reducescatter_async(self, xs: Sequence[Any], op: int = Average,
-                                    name: Optional[str] = None, prescale_factor: float = 1.0,
-                                    postscale_factor: float = 1.0) -> Handle:
-        """Start a reducescatter of each of ``xs``, submitted together; the result is a list."""
-        what = call_label("grouped_reducescatter", name)
-        handles = [self.reducescatter_async(x, op, _part(name, str(i)), prescale_factor,
-                                            postscale_factor)
-                   for i, x in enumerate(_members(xs, what))]
-        return Handle(_HandleGroup(handles), lambda g: g.results)
-
-    def grouped_reducescatter(self, xs: Sequence[Any], op: int = Average,
-                              name: Optional[str] = None, prescale_factor: float = 1.0,
-                              postscale_factor: float = 1.0) -> list:
-        """Reducescatter each of ``xs`` (see ``reducescatter``); returns a list of new arrays."""
-        return self._wait(self.grouped_reducescatter_async(xs, op, name, prescale_factor,
-                                                           postscale_factor))
 
     def shared_zeros(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
         """Return a zero-filled array in memory that every rank of the job maps.
@@ -686,25 +507,6 @@ class Communicator:
         # unnamed calls in one order between joins.
         return "" if name is None else str(name)
 
-    def broadcast_object(self, obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
-        """Return root_rank's ``obj`` (any picklable object) on every rank."""
-        payload = pickle.dumps(obj) if self.rank() == root_rank else b""
-        length = self.broadcast_(np.array([len(payload)], np.int64), root_rank,
-                                 _part(name, "len"))
-        data = np.frombuffer(payload, np.uint8).copy() if payload else np.empty(
-            int(length[0]), np.uint8)
-        self.broadcast_(data, root_rank, _part(name, "data"))
-        return obj if self.rank() == root_rank else pickle.loads(data.tobytes())
-
-    def allgather_object(self, obj: Any, name: Optional[str] = None) -> list:
-        """Return the list of every rank's ``obj``, in rank order."""
-        data = np.frombuffer(pickle.dumps(obj), np.uint8)
-        lengths = self.allgather(np.array([len(data)], np.int64), _part(name, "len"))
-        gathered = self.allgather(data, _part(name, "data"))
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        return [pickle.loads(gathered[bounds[i]:bounds[i + 1]].tobytes())
-                for i in range(self.size())]
-
     def _check_root(self, root_rank: int, what: str) -> int:
         if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self.size():
             raise InvalidInputError(f"{what}: root_rank must be an int in [0, {self.size()}), "
@@ -753,41 +555,10 @@ class ProcessSetCommunicator(Communicator):
                                 "without a process set")
 
 
-class _HandleGroup:
-    """Several handles waited on as one (the grouped allgather and reducescatter)."""
-
-    __slots__ = ("_handles", "results")
-
-    def __init__(self, handles: list) -> None:
-        self._handles = handles
-        self.results: list = []
-
-    def done(self) -> bool:
-        return all(h.done() for h in self._handles)
-
-    def wait(self) -> None:
-        """Wait for every member, even after one failed, then raise the first error."""
-        results, first = [], None
-        for h in self._handles:
-            try:
-                results.append(h.wait())
-            except Exception as err:
-                first = first or err
-        if first is not None:
-            raise first
-        self.results = results
 
 
-def _members(xs: Sequence[Any], what: str) -> list:
-    if isinstance(xs, np.ndarray) or not isinstance(xs, Sequence) or not xs:
-        raise InvalidInputError(f"{what}: expects a non-empty list of arrays, got "
-                                f"{reprlib.repr(xs)}")
-    return list(xs)
 
 
-def _part(name: Optional[str], part: str) -> Optional[str]:
-    """Name of one step of a composite call; unnamed stays unnamed (matched by order)."""
-    return None if name is None else f"{name}.{part}"
 
 
 def reduce_isa() -> str:

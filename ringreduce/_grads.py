@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._communicator import _OP_NAMES, Average, Sum, _part
+from ._call_checks import _OP_NAMES, Average, Sum, _part
 from .exceptions import InvalidInputError, call_label
 
 __all__ = ["allgather_grad", "alltoall_grad", "broadcast_grad", "reducescatter_grad"]

@@ -12,7 +12,7 @@ import operator
 from typing import Any, Optional
 
 from ._adasum import Adasum
-from ._communicator import _OP_NAMES, Average, Sum, check_scales
+from ._call_checks import _OP_NAMES, Average, Sum, check_scales
 from .exceptions import InvalidInputError
 
 __all__ = ["check_passes", "optimizer_scales", "resolve_op"]

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from ringreduce import Average, Communicator, Sum
-from ringreduce._communicator import check_scales
+from ringreduce._call_checks import check_scales
 from ringreduce._grads import allgather_grad, alltoall_grad, broadcast_grad, reducescatter_grad
 from ringreduce._horovod import resolve_op
 from ringreduce.compression import Compressor

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from ringreduce import Average, Communicator, Sum
-from ringreduce._communicator import _part, check_scales
+from ringreduce._call_checks import _part, check_scales
 from ringreduce._grads import allgather_grad, reducescatter_grad
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ringreduce import Average, Communicator
-from ringreduce._communicator import check_scales
+from ringreduce._call_checks import check_scales
 from ringreduce._grads import allgather_grad, alltoall_grad, broadcast_grad, reducescatter_grad
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set

@@ -21,7 +21,7 @@ import torch
 
 import ringreduce as _rr
 from ringreduce import Average, Communicator, Max, Min, Product, Sum
-from ringreduce._communicator import check_scales
+from ringreduce._call_checks import check_scales
 from ringreduce._horovod import resolve_op as _resolve_op
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ringreduce import Average, Communicator, Sum
-from ringreduce._communicator import _part
+from ringreduce._call_checks import _part
 from ringreduce.exceptions import InvalidInputError
 
 from ._tensors import comm, to_numpy, to_torch

@@ -1,0 +1,90 @@
+"""Collectives of a Communicator made of other collectives: Adasum, the grouped
+allgather and reducescatter, and the object calls."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from ._adasum import gather_and_combine
+from ._arrays import for_reading, for_writing
+from ._call_checks import Average, _members, _part, check_scales
+from ._handles import Handle, _HandleGroup
+from .exceptions import call_label
+
+
+class CompositeCalls:
+    """Mixin of ``Communicator``: calls built from its other collectives."""
+
+    def _adasum(self, xs: Sequence[Any], name: Optional[str], prescale: Any, postscale: Any,
+                in_place: bool, grouped: bool) -> Handle:
+        """An allreduce with ``op=Adasum`` (see ``_adasum``): a grouped allgather, then the
+        same float64 combination on every rank; in place, the results are copied back."""
+        what = ("grouped_allreduce" if grouped else "allreduce") + ("_" if in_place else "")
+        pre, post = check_scales(prescale, postscale, what, name)
+        srcs = [(for_writing if in_place else for_reading)(x, what, name)
+                for x in _members(xs, call_label(what, name))]
+        inner, combine = gather_and_combine(self, srcs, name, pre, post, what)
+
+        def finish(gathered: list) -> Any:
+            out = combine(gathered)
+            if in_place:
+                for dst, res in zip(srcs, out):
+                    dst[...] = res
+                out = list(xs)
+            return out if grouped else out[0]
+
+        return Handle(inner, lambda h: finish(h.wait()), (srcs,))
+
+    def grouped_allgather_async(self, xs: Sequence[Any], name: Optional[str] = None) -> Handle:
+        """Start an allgather of each of ``xs``, submitted together; the result is a list.
+
+        Members are named ``<name>.<i>`` (unnamed: matched by order, like single calls).
+        """
+        what = call_label("grouped_allgather", name)
+        handles = [self.allgather_async(x, _part(name, str(i)))
+                   for i, x in enumerate(_members(xs, what))]
+        return Handle(_HandleGroup(handles), lambda g: g.results)
+
+    def grouped_allgather(self, xs: Sequence[Any], name: Optional[str] = None) -> list:
+        """Allgather each of ``xs`` (see ``allgather``); returns a list of new arrays."""
+        return self._wait(self.grouped_allgather_async(xs, name))
+
+    def grouped_reducescatter_async(self, xs: Sequence[Any], op: int = Average,
+                                    name: Optional[str] = None, prescale_factor: float = 1.0,
+                                    postscale_factor: float = 1.0) -> Handle:
+        """Start a reducescatter of each of ``xs``, submitted together; the result is a list."""
+        what = call_label("grouped_reducescatter", name)
+        handles = [self.reducescatter_async(x, op, _part(name, str(i)), prescale_factor,
+                                            postscale_factor)
+                   for i, x in enumerate(_members(xs, what))]
+        return Handle(_HandleGroup(handles), lambda g: g.results)
+
+    def grouped_reducescatter(self, xs: Sequence[Any], op: int = Average,
+                              name: Optional[str] = None, prescale_factor: float = 1.0,
+                              postscale_factor: float = 1.0) -> list:
+        """Reducescatter each of ``xs`` (see ``reducescatter``); returns a list of new arrays."""
+        return self._wait(self.grouped_reducescatter_async(xs, op, name, prescale_factor,
+                                                           postscale_factor))
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+        """Return root_rank's ``obj`` (any picklable object) on every rank."""
+        payload = pickle.dumps(obj) if self.rank() == root_rank else b""
+        length = self.broadcast_(np.array([len(payload)], np.int64), root_rank,
+                                 _part(name, "len"))
+        data = np.frombuffer(payload, np.uint8).copy() if payload else np.empty(
+            int(length[0]), np.uint8)
+        self.broadcast_(data, root_rank, _part(name, "data"))
+        return obj if self.rank() == root_rank else pickle.loads(data.tobytes())
+
+    def allgather_object(self, obj: Any, name: Optional[str] = None) -> list:
+        """Return the list of every rank's ``obj``, in rank order."""
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        lengths = self.allgather(np.array([len(data)], np.int64), _part(name, "len"))
+        gathered = self.allgather(data, _part(name, "data"))
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        return [pickle.loads(gathered[bounds[i]:bounds[i + 1]].tobytes())
+                for i in range(self.size())]

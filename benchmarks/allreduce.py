@@ -5,6 +5,7 @@ Run under MPI (mpi4py bootstraps the peers and gathers timings)::
     mpirun -np 2 python benchmarks/allreduce.py
     mpirun -np 2 python benchmarks/allreduce.py --max-bytes 16M --plot busbw.png --csv out.csv
     mpirun -np 2 python benchmarks/allreduce.py --shared --peers mpi   # + rr.shared_zeros column
+    mpirun -np 2 python benchmarks/allreduce.py --out-of-place --peers mpi --min-bytes 1M
 
 Timing follows nccl-tests: for each size, every implementation works on the same buffer in
 place; a timed block is barrier, warmup iterations, barrier, then ``iters`` back-to-back calls.
@@ -12,9 +13,13 @@ Each rank takes the median per-iteration time over ``--reps`` blocks, and the re
 maximum of that over ranks. With ``--shared`` a ``rr-shared`` column times ringreduce on a buffer
 from ``rr.shared_zeros`` (its own buffer; the others share one private buffer), which takes the
 shared-buffer path on one host; it is a ringreduce variant, not a peer, so the ratio columns
-leave it out. Implementations are interleaved within each size (and their order
-rotated between repetitions) so that noise on a small machine hits them all alike. Iteration
-counts shrink with size so the whole default sweep stays within a few minutes on 2 cores.
+leave it out. With ``--out-of-place`` a ``rr-oop`` column times ``rr.allreduce(buf)`` (a new
+array each call, dropped at once, as a training loop drops last step's result) on the same
+buffer as the in-place ``ringreduce`` column, and a line per size from 1 MiB up gives its time
+over the in-place call's (issue 20's target: at most 1.2). Implementations are interleaved
+within each size (and their order rotated between repetitions) so that noise on a small machine
+hits them all alike. Iteration counts shrink with size so the whole default sweep stays within a
+few minutes on 2 cores.
 
 algbw = bytes / time; busbw = algbw * 2 (n - 1) / n, the per-link traffic of a bandwidth-optimal
 allreduce, comparable across rank counts and with the memcpy bandwidth printed as a ceiling.
@@ -44,6 +49,10 @@ import ringreduce as rr
 COMM = MPI.COMM_WORLD
 RR = "ringreduce"
 RR_SHARED = "rr-shared"  # ringreduce on a shared buffer (--shared)
+RR_OOP = "rr-oop"  # ringreduce out of place: a new array per call (--out-of-place)
+VARIANTS = (RR, RR_SHARED, RR_OOP)  # ringreduce's own columns; the rest are peers
+#: Issue 20: out-of-place time / in-place time, from 1 MiB up.
+TARGET_OOP, OOP_FROM = 1.2, 1 << 20
 PEERS = ("mpi", "gloo")
 DTYPES = ("float32", "float64", "int32", "int64")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -133,6 +142,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--peers", default="mpi,gloo", help="comma list from: mpi, gloo ('' = none)")
     p.add_argument("--shared", action="store_true",
                    help="add an rr-shared column: ringreduce on an rr.shared_zeros buffer")
+    p.add_argument("--out-of-place", action="store_true",
+                   help="add an rr-oop column: rr.allreduce returning a new array")
     p.add_argument("--plot", metavar="PNG", help="write a busbw-vs-size plot here")
     p.add_argument("--csv", metavar="CSV", help="write one row per size and implementation here")
     args = p.parse_args(argv)
@@ -249,8 +260,20 @@ def setup_gloo() -> tuple[Optional[AllreduceFn], str]:
     return gloo_allreduce, note
 
 
-def implementations(peers: Sequence[str],
-                    shared: bool = False) -> tuple[dict[str, AllreduceFn], list[str]]:
+def rr_out_of_place(buf: np.ndarray) -> None:
+    rr.allreduce(buf, op=rr.Sum)  # the new array is dropped (its memory goes back to the pool)
+
+
+def rr_out_of_place_checked(buf: np.ndarray) -> None:
+    np.copyto(buf, rr.allreduce(buf, op=rr.Sum))
+
+
+#: What check() runs instead of an implementation that leaves its result elsewhere.
+_CHECKED = {RR_OOP: rr_out_of_place_checked}
+
+
+def implementations(peers: Sequence[str], shared: bool = False,
+                    out_of_place: bool = False) -> tuple[dict[str, AllreduceFn], list[str]]:
     """The implementations to time, ringreduce first, and notes for the header.
 
     Parameters
@@ -259,6 +282,8 @@ def implementations(peers: Sequence[str],
         Baselines requested on the command line.
     shared : bool
         Also time ringreduce on a shared buffer (``rr-shared``).
+    out_of_place : bool
+        Also time ringreduce's out-of-place call (``rr-oop``).
 
     Returns
     -------
@@ -270,6 +295,8 @@ def implementations(peers: Sequence[str],
     impls: dict[str, AllreduceFn] = {RR: rr_allreduce}
     if shared:
         impls[RR_SHARED] = rr_allreduce
+    if out_of_place:
+        impls[RR_OOP] = rr_out_of_place
     notes = []
     if "mpi" in peers:
         impls["mpi"] = mpi_allreduce
@@ -340,7 +367,7 @@ def measure_size(
     private = np.empty(count, dtype=dtype)
     bufs = {name: rr.shared_zeros(count, dtype) if name == RR_SHARED else private
             for name in impls}
-    correct = {name: check(fn, bufs[name]) for name, fn in impls.items()}
+    correct = {name: check(_CHECKED.get(name, fn), bufs[name]) for name, fn in impls.items()}
     # Time on zeros: repeated in-place sums of anything else grow without bound (overflow to
     # inf in float32 after ~100 iterations at 2 ranks), and zeros cost the same to add.
     for buf in bufs.values():
@@ -415,7 +442,7 @@ def table_header(impls: Sequence[str]) -> list[str]:
     for name in impls:
         top += f"| {name:^30} "
         sub += f"| {'time(us)':>10} {'algbw':>9} {'busbw':>9} "
-    peers = [p for p in impls if p not in (RR, RR_SHARED)]
+    peers = [p for p in impls if p not in VARIANTS]
     ratio_names = [f"rr/{p}" for p in peers] + (["rr/best"] if len(peers) > 1 else [])
     if ratio_names:
         top += "| " + f"{'busbw ratio':^{8 * len(ratio_names) - 1}} "
@@ -434,7 +461,7 @@ def table_row(results: Sequence[Result]) -> str:
     for r in results:
         row += f"| {r.time_s * 1e6:>10.1f} {r.algbw:>9.3f} {r.busbw:>9.3f} "
     mine = next(r for r in results if r.impl == RR)
-    peers = [r for r in results if r.impl not in (RR, RR_SHARED)]
+    peers = [r for r in results if r.impl not in VARIANTS]
     ratios = [p.time_s / mine.time_s for p in peers]
     if len(peers) > 1:
         ratios.append(min(p.time_s for p in peers) / mine.time_s)
@@ -442,6 +469,18 @@ def table_row(results: Sequence[Result]) -> str:
         row += "| " + " ".join(f"{x:>7.2f}" for x in ratios) + " "
     wrong = [r.impl for r in results if not r.correct]
     return row + "| " + ("ok" if not wrong else "WRONG: " + ",".join(wrong))
+
+
+def out_of_place_lines(rows: Sequence[Result]) -> list[str]:
+    """Per size from 1 MiB up: rr-oop's time over the in-place call's, against the target."""
+    by = {(r.impl, r.nbytes): r for r in rows}
+    lines = []
+    for r in rows:
+        if r.impl == RR_OOP and r.nbytes >= OOP_FROM:
+            x = r.time_s / by[(RR, r.nbytes)].time_s
+            lines.append(f"# target: {RR_OOP} <= {TARGET_OOP:g}x in-place at {human(r.nbytes)}: "
+                         f"{x:.2f}x  {'PASS' if x <= TARGET_OOP else 'MISS'}")
+    return lines
 
 
 def write_csv(path: str, rows: Sequence[Result], dtype: str, world: int) -> None:
@@ -500,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     root, say = init_ringreduce(COMM)
     start = time.perf_counter()
 
-    impls, notes = implementations(args.peers, args.shared)
+    impls, notes = implementations(args.peers, args.shared, args.out_of_place)
     for line in header_lines(args, notes):
         say(line, flush=True)
     mem_bw = memcpy_bandwidth()
@@ -516,6 +555,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.extend(results)
         say(table_row(results), flush=True)
 
+    for line in out_of_place_lines(rows):
+        say(line)
     bad = sorted({f"{r.impl}@{human(r.nbytes)}" for r in rows if not r.correct})
     say(f"# wrong results: {', '.join(bad) if bad else 'none'}")
     say(f"# total time {time.perf_counter() - start:.1f} s")

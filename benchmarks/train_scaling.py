@@ -1,9 +1,11 @@
 """Training throughput and scaling efficiency: ringreduce.torch vs torch DDP (gloo).
 
-    python benchmarks/train_scaling.py [--steps 6] [--batch 32] [--nps 1 2]
+    python benchmarks/train_scaling.py [--steps 6] [--batch 32] [--nps 1 2] [--threads 1 0]
 
 Trains a ResNet-18-style CNN (11.2 M parameters, 32x32 inputs, synthetic data)
-with SGD, one torch thread per rank, and reports samples/s at each -np for
+with SGD, one torch thread per rank (``--threads``: a list; 0 = torch's default thread
+count, every rank then competing with the others and the engine for the cores), and
+reports samples/s at each -np for
 ringreduce.torch.DistributedOptimizer (with its gradient buckets, the default, and
 without: ``rr-no-buckets``) and torch.nn.parallel.DistributedDataParallel over gloo, all
 in the same run (each launch is a fresh set of processes, started
@@ -58,7 +60,8 @@ def make_model():
 def worker(args) -> None:
     import torch
 
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = make_model()
     if args.worker in ("ringreduce", "rr-no-buckets"):
@@ -99,6 +102,7 @@ def worker(args) -> None:
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({"backend": args.worker, "np": size, "params": params,
+                          "threads": torch.get_num_threads(),
                           "step_s": elapsed / args.steps,
                           "samples_per_s": size * args.batch * args.steps / elapsed}),
               flush=True)
@@ -111,15 +115,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(backend: str, n: int, args) -> dict:
+def launch(backend: str, n: int, threads: int, args) -> dict:
     """Start n worker processes torchrun-style; return rank 0's result."""
     port = free_port()
     procs = []
     for r in range(n):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.pop("OMP_NUM_THREADS", None)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, __file__, "--worker", backend, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--batch", str(args.batch)]
+               "--warmup", str(args.warmup), "--batch", str(args.batch),
+               "--threads", str(threads)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -140,35 +148,49 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     p.add_argument("--nps", type=int, nargs="+", default=[1, 2], help="process counts")
+    p.add_argument("--threads", type=int, nargs="+", default=[1],
+                   help="torch threads per rank, one configuration each (0: torch's default)")
     p.add_argument("--repeats", type=int, default=2,
                    help="launches per configuration, interleaved; the best one counts")
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     args = p.parse_args()
     if args.worker:
+        args.threads = args.threads[0]
         return worker(args)
     results: dict = {}
     for _ in range(args.repeats):  # interleaved, so a noisy stretch hits every configuration
-        for n in args.nps:
-            for backend in BACKENDS:
-                r = launch(backend, n, args)
-                print(f"# {backend} -np {n}: {r['samples_per_s']:.1f} samples/s "
-                      f"({r['step_s'] * 1000:.0f} ms/step)", flush=True)
-                best = results.get((backend, n))
-                if best is None or r["samples_per_s"] > best["samples_per_s"]:
-                    results[backend, n] = r
-    params = results[BACKENDS[0], args.nps[0]]["params"]
+        for t in args.threads:
+            for n in args.nps:
+                for backend in BACKENDS:
+                    r = launch(backend, n, t, args)
+                    print(f"# {backend} -np {n}, {r['threads']} threads: "
+                          f"{r['samples_per_s']:.1f} samples/s ({r['step_s'] * 1000:.0f} ms/step)",
+                          flush=True)
+                    best = results.get((backend, n, t))
+                    if best is None or r["samples_per_s"] > best["samples_per_s"]:
+                        results[backend, n, t] = r
+    print_table(results, args)
+
+
+def print_table(results: dict, args) -> None:
+    """The markdown table: a row per (threads, np), samples/s and efficiency per backend."""
+    params = results[BACKENDS[0], args.nps[0], args.threads[0]]["params"]
     print(f"\nResNet-18-style CNN, {params / 1e6:.1f} M parameters, batch {args.batch} per rank, "
-          f"1 torch thread per rank, {args.steps} timed steps, best of {args.repeats}\n")
-    print("| np | " + " | ".join(f"{b} samples/s | {b} efficiency" for b in BACKENDS) + " |")
-    print("|---|" + "---|---|" * len(BACKENDS))
+          f"{args.steps} timed steps, best of {args.repeats}\n")
+    print("| threads | np | " + " | ".join(f"{b} samples/s | {b} efficiency" for b in BACKENDS)
+          + " |")
+    print("|---|---|" + "---|---|" * len(BACKENDS))
     base = min(args.nps)
-    for n in args.nps:
-        cells = []
-        for b in BACKENDS:
-            thr = results[b, n]["samples_per_s"]
-            eff = thr / (n / base * results[b, base]["samples_per_s"])
-            cells += [f"{thr:.1f}", f"{eff:.0%}"]
-        print(f"| {n} | " + " | ".join(cells) + " |")
+    for t in args.threads:
+        for n in args.nps:
+            cells = []
+            for b in BACKENDS:
+                thr = results[b, n, t]["samples_per_s"]
+                eff = thr / (n / base * results[b, base, t]["samples_per_s"])
+                cells += [f"{thr:.1f}", f"{eff:.0%}"]
+            got = results[BACKENDS[0], n, t]["threads"]
+            label = str(t) if t else f"torch default ({got})"
+            print(f"| {label} | {n} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

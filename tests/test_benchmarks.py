@@ -34,13 +34,26 @@ def test_train_step_checks_every_implementation_and_reports_the_targets():
     assert out.count("# target:") == 3
 
 
+def test_torch_step_checks_every_implementation_and_reports_the_targets():
+    pytest.importorskip("torch")
+    out = stdout(run_mpi(2, BENCH / "torch_step.py",
+                         ["--scale", "0.001", "--steps", "2", "--warmup", "0"], timeout=180))
+    check = next(line for line in out.splitlines() if line.startswith("# check"))
+    assert "WRONG" not in check and check.count(" ok") == 3, check
+    for row in ("no-comm", "ringreduce", "rr-no-buckets", "mpi-loop"):
+        assert any(line.startswith(row + " ") for line in out.splitlines()), row
+    assert out.count("# target:") == 2
+    assert "'fallbacks': 0" in out, out
+
+
 def test_allreduce_sweep_with_the_shared_column_finds_no_wrong_result():
     out = stdout(run_mpi(2, BENCH / "allreduce.py",
                          ["--min-bytes", "4", "--max-bytes", "8M", "--factor", "64",
                           "--iters", "2", "--warmup", "1", "--reps", "1", "--peers", "mpi",
-                          "--shared"], timeout=120))
+                          "--shared", "--out-of-place"], timeout=120))
     assert "# wrong results: none" in out, out
-    assert "rr-shared" in out
+    assert "rr-shared" in out and "rr-oop" in out
+    assert out.count("# target: rr-oop") == 1, out  # at 1 MiB (the next size is past 8M)
 
 
 def test_ring_series_groups_the_rings():

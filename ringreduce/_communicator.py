@@ -27,6 +27,7 @@ from ._gpu_calls import GpuCalls
 from ._gpu_collectives import GpuCollectives
 from ._handles import Handle, _oldest_done
 from ._pool import OutputPool
+from ._refusals import is_reported, mark_reported
 from .exceptions import InvalidInputError, call_label
 
 
@@ -243,9 +244,10 @@ class Communicator(GpuCalls, CompositeCalls):
         if any(is_gpu_array(x) for x in xs):
             return self._gpu_allreduce(xs, False, op, name, prescale_factor, postscale_factor,
                                        "grouped_allreduce", list, grouped=True)
-        srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
-        outs = [self._outputs.empty_like(s) for s in srcs]
-        core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
+        with self._refusing_group(name, xs):
+            srcs = [for_reading(x, "grouped_allreduce", name) for x in xs]
+            outs = [self._outputs.empty_like(s) for s in srcs]
+            core = self._submit_group(srcs, outs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: outs, (srcs, outs))
 
     def grouped_allreduce(self, xs: Sequence[Any], op: int = Average,
@@ -276,8 +278,9 @@ class Communicator(GpuCalls, CompositeCalls):
                 self._groups += core is not None and name is None
             if core is not None:
                 return self._track(core, lambda _: list(keep), (keep,))
-        arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
-        core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
+        with self._refusing_group(name, xs):
+            arrs = [for_writing(x, "grouped_allreduce_", name) for x in xs]
+            core = self._submit_group(arrs, arrs, op, name, prescale_factor, postscale_factor)
         return self._track(core, lambda _: list(xs), (arrs,))
 
     def _group_name(self, name: Optional[str]) -> str:
@@ -497,8 +500,31 @@ class Communicator(GpuCalls, CompositeCalls):
             self._refuse(kind, name, err)
             raise
 
+    @contextlib.contextmanager
+    def _refusing_group(self, name: Optional[str], xs: Any) -> Iterator[None]:
+        """``_refusing`` for a grouped allreduce: each member's name is refused (the group's
+        next name, when unnamed, is used up as by a submitted group)."""
+        try:
+            yield
+        except InvalidInputError as err:
+            self._refuse_group(name, xs, err)
+            raise
+
+    def _refuse_group(self, name: Optional[str], xs: Any, err: Exception) -> None:
+        if is_reported(err):
+            return
+        mark_reported(err)
+        count = len(xs) if isinstance(xs, Sequence) else 0
+        with self._lock:
+            group = self._group_name(name)
+            self._groups += name is None
+        for i in range(count):
+            self._engine.reject("allreduce", f"{group}.{i}", f"rank {self.rank()}: {err}")
+
     def _refuse(self, kind: str, name: Optional[str], err: Exception) -> None:
-        self._engine.reject(kind, self._name(name), f"rank {self.rank()}: {err}")
+        if not is_reported(err):  # once: a second report would skip an unnamed call's name
+            mark_reported(err)
+            self._engine.reject(kind, self._name(name), f"rank {self.rank()}: {err}")
 
     @staticmethod
     def _name(name: Optional[str]) -> str:

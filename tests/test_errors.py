@@ -204,7 +204,7 @@ def test_mismatch_raises_on_every_rank_then_recovers(pair, call):
     assert all((o == 1).all() for o in ok)
 
 
-@pytest.mark.parametrize("case", ["python-check", "core-check", "unnamed"])
+@pytest.mark.parametrize("case", ["python-check", "core-check", "unnamed", "grouped"])
 def test_call_refused_on_one_rank_fails_the_others_at_once(pair, case):
     """Rank 1's call fails its own checks (in Python, or in the core's submit) and its
     caller goes on; rank 0's matching call must raise at once naming rank 1 and the
@@ -216,6 +216,9 @@ def test_call_refused_on_one_rank_fails_the_others_at_once(pair, case):
         if case == "core-check":
             return c.allreduce(np.zeros(3, bool), op=rr.Average if bad else rr.Max,
                                name="refused-core")
+        if case == "grouped":  # unnamed: every member's name is refused, and the next one
+            return c.grouped_allreduce([np.ones(3), np.ones(2)],  # lines up again
+                                       op=99 if bad else rr.Sum)
         return c.allreduce(np.ones(3), op=99 if bad else rr.Sum)
 
     errs = both(pair, body)
@@ -225,6 +228,9 @@ def test_call_refused_on_one_rank_fails_the_others_at_once(pair, case):
     assert str(errs[1]).split(": ")[-1] in str(errs[0]), errs  # the reason, verbatim
     ok = both(pair, lambda c: c.allreduce(np.full(3, c.rank(), np.float32), op=rr.Sum))
     assert all((o == 1).all() for o in ok), ok
+    if case == "grouped":
+        ok = both(pair, lambda c: c.grouped_allreduce([np.full(2, c.rank())], op=rr.Sum))
+        assert all((o[0] == 1).all() for o in ok), ok
 
 
 def test_use_before_init_is_clear():

@@ -325,6 +325,14 @@ def test_errors_are_ringreduce_errors_on_every_rank():
 
     assert run(2, bad_input) == [True, True]
 
+    def refused_on_one_rank(rank):  # the TF layer's own check, on rank 1 only (eager)
+        return rtf.allreduce(tf.ones([2], tf.complex64 if rank else tf.float32))
+
+    errs = run(2, refused_on_one_rank, return_exceptions=True)
+    assert isinstance(errs[1], rr.InvalidInputError), errs
+    assert "rank 1 refused this call locally" in str(errs[0]), errs
+    assert [float(t[0]) for t in run(2, lambda rank: rtf.allreduce(tf.ones([1])))] == [1.0, 1.0]
+
 
 def test_tape_options_predivide_sum_and_compression():
     def fn(rank):

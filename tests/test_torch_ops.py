@@ -353,3 +353,28 @@ def test_scale_factors_must_be_finite_numbers():
                     call(x, postscale_factor="2")
     finally:
         rrt.shutdown()
+
+
+@pytest.mark.parametrize("case", ["allreduce", "grouped", "alltoall"])
+def test_call_refused_by_the_torch_layer_on_one_rank_fails_the_others(case):
+    """Rank 1's call fails the torch layer's own checks (before any Communicator call):
+    rank 0's matching call raises at once, naming rank 1, instead of waiting forever; the
+    next unnamed call lines up again."""
+    def body(rank):
+        bad = rank == 1
+        x = torch.ones(4, dtype=torch.complex64 if bad else torch.float32)
+        if case == "allreduce":
+            out = rrt.allreduce(x)
+        elif case == "grouped":
+            out = rrt.synchronize(rrt.grouped_allreduce_async_([torch.ones(2), x]))
+        else:
+            with torch.no_grad():  # rank 1: 3 rows do not divide by 2 (checked in torch layer)
+                out = rrt.alltoall(torch.ones(3 if bad else 4))
+        return out
+
+    errs = run(2, body, return_exceptions=True)
+    assert isinstance(errs[1], rr.InvalidInputError), errs
+    assert isinstance(errs[0], rr.MismatchError), errs
+    assert "rank 1 refused this call locally" in str(errs[0]), errs[0]
+    after = run(2, lambda rank: rrt.allreduce(torch.full((2,), float(rank)), op=rrt.Sum))
+    assert all(torch.equal(a, torch.ones(2)) for a in after), after

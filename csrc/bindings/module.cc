@@ -33,7 +33,11 @@ void translate(std::exception_ptr p) {
   } catch (const Error& e) {
     // The classes live in Python so they can also derive from ValueError etc.
     py::object cls = py::module_::import("ringreduce.exceptions").attr(exception_name(e.kind()));
-    PyErr_SetString(cls.ptr(), e.what());
+    // Marked as told to the other ranks (ringreduce/_refusals.py): the engine
+    // reports the calls it refuses itself, and no other error is a refusal.
+    py::object err = cls(e.what());
+    err.attr("_ringreduce_reported") = true;
+    PyErr_SetObject(cls.ptr(), err.ptr());
   }
 }
 

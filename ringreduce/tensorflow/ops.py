@@ -23,6 +23,7 @@ from ringreduce import Average, Communicator, Sum
 from ringreduce._call_checks import check_scales
 from ringreduce._grads import allgather_grad, alltoall_grad, broadcast_grad, reducescatter_grad
 from ringreduce._horovod import resolve_op
+from ringreduce._refusals import reports_refusals
 from ringreduce.compression import Compressor
 from ringreduce.exceptions import InvalidInputError, call_label
 
@@ -34,6 +35,12 @@ __all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allreduce
 
 Getter = Callable[[], Communicator]
 _MODULE = "ringreduce.tensorflow"
+
+
+def _refusals(kind: str, group: Optional[str] = None) -> Callable:
+    """Calls refused here reach the other ranks, in eager mode (a refusal while a graph is
+    traced refuses no collective yet: the graph's collectives run when it runs)."""
+    return reports_refusals(kind, lambda _: binder()(), eager=tf.executing_eagerly, group=group)
 
 
 def _suffix(name: Optional[str], part: str) -> Optional[str]:
@@ -85,6 +92,7 @@ def _allreduce_sparse(t: tf.IndexedSlices, op: int, name: Optional[str],
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
+@_refusals("allreduce")
 def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
               device_sparse: str = "", compression: type[Compressor] = Compression.none,
               op: Optional[int] = None, prescale_factor: float = 1.0,
@@ -124,6 +132,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
     return compression.decompress(out, ctx)
 
 
+@_refusals("allreduce", group="tensors")
 def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense: str = "",
                       device_sparse: str = "", compression: type[Compressor] = Compression.none,
                       op: Optional[int] = None, prescale_factor: float = 1.0,
@@ -157,6 +166,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
 
 
 # ----------------------------------------------------------- data movement
+@_refusals("allgather")
 def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
               _get: Optional[Getter] = None) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along axis 0 (its length may differ per rank);
@@ -184,6 +194,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     return gather(t)
 
 
+@_refusals("broadcast")
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
               ignore_name_scope: bool = False) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; differentiable."""
@@ -206,6 +217,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
     return bcast(t)
 
 
+@_refusals("reducescatter")
 def reducescatter(tensor: Any, device_dense: str = "",
                   compression: type[Compressor] = Compression.none, op: int = Average,
                   name: Optional[str] = None, ignore_name_scope: bool = False,
@@ -234,6 +246,7 @@ def reducescatter(tensor: Any, device_dense: str = "",
     return compression.decompress(scatter(check_tensor(compressed, what)), ctx)
 
 
+@_refusals("alltoall")
 def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
              ignore_name_scope: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; returns ``(received, received_splits)``

@@ -20,6 +20,7 @@ import torch
 import ringreduce as _rr
 from ringreduce import Communicator
 from ringreduce._dtypes import SUPPORTED
+from ringreduce._refusals import reports_refusals
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet
 
@@ -31,6 +32,11 @@ def comm(process_set: Optional[ProcessSet] = None) -> Communicator:
     """The current communicator, or its view of ``process_set`` (InvalidInputError if this
     rank is not a member)."""
     return _rr._on(process_set, "ringreduce.torch")
+
+
+def refusals(kind: str, group: Optional[str] = None) -> Callable:
+    """``reports_refusals`` for a ringreduce.torch collective (see ``ringreduce._refusals``)."""
+    return reports_refusals(kind, comm, group=group)
 
 
 def binder(process_set: Optional[ProcessSet] = None) -> Callable[[], Communicator]:

@@ -20,7 +20,7 @@ from ringreduce._grads import allgather_grad, reducescatter_grad
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
+from ._tensors import binder, check_tensor, comm, label, refusals, to_numpy, to_torch
 from .compression import Compression, Compressor
 from .ops import Handle, resolve_op
 
@@ -70,6 +70,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
         return (None, *out)
 
 
+@refusals("allreduce", group="tensors")
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
                       name: Optional[str] = None,
                       compression: type[Compressor] = Compression.none,

@@ -17,7 +17,7 @@ from ringreduce._grads import allgather_grad, alltoall_grad, broadcast_grad, red
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
+from ._tensors import binder, check_tensor, comm, label, refusals, to_numpy, to_torch
 from .compression import Compression, Compressor
 from .ops import Handle, Splits, _writable, resolve_op, synchronize
 
@@ -41,6 +41,7 @@ class _AllgatherFn(torch.autograd.Function):
         return to_torch(g), None, None
 
 
+@refusals("allgather")
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (lengths may differ); differentiable.
@@ -57,6 +58,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
     return to_torch(comm(process_set).allgather(to_numpy(tensor, label("allgather", name)), name))
 
 
+@refusals("allgather")
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather; ``synchronize(handle)`` returns the concatenation."""
@@ -81,6 +83,7 @@ class _BroadcastFn(torch.autograd.Function):
         return to_torch(g), None, None, None
 
 
+@refusals("broadcast")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; differentiable."""
@@ -96,6 +99,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set=process_set))
 
 
+@refusals("broadcast")
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast into a new tensor."""
@@ -104,6 +108,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     return Handle(comm(process_set).broadcast_async(arr, root_rank, name), to_torch)
 
 
+@refusals("broadcast")
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place broadcast into ``tensor``; ``synchronize`` returns ``tensor``."""
@@ -128,6 +133,7 @@ class _ReducescatterFn(torch.autograd.Function):
         return to_torch(g), None, None, None, None, None
 
 
+@refusals("reducescatter")
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression: type[Compressor] = Compression.none, op: int = Average,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -150,6 +156,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     return compression.decompress(out, cctx)
 
 
+@refusals("reducescatter")
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> Handle:
@@ -203,6 +210,7 @@ class _AlltoallFn(torch.autograd.Function):
         return to_torch(g), None, None, None
 
 
+@refusals("alltoall")
 def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; differentiable.
@@ -219,6 +227,7 @@ def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = 
                                                    _splits_list(splits), name))
 
 
+@refusals("alltoall")
 def alltoall_async(tensor: torch.Tensor, splits: Splits = None,
                    name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:

@@ -26,7 +26,7 @@ from ringreduce._horovod import resolve_op as _resolve_op
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._tensors import binder, check_tensor, comm, label, to_numpy, to_torch
+from ._tensors import binder, check_tensor, comm, label, refusals, to_numpy, to_torch
 from .compression import Compression, Compressor
 
 _OPS = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
@@ -127,6 +127,7 @@ class _AllreduceFn(torch.autograd.Function):
         return g, None, None, None, None, None, None
 
 
+@refusals("allreduce")
 def allreduce(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
               compression: type[Compressor] = Compression.none, op: Optional[int] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -171,6 +172,7 @@ def allreduce_(tensor: torch.Tensor, average: Any = None, name: Optional[str] = 
                                         postscale_factor, process_set=process_set))
 
 
+@refusals("allreduce")
 def allreduce_async(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -184,6 +186,7 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: Optional[st
                   _new_tensor)
 
 
+@refusals("allreduce")
 def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
@@ -196,6 +199,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: Optional[s
     return Handle(c.allreduce_async_(arr, op, name, prescale_factor, postscale_factor), finish)
 
 
+@refusals("allreduce", group="tensors")
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0,
@@ -210,6 +214,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None
                   lambda out: [to_torch(a) for a in out])
 
 
+@refusals("allreduce", group="tensors")
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Any = None,
                              name: Optional[str] = None, op: Optional[int] = None,
                              prescale_factor: float = 1.0,

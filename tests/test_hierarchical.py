@@ -101,3 +101,30 @@ def test_mixed_wishes_fall_back_to_the_flat_ring():
     for x, ran in out:
         assert ran == 0
         np.testing.assert_array_equal(x, np.full(999, 10, np.int32))
+
+
+@pytest.mark.parametrize("layout", ["2x2", "uneven-3+1"])
+def test_out_of_place_reads_the_input_where_it_lies(layout):
+    """``allreduce`` (a new array) runs hierarchically on the input as it lies (the ring's
+    ``own``; a rank alone on its host copies it): the input is unchanged, the result right."""
+    hosts = LAYOUTS[layout]
+    n = len(hosts)
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1", **SMALL):
+        comms = make_world(n, hosts)
+
+    def body(c):
+        x = np.arange(30001, dtype=np.float64) * (c.rank() + 1)
+        keep = x.copy()
+        before = hierarchical_count(c)
+        out = c.allreduce(x, op=rr.Sum)
+        return np.array_equal(x, keep), out, hierarchical_count(c) - before
+
+    try:
+        res = run_threaded(n, body, world=comms)
+    finally:
+        for c in comms:
+            c.close()
+    want = np.arange(30001, dtype=np.float64) * (n * (n + 1) // 2)
+    for unchanged, out, ran in res:
+        assert unchanged and ran == 1
+        np.testing.assert_array_equal(out, want)

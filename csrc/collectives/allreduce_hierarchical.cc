@@ -29,7 +29,9 @@
 // shard) use it in the same order on both ends. Intermediate phases reduce
 // with Sum for Average (the world size divides once, at the end), so the
 // result equals the flat ring's up to the order of floating-point additions;
-// integer and integer-valued results are identical.
+// integer and integer-valued results are identical. Out of place (`own`),
+// phase 1 reads this rank's input where it lies: only the rank's own shards
+// of buf are written before phase 3 fills the rest.
 #include <algorithm>
 #include <cstring>
 
@@ -111,7 +113,7 @@ bool hierarchical_agreed(const HeaderExchange& x) {
 }
 
 void allreduce_hierarchical(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
-                            double postscale, const std::string& what) {
+                            double postscale, const std::string& what, const uint8_t* own) {
   const size_t es = dtype_size(dtype);
   const HostPlan p = plan_hosts(ctx, count, es);
   const std::vector<int>& host = p.hosts[p.my_host];
@@ -120,7 +122,7 @@ void allreduce_hierarchical(Context& ctx, uint8_t* buf, size_t count, DType dtyp
   for (int l = 0; l <= L; ++l) local_off[l] = p.shard_off[p.first_shard(p.my_host, l)];
   Context& local = ctx.group(host);
   ctx.phase("HIER_LOCAL_REDUCE_SCATTER");
-  reduce_scatter_ring(local, buf, local_off, dtype, partial_op(op), 1.0, what);
+  reduce_scatter_ring(local, buf, local_off, dtype, partial_op(op), 1.0, what, own);
   ctx.phase("HIER_CROSS_ALLREDUCE");
   const size_t last = p.first_shard(p.my_host, p.my_local + 1);
   for (size_t j = p.first_shard(p.my_host, p.my_local); j < last; ++j) {

@@ -23,13 +23,12 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     const size_t bytes = count * dtype_size(in.dtype);
     auto* buf = static_cast<uint8_t*>(out);
     const bool small = bytes <= ctx.options().small_bytes;
-    // Out of place, a large allreduce on more than one rank goes by the flat
-    // ring reading the input where it is (allreduce_ring's `own`), unless this
-    // rank wishes the hierarchical algorithm; everything else works on a copy
-    // in the output.
+    // Out of place, a large allreduce on more than one rank reads the input
+    // where it is (the `own` of the ring and hierarchical algorithms);
+    // everything else works on a copy in the output.
     const uint8_t* own = nullptr;
     if (out != in.data && bytes) {
-      if (!small && ctx.size() > 1 && prescale == 1.0 && !wants_hierarchical(ctx))
+      if (!small && ctx.size() > 1 && prescale == 1.0)
         own = static_cast<const uint8_t*>(in.data);
       else
         std::memcpy(buf, in.data, bytes);
@@ -40,7 +39,9 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     Segments whole;
     whole.add(buf, bytes);
     // Peers of the shared path read the data in buf, which is not there yet out of place.
-    const SharedKey key = small || own ? SharedKey{} : shared_key(ctx, whole);
+    const SharedKey key = small ? SharedKey{}
+                          : own ? SharedKey{0, 0, wants_hierarchical(ctx)}
+                                : shared_key(ctx, whole);
     ctx.phase("AGREE");
     HeaderExchange x = small ? exchange_headers(ctx, d, seq, buf, bytes)
                              : exchange_headers(ctx, d, seq, &key, sizeof key);
@@ -52,7 +53,7 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     else if (shared_agreed(x))
       allreduce_shared(ctx, whole, in.dtype, op, postscale, describe_op(d, seq));
     else if (hierarchical_agreed(x))
-      allreduce_hierarchical(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq));
+      allreduce_hierarchical(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq), own);
     else
       allreduce_ring(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq), own);
   });

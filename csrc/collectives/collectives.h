@@ -79,14 +79,17 @@ void allreduce_ring_segments(Context& ctx, const Segments& segs, size_t count, D
 void allreduce_shared(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
                       double postscale, const std::string& what);
 void allreduce_hierarchical(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
-                            double postscale, const std::string& what);
+                            double postscale, const std::string& what,
+                            const uint8_t* own = nullptr);
 void allreduce_hierarchical_segments(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
                                      double postscale, const std::string& what);
 void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                       double postscale, const std::vector<std::vector<uint8_t>>& contributions);
-// Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r.
+// Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r
+// (in buf; read from `own` when given, as allreduce_ring's).
 void reduce_scatter_ring(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
-                         DType dtype, ReduceOp op, double postscale, const std::string& what);
+                         DType dtype, ReduceOp op, double postscale, const std::string& what,
+                         const uint8_t* own = nullptr);
 void allgather_ring(Context& ctx, uint8_t* out, const std::vector<size_t>& byte_off,
                     const std::string& what);
 void broadcast_chain(Context& ctx, uint8_t* buf, size_t bytes, int root, const std::string& what);

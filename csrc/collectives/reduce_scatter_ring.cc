@@ -11,6 +11,8 @@
 // The segment sent at step s is the one received at step s - 1, so steps are
 // chunk-pipelined (ring_pipeline.h). The order in which contributions meet is
 // fixed by N and the segment, so the bits are repeatable run to run.
+#include <cstring>
+
 #include "collectives/collective_util.h"
 #include "collectives/collectives.h"
 #include "collectives/ring_pipeline.h"
@@ -37,12 +39,16 @@ void reduce_scatter_steps(Context& ctx, uint8_t* buf, const std::vector<size_t>&
 }
 
 void reduce_scatter_ring(Context& ctx, uint8_t* buf, const std::vector<size_t>& seg_off,
-                         DType dtype, ReduceOp op, double postscale, const std::string& what) {
-  if (ctx.size() == 1) return;
+                         DType dtype, ReduceOp op, double postscale, const std::string& what,
+                         const uint8_t* own) {
+  if (ctx.size() == 1) {
+    if (own && own != buf) std::memcpy(buf, own, seg_off.back());
+    return;
+  }
   std::vector<ReduceSink> sinks;
   sinks.reserve(ctx.size());
   std::vector<RingStep> steps;
-  reduce_scatter_steps(ctx, buf, seg_off, dtype, op, postscale, &sinks, &steps);
+  reduce_scatter_steps(ctx, buf, seg_off, dtype, op, postscale, &sinks, &steps, own);
   run_ring(ctx, steps, /*chained=*/true, what);
 }
 

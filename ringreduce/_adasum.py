@@ -66,6 +66,12 @@ def _check(arrays: Sequence[np.ndarray], what: str) -> None:
                                     f"{a.dtype}")
 
 
+def adasum_part(name: Optional[str], i: int) -> Optional[str]:
+    """Name of member ``i``'s allgather in an Adasum call, as ``grouped_allgather_async``
+    names the members of ``<name>.adasum`` (unnamed stays unnamed)."""
+    return None if name is None else f"{name}.adasum.{i}"
+
+
 def gather_and_combine(comm: Any, arrays: Sequence[np.ndarray], name: Optional[str],
                        prescale: float, postscale: float,
                        what: str = "allreduce") -> tuple[Any, Callable[[list], list]]:

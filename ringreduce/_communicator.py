@@ -513,13 +513,19 @@ class Communicator(GpuCalls, CompositeCalls):
     def _refuse_group(self, name: Optional[str], xs: Any, err: Exception) -> None:
         if is_reported(err):
             return
-        mark_reported(err)
         count = len(xs) if isinstance(xs, Sequence) else 0
         with self._lock:
             group = self._group_name(name)
             self._groups += name is None
-        for i in range(count):
-            self._engine.reject("allreduce", f"{group}.{i}", f"rank {self.rank()}: {err}")
+        self._refuse_each("allreduce", [f"{group}.{i}" for i in range(count)], err)
+
+    def _refuse_each(self, kind: str, names: list, err: Exception) -> None:
+        """``_refuse`` for a call made of several collectives of ``kind``, none submitted."""
+        if is_reported(err):
+            return
+        mark_reported(err)
+        for name in names:
+            self._engine.reject(kind, self._name(name), f"rank {self.rank()}: {err}")
 
     def _refuse(self, kind: str, name: Optional[str], err: Exception) -> None:
         if not is_reported(err):  # once: a second report would skip an unnamed call's name

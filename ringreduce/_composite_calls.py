@@ -9,11 +9,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._adasum import gather_and_combine
+from ._adasum import adasum_part, gather_and_combine
 from ._arrays import for_reading, for_writing
 from ._call_checks import Average, _members, _part, check_scales
 from ._handles import Handle, _HandleGroup
-from .exceptions import call_label
+from .exceptions import InvalidInputError, call_label
 
 
 class CompositeCalls:
@@ -24,10 +24,16 @@ class CompositeCalls:
         """An allreduce with ``op=Adasum`` (see ``_adasum``): a grouped allgather, then the
         same float64 combination on every rank; in place, the results are copied back."""
         what = ("grouped_allreduce" if grouped else "allreduce") + ("_" if in_place else "")
-        pre, post = check_scales(prescale, postscale, what, name)
-        srcs = [(for_writing if in_place else for_reading)(x, what, name)
-                for x in _members(xs, call_label(what, name))]
-        inner, combine = gather_and_combine(self, srcs, name, pre, post, what)
+        try:
+            pre, post = check_scales(prescale, postscale, what, name)
+            srcs = [(for_writing if in_place else for_reading)(x, what, name)
+                    for x in _members(xs, call_label(what, name))]
+            inner, combine = gather_and_combine(self, srcs, name, pre, post, what)
+        except InvalidInputError as err:
+            # Refused before its allgathers: the others wait for each member's allgather.
+            count = len(xs) if isinstance(xs, Sequence) else 0
+            self._refuse_each("allgather", [adasum_part(name, i) for i in range(count)], err)
+            raise
 
         def finish(gathered: list) -> Any:
             out = combine(gathered)

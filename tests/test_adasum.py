@@ -89,6 +89,14 @@ def test_adasum_refuses_integers_and_reducescatter():
 
     assert run_threaded(2, fn, timeout=60) == [True, True]
 
+    def one_rank_refuses(c):  # rank 1's integers never reach an allgather: rank 0 hears of it
+        dtype = np.int32 if c.rank() else np.float32
+        return c.grouped_allreduce([np.ones(3, np.float32), np.ones(2, dtype)], op=rr.Adasum)
+
+    errs = run_threaded(2, one_rank_refuses, timeout=60, return_exceptions=True)
+    assert isinstance(errs[1], rr.InvalidInputError), errs
+    assert "rank 1 refused this call locally" in str(errs[0]), errs
+
 
 def test_torch_adasum_allreduce_and_optimizer():
     torch = pytest.importorskip("torch")

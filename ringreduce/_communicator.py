@@ -418,7 +418,7 @@ class Communicator(GpuCalls, CompositeCalls):
         return self._wait(self.alltoall_async(x, splits, name))
 
     def shared_zeros(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
-        """Return a zero-filled array in memory that every rank of the job maps.
+        """Return a zero-filled array in memory that every rank of this host maps.
 
         Collective: every rank calls it in the same order with the same shape
         and dtype (as MPI's ``MPI_Win_allocate_shared``). An allreduce whose
@@ -426,8 +426,11 @@ class Communicator(GpuCalls, CompositeCalls):
         (views of it, such as a model's gradients laid out in one flat buffer),
         reads the other ranks' data where it lies instead of passing it through
         the transport: about half the memory traffic of the ring. When the job
-        spans hosts (or ``RINGREDUCE_TRANSPORT=tcp``) this is an ordinary
-        private ``np.zeros`` and collectives over it take the ring.
+        spans hosts, each host's ranks share theirs and such an allreduce runs
+        hierarchically (reduced in each host where the data lies, a ring across
+        hosts, the result written into the host's buffers) where the
+        hierarchical allreduce is chosen; with ``RINGREDUCE_TRANSPORT=tcp`` this
+        is an ordinary private ``np.zeros`` and collectives over it take the ring.
 
         Parameters
         ----------

@@ -128,3 +128,46 @@ def test_out_of_place_reads_the_input_where_it_lies(layout):
     for unchanged, out, ran in res:
         assert unchanged and ran == 1
         np.testing.assert_array_equal(out, want)
+
+
+def shared_count(comm) -> int:
+    return comm._engine.stats()["shared_allreduces"]
+
+
+@pytest.mark.parametrize("layout", ["2x2", "uneven-1+2+3"])
+def test_shared_buffers_on_several_hosts_reduce_where_they_lie(layout):
+    """``shared_zeros`` on a job of several hosts: memory shared within each host, and an
+    allreduce over it (one view, then fused views: segments) reads the host peers' data
+    where it lies, rings across hosts and writes the result into the host's buffers."""
+    hosts = LAYOUTS[layout]
+    n = len(hosts)
+    sizes = (70001, 3, 20000)
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1", RINGREDUCE_SHARED_MIN_BYTES="0", **SMALL):
+        comms = make_world(n, hosts)
+
+    def body(c):
+        buf = c.shared_zeros(sum(sizes), np.float64)
+        views = np.split(buf, np.cumsum(sizes)[:-1])
+        before = (shared_count(c), hierarchical_count(c))
+        buf[:] = np.arange(buf.size) % 1000 * (c.rank() + 1)
+        c.allreduce_(buf, op=rr.Average, name="whole")
+        whole = buf.copy()
+        for i, v in enumerate(views):
+            v[:] = (i + 1) * (c.rank() + 1)
+        hs = [c.allreduce_async_(v, op=rr.Sum, name=f"v{i}") for i, v in enumerate(views)]
+        for h in hs:
+            h.wait()
+        return whole, [v.copy() for v in views], (shared_count(c) - before[0],
+                                                 hierarchical_count(c) - before[1])
+
+    try:
+        res = run_threaded(n, body, world=comms)
+    finally:
+        for c in comms:
+            c.close()
+    total = n * (n + 1) // 2
+    for whole, views, (shared, hier) in res:
+        np.testing.assert_array_equal(whole, np.arange(sum(sizes)) % 1000 * total / n)
+        for i, v in enumerate(views):
+            np.testing.assert_array_equal(v, (i + 1) * total)
+        assert shared >= 2 and hier == shared, (shared, hier)  # fused or not: every one

@@ -37,6 +37,7 @@
 
 #include "collectives/collective_util.h"
 #include "collectives/collectives.h"
+#include "collectives/host_plan.h"
 #include "collectives/op_header.h"
 #include "collectives/reduce_kernels.h"
 #include "collectives/segments.h"
@@ -44,25 +45,22 @@
 
 namespace rr {
 
-namespace {
+size_t HostPlan::first_shard(int h, int l) const {
+  return split_offsets(static_cast<size_t>(shards()), static_cast<int>(hosts[h].size()))[l];
+}
 
-struct HostPlan {
-  std::vector<std::vector<int>> hosts;  // global ranks per host
-  std::vector<size_t> shard_off;        // byte offsets of the S shards
-  int my_host = -1, my_local = -1;
+int HostPlan::owner(int h, size_t shard) const {
+  const int L = static_cast<int>(hosts[h].size());
+  int l = 0;
+  while (l + 1 < L && first_shard(h, l + 1) <= shard) ++l;
+  return hosts[h][l];
+}
 
-  int shards() const { return static_cast<int>(shard_off.size()) - 1; }
-  // First shard owned by local rank l on host h (l == L_h: one past the last).
-  size_t first_shard(int h, int l) const {
-    return split_offsets(static_cast<size_t>(shards()), static_cast<int>(hosts[h].size()))[l];
-  }
-  int owner(int h, size_t shard) const {
-    const int L = static_cast<int>(hosts[h].size());
-    int l = 0;
-    while (l + 1 < L && first_shard(h, l + 1) <= shard) ++l;
-    return hosts[h][l];
-  }
-};
+std::vector<int> HostPlan::ring(size_t shard) const {
+  std::vector<int> ring;
+  for (size_t h = 0; h < hosts.size(); ++h) ring.push_back(owner(static_cast<int>(h), shard));
+  return ring;
+}
 
 HostPlan plan_hosts(const Context& ctx, size_t count, size_t es) {
   HostPlan p;
@@ -80,12 +78,6 @@ HostPlan plan_hosts(const Context& ctx, size_t count, size_t es) {
   for (auto& o : p.shard_off) o *= es;
   return p;
 }
-
-ReduceOp partial_op(ReduceOp op) {
-  return op == ReduceOp::kAverage ? ReduceOp::kSum : op;
-}
-
-}  // namespace
 
 bool hierarchical_applies(const Context& ctx) {
   if (ctx.cross_size() < 2) return false;
@@ -124,14 +116,11 @@ void allreduce_hierarchical(Context& ctx, uint8_t* buf, size_t count, DType dtyp
   ctx.phase("HIER_LOCAL_REDUCE_SCATTER");
   reduce_scatter_ring(local, buf, local_off, dtype, partial_op(op), 1.0, what, own);
   ctx.phase("HIER_CROSS_ALLREDUCE");
-  const size_t last = p.first_shard(p.my_host, p.my_local + 1);
-  for (size_t j = p.first_shard(p.my_host, p.my_local); j < last; ++j) {
+  for (size_t j = p.my_first(); j < p.my_last(); ++j) {
     const size_t n = (p.shard_off[j + 1] - p.shard_off[j]) / es;
     if (n == 0) continue;  // every owner of j skips it alike
-    std::vector<int> ring;
-    for (size_t h = 0; h < p.hosts.size(); ++h) ring.push_back(p.owner(static_cast<int>(h), j));
     uint8_t* shard = buf + p.shard_off[j];
-    allreduce_ring(ctx.group(ring), shard, n, dtype, partial_op(op), 1.0, what);
+    allreduce_ring(ctx.group(p.ring(j)), shard, n, dtype, partial_op(op), 1.0, what);
     finalize_reduction(shard, n, dtype, op, postscale, ctx.size());
   }
   ctx.phase("HIER_LOCAL_ALLGATHER");

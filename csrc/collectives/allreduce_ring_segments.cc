@@ -95,12 +95,16 @@ void allreduce_segments(Context& ctx, const Segments& segs, DType dtype, ReduceO
       });
       return;
     }
-    if (shared_agreed(x))
-      allreduce_shared(ctx, segs, dtype, op, postscale, describe_op(d, seq));
-    else if (hierarchical_agreed(x))
-      allreduce_hierarchical_segments(ctx, segs, dtype, op, postscale, describe_op(d, seq));
-    else
-      allreduce_ring_segments(ctx, segs, count, dtype, op, postscale, describe_op(d, seq));
+    const std::string what = describe_op(d, seq);
+    switch (agreed_large_allreduce(ctx, x)) {
+      case LargeAllreduce::kShared: return allreduce_shared(ctx, segs, dtype, op, postscale, what);
+      case LargeAllreduce::kSharedHierarchical:
+        return allreduce_shared_hierarchical(ctx, segs, dtype, op, postscale, what);
+      case LargeAllreduce::kHierarchical:
+        return allreduce_hierarchical_segments(ctx, segs, dtype, op, postscale, what);
+      case LargeAllreduce::kRing:
+        return allreduce_ring_segments(ctx, segs, count, dtype, op, postscale, what);
+    }
   });
 }
 

@@ -106,6 +106,15 @@ bool shared_agreed(const HeaderExchange& x) {
   return !x.extras.empty();
 }
 
+// Shared buffers span one host: on several hosts they serve the hierarchical
+// algorithm only (allreduce_shared_hierarchical.cc).
+LargeAllreduce agreed_large_allreduce(const Context& ctx, const HeaderExchange& x) {
+  const bool shared = shared_agreed(x), hierarchical = hierarchical_agreed(x);
+  if (shared && ctx.cross_size() == 1) return LargeAllreduce::kShared;
+  if (shared && hierarchical) return LargeAllreduce::kSharedHierarchical;
+  return hierarchical ? LargeAllreduce::kHierarchical : LargeAllreduce::kRing;
+}
+
 void allreduce_shared(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
                       double postscale, const std::string& what) {
   const int P = ctx.size(), r = ctx.rank();

@@ -46,16 +46,25 @@ void allreduce(Context& ctx, const Tensor& in, void* out, ReduceOp op, double pr
     HeaderExchange x = small ? exchange_headers(ctx, d, seq, buf, bytes)
                              : exchange_headers(ctx, d, seq, &key, sizeof key);
     if (small && ctx.size() > 1) ctx.phase("DIRECT");
-    if (ctx.size() == 1)
+    if (ctx.size() == 1) {
       finalize_reduction(buf, count, in.dtype, op, postscale, 1);
-    else if (small)
+      return;
+    }
+    if (small) {
       allreduce_direct(ctx, buf, count, in.dtype, op, postscale, x.extras);
-    else if (shared_agreed(x))
-      allreduce_shared(ctx, whole, in.dtype, op, postscale, describe_op(d, seq));
-    else if (hierarchical_agreed(x))
-      allreduce_hierarchical(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq), own);
-    else
-      allreduce_ring(ctx, buf, count, in.dtype, op, postscale, describe_op(d, seq), own);
+      return;
+    }
+    const std::string what = describe_op(d, seq);
+    switch (agreed_large_allreduce(ctx, x)) {
+      case LargeAllreduce::kShared:
+        return allreduce_shared(ctx, whole, in.dtype, op, postscale, what);
+      case LargeAllreduce::kSharedHierarchical:
+        return allreduce_shared_hierarchical(ctx, whole, in.dtype, op, postscale, what);
+      case LargeAllreduce::kHierarchical:
+        return allreduce_hierarchical(ctx, buf, count, in.dtype, op, postscale, what, own);
+      case LargeAllreduce::kRing:
+        return allreduce_ring(ctx, buf, count, in.dtype, op, postscale, what, own);
+    }
   });
 }
 

@@ -66,6 +66,9 @@ struct HeaderExchange;
 SharedKey shared_key(const Context& ctx, const Segments& segs);
 bool shared_agreed(const HeaderExchange& x);
 bool hierarchical_agreed(const HeaderExchange& x);
+// The algorithm every rank of a large allreduce runs, from the agreed headers.
+enum class LargeAllreduce { kRing, kShared, kHierarchical, kSharedHierarchical };
+LargeAllreduce agreed_large_allreduce(const Context& ctx, const HeaderExchange& x);
 uint64_t wants_hierarchical(const Context& ctx);  // 1 if this rank wishes it
 // Several hosts, one of them with several ranks (allreduce_hierarchical.cc).
 bool hierarchical_applies(const Context& ctx);
@@ -83,6 +86,8 @@ void allreduce_hierarchical(Context& ctx, uint8_t* buf, size_t count, DType dtyp
                             const uint8_t* own = nullptr);
 void allreduce_hierarchical_segments(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
                                      double postscale, const std::string& what);
+void allreduce_shared_hierarchical(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
+                                   double postscale, const std::string& what);
 void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                       double postscale, const std::vector<std::vector<uint8_t>>& contributions);
 // Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r

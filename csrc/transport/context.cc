@@ -253,18 +253,14 @@ void Context::connect_shm() {
   }
 }
 
-bool Context::all_shm() const {
-  if (parent_) return false;  // shared regions span the whole job
-  for (int r = 0; r < opt_.size; ++r)
-    if (r != opt_.rank && !use_shm_with(r)) return false;
-  return true;
-}
-
+// Shared among this host's ranks: every rank's on a one-host job; on several
+// hosts each host's (allreduce_shared_hierarchical.cc reads them). None over
+// TCP only, nor for a group view.
 std::shared_ptr<SharedRegion> Context::create_shared(size_t bytes) {
-  if (!all_shm()) return nullptr;
+  if (parent_ || opt_.mode == TransportMode::kTcp) return nullptr;
   std::vector<SharedPeer> peers;
   for (int r = 0; r < opt_.size; ++r)
-    if (r != opt_.rank) peers.push_back(SharedPeer{r, peers_[r].pid});
+    if (r != opt_.rank && use_shm_with(r)) peers.push_back(SharedPeer{r, peers_[r].pid});
   return shared_.create(shm_prefix(), opt_.rank, opt_.size, peers, bytes, opt_.connect_timeout_s);
 }
 

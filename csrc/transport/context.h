@@ -120,10 +120,9 @@ class Context {
   void mark_broken(const std::string& why);
   void check_usable() const;
 
-  // Every peer is reached over shared memory (one host, shm transport).
-  bool all_shm() const;
-  // A buffer every rank maps (shared_region.h): collective over all ranks,
-  // in the same order with the same size. nullptr unless all_shm().
+  // A buffer the ranks of this host map (shared_region.h): collective over all
+  // ranks, in the same order with the same size; nullptr over TCP only and in
+  // a group view.
   std::shared_ptr<SharedRegion> create_shared(size_t bytes);
   std::shared_ptr<SharedRegion> find_shared(const void* p, size_t n, size_t* offset) const {
     return shared_.find(p, n, offset);

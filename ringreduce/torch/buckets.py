@@ -3,10 +3,11 @@
 Layout. At wrapping time every registered dense CPU parameter gets a place in one
 bucket per dtype, in reverse registration order (about the order backward produces
 gradients), each place 64-byte aligned. A bucket is ``shared_zeros`` memory: every
-rank of a one-host job maps every rank's bucket, at the same offsets, so the engine's
-in-place allreduce of gradients that are views of it reads the peers' gradients where
-they lie (no copy into a fusion buffer, no shm-slot traffic). Across hosts, or with
-``RINGREDUCE_TRANSPORT=tcp``, the bucket is private memory and the ring runs as before.
+rank of a host maps every bucket of the host's ranks, at the same offsets, so the
+engine's in-place allreduce of gradients that are views of it reads the peers' gradients
+where they lie (no copy into a fusion buffer, no shm-slot traffic; across hosts inside
+each host, with a ring across). With ``RINGREDUCE_TRANSPORT=tcp`` the bucket is private
+memory and the ring runs as before.
 
 Protocol per parameter: a tensor hook runs when backward has computed the parameter's
 gradient, just before autograd accumulates it. If ``p.grad`` is ``None`` (the state

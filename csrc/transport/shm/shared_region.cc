@@ -156,9 +156,10 @@ std::shared_ptr<SharedRegion> SharedRegistry::create(const std::string& prefix, 
   std::string sizes;
   bool same = true;
   for (int r = 0; r < size; ++r) {
+    if (!region->maps_[r].base) continue;  // on another host
     const uint64_t b = header_of(region->maps_[r].base)->bytes;
     same &= b == bytes;
-    sizes += cat(r ? ", " : "", "rank ", r, " ", b, " bytes");
+    sizes += cat(sizes.empty() ? "" : ", ", "rank ", r, " ", b, " bytes");
   }
   if (!same)
     throw_error(ErrorKind::kMismatch, "rank ", rank, ": shared buffer #", id,

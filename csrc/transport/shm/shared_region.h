@@ -1,7 +1,8 @@
-// Shared buffers: memory that every rank of a single-host job maps, so that
-// an allreduce over it reads the peers' data where it lies
-// (collectives/allreduce_shared.cc) instead of passing it through the link
-// slots. MPI's MPI_Win_allocate_shared plays the same part.
+// Shared buffers: memory that the ranks of one host map, so that an
+// allreduce over it reads the peers' data where it lies
+// (collectives/allreduce_shared.cc on one host, allreduce_shared_
+// hierarchical.cc inside each host of several) instead of passing it through
+// the link slots. MPI's MPI_Win_allocate_shared plays the same part.
 //
 // Allocation is collective: every rank calls create() in the same order with
 // the same size. Lifecycle (as for the link segments, shm_segment.h, nothing
@@ -11,8 +12,10 @@
 //   2. it opens and maps every peer's, waits for it to be ready and
 //      increments that peer's `mapped`;
 //   3. it waits until its own `mapped` counts every peer, then unlinks it;
-//   4. every rank has read every rank's size, so all reach the same verdict
-//      on a size mismatch and raise alike.
+//   4. every rank has read its host's sizes, so the host's ranks reach the
+//      same verdict on a size mismatch and raise alike (ranks of other hosts
+//      asking another size end up with layouts that do not agree, and their
+//      allreduces take the ring).
 // The mappings (this rank's and the peers') live as long as the SharedRegion,
 // which the arrays over it keep alive; a peer's mapping keeps that peer's
 // memory valid even after the peer has let go of it or died.
@@ -43,7 +46,7 @@ class SharedRegion {
   uint64_t id() const { return id_; }
   size_t bytes() const { return bytes_; }
   uint8_t* data() const { return data_of(rank_); }
-  // Rank `rank`'s memory as mapped in this process.
+  // Rank `rank`'s memory as mapped in this process (a rank of this host).
   uint8_t* data_of(int rank) const;
 
  private:
@@ -60,7 +63,7 @@ class SharedRegion {
 
 class SharedRegistry {
  public:
-  // Collective over `peers` (every other rank, all on this host): see above.
+  // Collective over `peers` (this host's other ranks): see above.
   // `prefix` names the job's shm objects.
   std::shared_ptr<SharedRegion> create(const std::string& prefix, int rank, int size,
                                        const std::vector<SharedPeer>& peers, size_t bytes,

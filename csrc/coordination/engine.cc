@@ -431,17 +431,18 @@ std::string Engine::idle_state() const {
 }
 
 // Sleeps until a peer may have sent something, a caller submitted work, or
-// the timeout passes. shm-only: the doorbell (peers and notify() ring it).
-// Otherwise poll() on the watched sockets and the wake eventfd; shm peers
-// cannot wake poll(), so with both kinds the sleep is cut to 1 ms slices.
+// the timeout passes, as the watched links' transports say (transports.h).
+// Doorbell links only: the doorbell (peers and notify() ring it). Otherwise
+// poll() on the fd links and the wake eventfd, with a watcher turning a
+// doorbell ring into an eventfd write when both kinds are watched.
 void Engine::block(int64_t timeout_ns) {
   std::vector<pollfd> fds{pollfd{wake_fd_, POLLIN, 0}};
-  bool any_shm = false;
+  bool any_bell = false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || (rank_ != 0 && p != 0)) continue;
-    WaitHandle w = ctx_->link(p).wait_handle();
-    if (w.fd >= 0) fds.push_back(pollfd{w.fd, POLLIN, 0});
-    any_shm |= w.doorbell;
+    const Link& link = ctx_->link(p);
+    if (link.transport().wait & kWaitFd) fds.push_back(pollfd{link.poll_fd(), POLLIN, 0});
+    any_bell |= (link.transport().wait & kWaitDoorbell) != 0;
   }
   Doorbell* bell = ctx_->progress().doorbell;
   if (fds.size() == 1 && bell) {
@@ -451,9 +452,9 @@ void Engine::block(int64_t timeout_ns) {
     bell->set_sleeping(false);
     return;
   }
-  // Sockets, and shm peers too: the watcher turns a doorbell ring into an
-  // eventfd write (protocol in doorbell_watcher.h).
-  const bool watch = any_shm && bell;
+  // Sockets, and doorbell peers too: the watcher turns a doorbell ring into
+  // an eventfd write (protocol in doorbell_watcher.h).
+  const bool watch = any_bell && bell;
   if (watch) {
     if (!watcher_) watcher_ = std::make_unique<DoorbellWatcher>(bell, wake_fd_);
     const uint32_t seen = bell->snapshot();

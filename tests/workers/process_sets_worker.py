@@ -3,7 +3,8 @@
     RANK=r WORLD_SIZE=n ... python process_sets_worker.py
 
 Sets: ``tail`` = every rank but 0, ``solo`` = rank 0 alone (static, at init); then dynamic
-``pair`` = ranks 0 and n-1 (added and removed at run time). Each check raises on failure;
+``pair`` = ranks 0 and n-1 (added and removed at run time; on it, calls refused by one
+member and join(process_set=)). Each check raises on failure;
 at the end every rank logs ``OK rank <r>``.
 """
 
@@ -70,6 +71,18 @@ def refusals_on_set(ps: rr.ProcessSet) -> None:
     check(s.tolist() == [ps.size()] * 2, f"allreduce on {ps} after refusals")
 
 
+def join_on_set(ps: rr.ProcessSet) -> None:
+    """torch's join(process_set=): the set's first member joins at once, the last runs one
+    more allreduce (the joined one contributes zeros), then joins; both get the global rank
+    of the last."""
+    last = ps.ranks[-1]
+    if rr.rank() == last:
+        s = rr.allreduce(torch.ones(2), op=rr.Sum, process_set=ps)
+        check(s.tolist() == [1.0, 1.0], f"allreduce on {ps} with a joined member: {s}")
+    got = rr.join(process_set=ps)
+    check(got == last, f"join(process_set={ps}) returned {got}, not {last}")
+
+
 def main() -> None:
     watch_job()
     size = int(os.environ.get("WORLD_SIZE") or os.environ["PMI_SIZE"])  # env launch / MPICH
@@ -104,6 +117,7 @@ def main() -> None:
         s = ringreduce.allreduce(x, op=rr.Sum, process_set=pair)
         check(s.tolist() == [n - 1] * 3, f"numpy allreduce on {pair}")
         refusals_on_set(pair)
+        join_on_set(pair)
     check(rr.remove_process_set(pair), "remove_process_set")
     check(rr.allreduce(torch.ones(1), op=rr.Sum).item() == n, "global after the sets")
     rr.shutdown()

@@ -441,13 +441,15 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return _comm().process_sets.remove(process_set)
 
 
-def join() -> int:
+def join(process_set: Optional[ProcessSet] = None) -> int:
     """Declare that this rank has no more data; returns the last rank to join.
 
-    Until every rank has joined, this rank takes part in the other ranks'
-    collectives with neutral contributions (zeros for Sum/Average).
+    Until every rank (of ``process_set``, if given) has joined, this rank takes part in
+    the other ranks' allreduce / allgather / broadcast (of that set) with neutral
+    contributions (zeros for Sum/Average). The rank returned is a global rank, as in
+    Horovod, also for a process set.
     """
-    return _comm().join()
+    return _on(process_set, "join").join()
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,

@@ -75,7 +75,46 @@ def _mpi() -> tuple[int, int, bytes, Exchange]:
         ) from err
     comm = MPI.COMM_WORLD
     secret = comm.bcast(os.urandom(32) if comm.Get_rank() == 0 else None, root=0)
-    return comm.Get_rank(), comm.Get_size(), secret, comm.allgather
+
+    def exchange(mine: bytes) -> list[bytes]:
+        infos = comm.allgather(mine)
+        # Every rank has left MPI_Init (it took part in the allgather), so every
+        # local rank has mapped MPICH's segments by now.
+        unlink_mpich_segments()
+        return infos
+
+    return comm.Get_rank(), comm.Get_size(), secret, exchange
+
+
+def unlink_mpich_segments(maps: str = "/proc/self/maps") -> list[str]:
+    """Unlink the /dev/shm segments MPICH's MPI_Init made that this process maps.
+
+    MPICH (ch4) keeps a segment of 1-2 MB per host named until MPI_Finalize, so a rank
+    killed under mpirun leaves it in /dev/shm for good. Once every local rank has mapped
+    it, the name serves nothing (the mappings stay valid and MPICH's own unlink at
+    finalize tolerates its absence), as ringreduce's own segments are unlinked once
+    mapped. Returns the paths unlinked.
+
+    Parameters
+    ----------
+    maps : str
+        The memory map to read (this process's).
+    """
+    done = []
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
+    except OSError:
+        return done
+    for path in sorted(paths):
+        if not path.startswith("/dev/shm/mpich_shm_"):
+            continue  # already unlinked ("... (deleted)")
+        try:
+            os.unlink(path)
+            done.append(path)
+        except OSError:
+            pass  # another local rank was first
+    return done
 
 
 def _env_store() -> tuple[int, int, bytes, Exchange]:

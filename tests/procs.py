@@ -159,6 +159,8 @@ class Job:
     log_dir: Path
     timeout: float
     survivors: list[int] = field(default_factory=list)  # pids alive once all procs ended
+    # MPICH segments the job left in /dev/shm (run_mpi removes them, then lists them here)
+    mpich_leftovers: list[str] = field(default_factory=list)
 
     @property
     def timed_out(self) -> bool:
@@ -330,23 +332,27 @@ def run_mpi(np: int, script: str | Path, args: Sequence[object] = (),
     cmd = [str(mpirun), "-np", str(np), *_script_cmd(script, args)]
     before = _mpich_segments()
     try:
-        return run_procs([("mpirun", cmd, base_env(env, log_dir))], timeout, log_dir)
+        job = run_procs([("mpirun", cmd, base_env(env, log_dir))], timeout, log_dir)
     finally:
-        _remove_orphaned_mpich_segments(before)
+        left = _remove_orphaned_mpich_segments(before)
+    job.mpich_leftovers = left
+    return job
 
 
 def _mpich_segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob("mpich_shm_*")} if SHM_DIR.is_dir() else set()
 
 
-def _remove_orphaned_mpich_segments(before: set[str]) -> None:
-    """MPICH leaves its own /dev/shm segments behind when a rank is SIGKILLed.
+def _remove_orphaned_mpich_segments(before: set[str]) -> list[str]:
+    """MPICH leaves its own /dev/shm segments behind when a rank is SIGKILLed (unless
+    the ringreduce bootstrap unlinked them, as it does once every rank has mapped them).
 
-    Removes those that appeared during the job and that no live process maps.
+    Removes those that appeared during the job and that no live process maps; returns
+    their names.
     """
     new = _mpich_segments() - before
     if not new:
-        return
+        return []
     mapped = set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -361,6 +367,7 @@ def _remove_orphaned_mpich_segments(before: set[str]) -> None:
             (SHM_DIR / name).unlink()
         except FileNotFoundError:
             pass
+    return sorted(new - mapped)
 
 
 def env_launch_specs(n: int, script: str | Path, args: Sequence[object] = (),

@@ -634,6 +634,27 @@ def test_unmatched_join_warns_then_fails_instead_of_hanging(capfd):
         c.close()
 
 
+def test_transport_table_choice_and_filter():
+    """Each peer gets the first entry of the transport table that reaches it (shm on one
+    host, TCP across); RINGREDUCE_TRANSPORT filters the table: tcp everywhere, shm alone
+    reaches no other host (an error naming the rank and its host, before any connection),
+    and a name not in the table lists those that are."""
+    with env(RINGREDUCE_TRANSPORT="tcp"):
+        w = make_world(3, ["a", "a", "b"])
+    try:
+        assert [w[0].transport_to(p) for p in (1, 2)] == ["tcp", "tcp"]
+    finally:
+        for c in w:
+            c.close()
+    with env(RINGREDUCE_TRANSPORT="shm"):
+        with pytest.raises(rr.InvalidInputError, match="RINGREDUCE_TRANSPORT=shm but no "
+                           r"transport it allows reaches rank \d on another host \((a|b)\)"):
+            make_world(3, ["a", "a", "b"])
+    with env(RINGREDUCE_TRANSPORT="ib"):
+        with pytest.raises(rr.InvalidInputError, match="'ib' is not one of auto, shm, tcp"):
+            make_world(2)
+
+
 def test_two_host_coordinator_wakes_for_a_late_shm_worker():
     """Rank 0 of a two-host job sleeps in poll() (its worker on the other host is a TCP
     peer); a late request from its shm worker must wake it through the doorbell watcher

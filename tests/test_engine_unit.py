@@ -77,6 +77,25 @@ def test_join_counts_joined_ranks_as_ready_and_reports_the_last():
     assert neg.decide(0.0) == []
 
 
+def test_join_of_a_process_set_waits_for_its_members_only():
+    """join(process_set=[0, 2]) at size 3: the set's tensors take rank 2 as joined, the
+    global set's do not; once both members joined, join-done names the set and reports the
+    global rank of the last one."""
+    neg = co.Negotiator(3)
+    neg.join(2, 0.0, [0, 2])
+    neg.submit(0, t("s", members=[0, 2]), 0.0)
+    neg.submit(0, t("g"), 0.0)
+    neg.submit(1, t("g"), 0.0)
+    (r,) = neg.decide(0.0)  # 's' ready without rank 2; 'g' still waits for it
+    assert r["tensors"] == ["s"] and r["contributors"] == 1 and neg.pending == 1
+    neg.join(0, 0.1, [0, 2])
+    (done,) = neg.decide(0.1)
+    assert done["type"] == "join-done" and done["last_joined"] == 0, done
+    assert done["tensors"] == ["join@[0,2]"]
+    neg.submit(0, t("s2", members=[0, 2]), 0.2)  # the set's join state was reset
+    assert neg.decide(0.2) == []
+
+
 def test_a_tensor_submitted_with_the_last_join_runs_before_the_join_completes():
     """Rank 0 submits 'x' and then joins, in the round in which rank 1 (already joined)
     makes everyone joined: 'x' must run (rank 1 contributing neutral elements) before

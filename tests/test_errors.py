@@ -154,8 +154,10 @@ def test_scale_factors_must_be_finite_numbers(lonely, bad):
 
 def test_local_argument_errors(lonely):
     c = lonely[0]
-    with pytest.raises(rr.InvalidInputError, match="root_rank must be an int in"):
-        c.broadcast(np.zeros(3), root_rank=2)
+    for call in (c.broadcast, c.broadcast_):  # errors name the call made
+        with pytest.raises(rr.InvalidInputError, match="root_rank must be an int in") as err:
+            call(np.zeros(3), root_rank=2)
+        assert (call.__name__ + ": ") in str(err.value), err.value
     with pytest.raises(rr.InvalidInputError, match="op must be one of"):
         c.allreduce(np.zeros(3), op=17)
     with pytest.raises(rr.InvalidInputError, match="not supported for dtype bool"):

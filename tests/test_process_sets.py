@@ -147,6 +147,44 @@ def test_dynamic_sets_add_remove_and_disagreement():
     assert threaded(2, body) == [3.0, 3.0]
 
 
+def test_join_on_a_process_set():
+    """join(process_set={0,2}) at np=3: rank 0 joins after one allreduce; rank 2's later
+    allreduce (Sum and Average), allgather and broadcast take neutral contributions from
+    it; both get the global rank of the last member to join (Horovod's); rank 1 (not a
+    member) is untouched; then unnamed calls on the set agree again (a new epoch)."""
+    def body(c, mine):
+        (ps,) = mine
+        r, out = c.rank(), {}
+        if r == 0:
+            out["first"] = rr.allreduce(value(r), op=rr.Sum, process_set=ps)
+            out["join"] = rr.join(process_set=ps)
+        elif r == 2:
+            out["first"] = rr.allreduce(value(r), op=rr.Sum, process_set=ps)
+            out["sum"] = rr.allreduce(value(r), op=rr.Sum, process_set=ps)
+            out["avg"] = rr.allreduce(value(r), op=rr.Average, process_set=ps)
+            out["gather"] = rr.allgather(np.full((2, 3), r, np.int32), process_set=ps)
+            out["bcast"] = rr.broadcast(value(r), root_rank=1, process_set=ps)
+            out["join"] = rr.join(process_set=ps)
+        if ps.included():
+            out["after"] = rr.allreduce(value(r), op=rr.Sum, process_set=ps)
+        out["global"] = rr.allreduce(value(r), op=rr.Sum)
+        return out
+
+    results = threaded(3, body, [[0, 2]])
+    for out in results:
+        assert not isinstance(out, BaseException), out
+        np.testing.assert_array_equal(out["global"], value(0) + value(1) + value(2))
+    r0, r1, r2 = results
+    assert r0["join"] == r2["join"] == 2 and "join" not in r1
+    for out in (r0, r2):
+        np.testing.assert_array_equal(out["first"], value(0) + value(2))
+        np.testing.assert_array_equal(out["after"], value(0) + value(2))
+    np.testing.assert_array_equal(r2["sum"], value(2))
+    np.testing.assert_array_equal(r2["avg"], value(2))
+    np.testing.assert_array_equal(r2["gather"], np.full((2, 3), 2, np.int32))
+    np.testing.assert_array_equal(r2["bcast"], value(2))
+
+
 PS_WORKER = "process_sets_worker.py"
 
 

@@ -134,8 +134,14 @@ def test_bad_arguments_are_clear():
                 rrt.allreduce(torch.ones(2), op=op)
         with pytest.raises(rr.InvalidInputError, match="expected a torch.Tensor"):
             rrt.allreduce_async_(np.ones(2))
-        with pytest.raises(rr.InvalidInputError, match="complex64 tensors are not supported"):
+        with pytest.raises(rr.InvalidInputError, match="complex64 tensors are not supported") \
+                as err:
             rrt.allreduce(torch.ones(2, dtype=torch.complex64))
+        assert "t.to(torch." in str(err.value) and "astype" not in str(err.value), err.value
+        for call in (rrt.broadcast, rrt.broadcast_async):  # errors name the call made
+            with pytest.raises(rr.InvalidInputError, match=r"root_rank must be") as err:
+                call(torch.ones(2), root_rank=5)
+            assert f"{call.__name__}_" not in str(err.value), err.value
         with pytest.raises(rr.InvalidInputError, match="to_dense"):
             rrt.allreduce(torch.ones(2).to_sparse())
     finally:

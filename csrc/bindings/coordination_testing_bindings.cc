@@ -70,7 +70,8 @@ void bind_coordination_testing(py::module_& parent) {
            py::arg("stall_shutdown") = 0.0)
       .def("submit", [](Negotiator& n, int rank, const py::dict& meta,
                         double now) { n.submit(rank, request_meta_from(meta), now); })
-      .def("join", &Negotiator::join, py::arg("rank"), py::arg("now") = 0.0)
+      .def("join", &Negotiator::join, py::arg("rank"), py::arg("now") = 0.0,
+           py::arg("members") = std::vector<int32_t>{})
       .def("decide", [](Negotiator& n, double now) { return response_dicts(n.decide(now)); })
       .def("next_deadline", &Negotiator::next_deadline)
       .def_property_readonly("pending", &Negotiator::pending);

@@ -72,6 +72,15 @@ void stamp(const SetEngine& s, std::vector<Entry>& es) {
   for (Entry& e : es) e.meta.members = s.members;
 }
 
+// Engine::reject with the collective named as Python names it.
+void reject_call(Engine& eng, const std::vector<int32_t>& members, const std::string& kind,
+                 const std::string& name, const std::string& why) {
+  for (uint32_t k = 1; k <= static_cast<uint32_t>(CollKind::kBarrier); ++k)
+    if (kind == coll_name(static_cast<CollKind>(k)))
+      return eng.reject(static_cast<CollKind>(k), name, why, members);
+  throw_error(ErrorKind::kInvalidArgument, "no collective is called '", kind, "'");
+}
+
 template <class T>
 std::shared_ptr<HandleState> submit_all(T& target, std::vector<Entry> es) {
   stamp(target, es);
@@ -361,15 +370,10 @@ void bind_engine_class(py::module_& m) {
              }
              return r ? py::cast(r) : py::none();
            })
-      .def("reject",
-           [](Engine& eng, const std::string& kind, const std::string& name,
-              const std::string& why) {
-             for (uint32_t k = 1; k <= static_cast<uint32_t>(CollKind::kBarrier); ++k)
-               if (kind == coll_name(static_cast<CollKind>(k)))
-                 return eng.reject(static_cast<CollKind>(k), name, why);
-             throw_error(ErrorKind::kInvalidArgument, "no collective is called '", kind, "'");
-           })
-      .def("join", &Engine::join, py::call_guard<py::gil_scoped_release>())
+      .def("reject", [](Engine& eng, const std::string& kind, const std::string& name,
+                        const std::string& why) { reject_call(eng, {}, kind, name, why); })
+      .def(
+          "join", [](Engine& eng) { return eng.join(); }, py::call_guard<py::gil_scoped_release>())
       .def("join_epoch", &Engine::join_epoch)
       .def("start_timeline", &Engine::start_timeline, py::arg("path"),
            py::call_guard<py::gil_scoped_release>())
@@ -380,9 +384,12 @@ void bind_engine_class(py::module_& m) {
   set.def_readonly("members", &SetEngine::members)
       .def("stats", [](SetEngine& s) { return py::cast(s.eng).attr("stats")(); })
       .def(
-          "join", [](SetEngine& s) { return s.eng->join(); },
+          "join", [](SetEngine& s) { return s.eng->join(s.members); },
           py::call_guard<py::gil_scoped_release>())
-      .def("join_epoch", [](SetEngine& s) { return s.eng->join_epoch(); });
+      .def("join_epoch", [](SetEngine& s) { return s.eng->join_epoch(); })
+      .def("reject",
+           [](SetEngine& s, const std::string& kind, const std::string& name,
+              const std::string& why) { reject_call(*s.eng, s.members, kind, name, why); });
 }
 
 }  // namespace

@@ -91,7 +91,7 @@ bool hierarchical_applies(const Context& ctx) {
 uint64_t wants_hierarchical(const Context& ctx) {
   const int setting = ctx.options().hierarchical;
   if (setting == 0 || !hierarchical_applies(ctx)) return 0;
-  return setting == 1 || ctx.options().mode != TransportMode::kTcp;
+  return setting == 1 || ctx.hosts_may_share_memory();
 }
 
 bool hierarchical_agreed(const HeaderExchange& x) {

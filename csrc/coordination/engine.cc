@@ -178,13 +178,10 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   // each of them calls meanwhile. A call refused here still takes its name
   // and is told to rank 0 (reject_locked), so that names stay in step and the
   // other ranks' calls of that name fail instead of waiting for this one.
-  const std::string prefix = join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.";
   std::vector<Entry*> unnamed;  // validated by submit() when named
   for (Entry& e : entries) {
     if (!e.meta.name.empty() || e.join) continue;
-    const auto& ms = e.meta.members;
-    e.meta.name = ms.empty() ? cat(prefix, noname_++)
-                             : cat(prefix, "set", ranks_text(ms), ".", noname_sets_[ms]++);
+    e.meta.name = unnamed_locked(e.meta.members);
     unnamed.push_back(&e);
   }
   try {
@@ -203,6 +200,22 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   has_work_.store(true);
 }
 
+// The next name of an unnamed call on the process set `members` (empty:
+// the global set); see enqueue_locked().
+std::string Engine::unnamed_locked(const std::vector<int32_t>& members) {
+  // A set's join(process_set=) starts a new epoch of the set's names alone.
+  const std::string prefix = join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.";
+  if (members.empty()) return cat(prefix, noname_++);
+  auto epoch = set_join_epochs_.find(members);
+  return cat(prefix, "set", ranks_text(members), ".",
+             epoch == set_join_epochs_.end() ? "" : cat(epoch->second, "."),
+             noname_sets_[members]++);
+}
+
+static std::string set_name(const std::string& name, const std::vector<int32_t>& members) {
+  return members.empty() ? name : cat(name, "@", ranks_text(members));
+}
+
 std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   RR_CHECK(!entries.empty(), "rank ", rank_, ": submit of no tensors");
   auto h = std::make_shared<HandleState>(entries.size(), batch_.signal());
@@ -211,8 +224,7 @@ std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   // A process set's names are its own (as in Horovod, where each set has its
   // own tensor table): two sets may use one name at the same time.
   for (Entry& e : entries)
-    if (!e.meta.name.empty() && !e.meta.members.empty())
-      e.meta.name += cat("@", ranks_text(e.meta.members));
+    if (!e.meta.name.empty()) e.meta.name = set_name(e.meta.name, e.meta.members);
   try {
     for (Entry& e : entries)
       if (!e.meta.name.empty() || e.join) validate(e);
@@ -236,18 +248,18 @@ void Engine::reject_locked(const std::vector<Entry>& entries, const std::string&
   if (failed_ || stopping_ || size_ == 1) return;
   for (const Entry& e : entries)
     if (!e.join && !e.meta.name.empty())
-      rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why});
+      rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why, e.meta.members});
   has_work_.store(true);
   notify();
 }
 
-void Engine::reject(CollKind kind, const std::string& name, const std::string& why) {
+void Engine::reject(CollKind kind, const std::string& name, const std::string& why,
+                    const std::vector<int32_t>& members) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry e;
   e.meta.kind = kind;
-  e.meta.name = name;
-  if (name.empty())
-    e.meta.name = cat(join_epoch_ ? cat("noname.", join_epoch_, ".") : "noname.", noname_++);
+  e.meta.members = members;
+  e.meta.name = name.empty() ? unnamed_locked(members) : set_name(name, members);
   reject_locked({e}, why);
 }
 
@@ -269,11 +281,12 @@ uint64_t Engine::join_epoch() const {
   return join_epoch_;
 }
 
-std::shared_ptr<HandleState> Engine::join() {
+std::shared_ptr<HandleState> Engine::join(const std::vector<int32_t>& members) {
   Entry e;
   e.join = true;
   e.meta.kind = CollKind::kBarrier;
   e.meta.name = "join";
+  e.meta.members = members;
   std::vector<Entry> one;
   one.push_back(std::move(e));
   return submit(std::move(one));
@@ -431,17 +444,18 @@ std::string Engine::idle_state() const {
 }
 
 // Sleeps until a peer may have sent something, a caller submitted work, or
-// the timeout passes. shm-only: the doorbell (peers and notify() ring it).
-// Otherwise poll() on the watched sockets and the wake eventfd; shm peers
-// cannot wake poll(), so with both kinds the sleep is cut to 1 ms slices.
+// the timeout passes, as the watched links' transports say (transports.h).
+// Doorbell links only: the doorbell (peers and notify() ring it). Otherwise
+// poll() on the fd links and the wake eventfd, with a watcher turning a
+// doorbell ring into an eventfd write when both kinds are watched.
 void Engine::block(int64_t timeout_ns) {
   std::vector<pollfd> fds{pollfd{wake_fd_, POLLIN, 0}};
-  bool any_shm = false;
+  bool any_bell = false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || (rank_ != 0 && p != 0)) continue;
-    WaitHandle w = ctx_->link(p).wait_handle();
-    if (w.fd >= 0) fds.push_back(pollfd{w.fd, POLLIN, 0});
-    any_shm |= w.doorbell;
+    const Link& link = ctx_->link(p);
+    if (link.transport().wait & kWaitFd) fds.push_back(pollfd{link.poll_fd(), POLLIN, 0});
+    any_bell |= (link.transport().wait & kWaitDoorbell) != 0;
   }
   Doorbell* bell = ctx_->progress().doorbell;
   if (fds.size() == 1 && bell) {
@@ -451,9 +465,9 @@ void Engine::block(int64_t timeout_ns) {
     bell->set_sleeping(false);
     return;
   }
-  // Sockets, and shm peers too: the watcher turns a doorbell ring into an
-  // eventfd write (protocol in doorbell_watcher.h).
-  const bool watch = any_shm && bell;
+  // Sockets, and doorbell peers too: the watcher turns a doorbell ring into
+  // an eventfd write (protocol in doorbell_watcher.h).
+  const bool watch = any_bell && bell;
   if (watch) {
     if (!watcher_) watcher_ = std::make_unique<DoorbellWatcher>(bell, wake_fd_);
     const uint32_t seen = bell->snapshot();

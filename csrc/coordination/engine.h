@@ -75,13 +75,18 @@ class Engine {
   // Validates locally (dtype/op, shape, root, duplicate names) and enqueues.
   // Unnamed entries get "noname.<n>". Throws if the engine failed.
   std::shared_ptr<HandleState> submit(std::vector<Entry> entries);
-  std::shared_ptr<HandleState> join();
+  // Horovod's join(): `members` names a process set (empty: the job); the
+  // handle's join_result is the global rank that joined the set last.
+  std::shared_ptr<HandleState> join(const std::vector<int32_t>& members = {});
   // The caller refused a call of `kind` under `name` ("" = the next unnamed
   // call's name) for `why` before submitting it (the Python layer's checks):
   // rank 0 hears of it, so the other ranks' matching calls fail naming this
   // rank and `why` instead of waiting for it (Negotiator::reject). submit()
-  // does this itself for calls that fail its own checks.
-  void reject(CollKind kind, const std::string& name, const std::string& why);
+  // does this itself for calls that fail its own checks. `members`: the
+  // process set's ranks (empty: the global set), whose names are the set's
+  // own (submit()), so that the set's other members fail the same way.
+  void reject(CollKind kind, const std::string& name, const std::string& why,
+              const std::vector<int32_t>& members = {});
   // Completed join()s; changes before the completing join's handle resolves.
   uint64_t join_epoch() const;
   // Horovod's start_timeline/stop_timeline: rank 0 writes the trace; elsewhere no-ops.
@@ -106,7 +111,9 @@ class Engine {
     CollKind kind;
     std::string name;
     std::string why;
+    std::vector<int32_t> members;  // of its process set; empty for the global set
   };
+  std::string unnamed_locked(const std::vector<int32_t>& members);
   void reject_locked(const std::vector<Entry>& entries, const std::string& why);
   static RequestMeta rejected_meta(const Rejection& rj);
   void agree_on_settings();
@@ -126,7 +133,8 @@ class Engine {
   void release_names(const std::vector<std::string>& names);  // from in_flight_
   void record_local(std::vector<Entry>& fresh);
   std::vector<uint8_t> encode_requests(const std::vector<Entry>& fresh, bool join);
-  void finish_join(int32_t last_joined);
+  void finish_join(const Response& r);
+  bool joined(const std::vector<int32_t>& members) const;
   void decode_requests(int rank, const std::vector<uint8_t>& payload, double now);
   void decode_requests_from(int rank, const std::vector<uint8_t>& payload, double now);
   std::vector<Response> decode_responses_from(const std::vector<uint8_t>& payload) const;
@@ -167,7 +175,8 @@ class Engine {
   ExecutorFactory device_factory_;
   std::unordered_set<std::string> in_flight_;
   uint64_t noname_ = 0;
-  std::map<std::vector<int32_t>, uint64_t> noname_sets_;  // by process set
+  std::map<std::vector<int32_t>, uint64_t> noname_sets_;      // by process set
+  std::map<std::vector<int32_t>, uint64_t> set_join_epochs_;  // completed join(process_set=)s
   uint64_t join_epoch_ = 0;  // completed join()s; with noname_, under mu_
   bool stopping_ = false;
   bool failed_ = false;
@@ -182,6 +191,7 @@ class Engine {
   std::vector<Rejection> rejections_;               // drained, for this round
   std::vector<Entry> joins_;
   bool joined_ = false;
+  std::vector<std::vector<int32_t>> joined_sets_;  // join(process_set=)s not done yet
   uint64_t round_ = 0;
   std::atomic<uint64_t> executed_responses_{0};
   std::atomic<uint64_t> executed_tensors_{0};

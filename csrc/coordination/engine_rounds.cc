@@ -11,6 +11,7 @@ RequestMeta Engine::rejected_meta(const Rejection& rj) {
   RequestMeta m;
   m.kind = rj.kind;
   m.name = rj.name;
+  m.members = rj.members;
   return m;
 }
 
@@ -51,7 +52,10 @@ void Engine::release_names(const std::vector<std::string>& names) {
 void Engine::record_local(std::vector<Entry>& fresh) {
   for (Entry& e : fresh) {
     if (e.join) {
-      joined_ = true;
+      if (e.meta.members.empty())
+        joined_ = true;
+      else
+        joined_sets_.push_back(e.meta.members);
       joins_.push_back(std::move(e));
     } else {
       std::string name = e.meta.name;
@@ -68,7 +72,9 @@ void Engine::coordinator_round() {
   const double t = now();
   bool join = false;
   for (const Entry& e : fresh) {
-    if (e.join)
+    if (e.join && !e.meta.members.empty())
+      negotiator_->join(0, t, e.meta.members);
+    else if (e.join)
       join = true;
     else
       negotiator_->submit(0, e.meta, t);
@@ -96,7 +102,8 @@ void Engine::worker_round() {
   const uint64_t k = round_;
   auto what = [k] { return cat("negotiation round ", k); };
   std::vector<Entry> fresh = drain();
-  const bool join = std::any_of(fresh.begin(), fresh.end(), [](const Entry& e) { return e.join; });
+  const bool join = std::any_of(fresh.begin(), fresh.end(),
+                                [](const Entry& e) { return e.join && e.meta.members.empty(); });
   ctrl_.post(0, CtrlType::kRequests, k, encode_requests(fresh, join));
   record_local(fresh);
   expect(ctrl_.receive({0}, what).at(0), CtrlType::kPoll, k, rank_);
@@ -124,11 +131,23 @@ std::vector<uint8_t> Engine::encode_requests(const std::vector<Entry>& fresh, bo
   w.put_bytes(bits);
   w.put<uint32_t>(static_cast<uint32_t>(full.size()));
   for (const RequestMeta* m : full) m->write(w);
-  w.put<uint32_t>(static_cast<uint32_t>(rejections_.size()));  // then: kind, name, why
+  // then: kind, name, why, process set
+  w.put<uint32_t>(static_cast<uint32_t>(rejections_.size()));
   for (const Rejection& rj : rejections_) {
     w.put<uint32_t>(static_cast<uint32_t>(rj.kind));
     w.put_str(rj.name);
     w.put_str(rj.why);
+    w.put<uint32_t>(static_cast<uint32_t>(rj.members.size()));
+    for (int32_t m : rj.members) w.put<int32_t>(m);
+  }
+  // then: the process sets this rank joined (join(process_set=))
+  std::vector<const std::vector<int32_t>*> sets;
+  for (const Entry& e : fresh)
+    if (e.join && !e.meta.members.empty()) sets.push_back(&e.meta.members);
+  w.put<uint32_t>(static_cast<uint32_t>(sets.size()));
+  for (const auto* ms : sets) {
+    w.put<uint32_t>(static_cast<uint32_t>(ms->size()));
+    for (int32_t m : *ms) w.put<int32_t>(m);
   }
   rejections_.clear();
   return std::move(w.bytes());
@@ -157,7 +176,15 @@ void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload,
     rj.kind = static_cast<CollKind>(r.get<uint32_t>());
     rj.name = r.get_str();
     rj.why = r.get_str();
+    rj.members.resize(r.get<uint32_t>());
+    for (int32_t& m : rj.members) m = r.get<int32_t>();
     negotiator_->reject(rank, rejected_meta(rj), std::move(rj.why), t);
+  }
+  const uint32_t sets = r.get<uint32_t>();
+  for (uint32_t i = 0; i < sets; ++i) {
+    std::vector<int32_t> members(r.get<uint32_t>());
+    for (int32_t& m : members) m = r.get<int32_t>();
+    negotiator_->join(rank, t, members);
   }
   if (join) negotiator_->join(rank, t);
 }
@@ -223,28 +250,47 @@ void Engine::process(const std::vector<Response>& rs) {
         for (const RequestMeta& m : r.tensors) cache_.put(m);
         break;
       case RespType::kError: fail_entries(r, r.error_kind, r.message); break;
-      case RespType::kJoinDone: finish_join(r.last_joined); break;
+      case RespType::kJoinDone: finish_join(r); break;
       case RespType::kStallWarning: log(LogLevel::kWarning, rank_, r.message); break;
       case RespType::kFatal: throw Error(r.error_kind, cat("rank ", rank_, ": ", r.message));
     }
   }
 }
 
-// Every rank has joined. Before join() returns, unnamed calls start a new
+// Every rank (of the job, or of the process set the response names) has
+// joined. Before join() returns, unnamed calls (of the set) start a new
 // epoch (see enqueue_locked), so that all ranks name them alike again.
-void Engine::finish_join(int32_t last_joined) {
+void Engine::finish_join(const Response& r) {
+  const std::vector<int32_t> none;
+  const std::vector<int32_t>& set = r.tensors.empty() ? none : r.tensors.front().members;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ++join_epoch_;
-    noname_ = 0;
-    noname_sets_.clear();
+    if (set.empty()) {
+      ++join_epoch_;
+      noname_ = 0;
+      noname_sets_.clear();
+    } else {
+      ++set_join_epochs_[set];
+      noname_sets_.erase(set);
+    }
   }
-  for (Entry& j : joins_) {
-    j.handle->join_result = last_joined;
-    j.handle->resolve_one();
+  auto done = std::stable_partition(joins_.begin(), joins_.end(),
+                                    [&](const Entry& j) { return j.meta.members != set; });
+  for (auto j = done; j != joins_.end(); ++j) {
+    j->handle->join_result = r.last_joined;
+    j->handle->resolve_one();
   }
-  joins_.clear();
-  joined_ = false;
+  joins_.erase(done, joins_.end());
+  if (set.empty())
+    joined_ = false;
+  else
+    joined_sets_.erase(std::remove(joined_sets_.begin(), joined_sets_.end(), set),
+                       joined_sets_.end());
+}
+
+bool Engine::joined(const std::vector<int32_t>& members) const {
+  return joined_ || (!members.empty() && std::find(joined_sets_.begin(), joined_sets_.end(),
+                                                   members) != joined_sets_.end());
 }
 
 // Every rank sees every response; a process set's run on its members only.
@@ -253,7 +299,7 @@ void Engine::execute(const Response& r) {
   std::vector<Entry*> local;
   for (const RequestMeta& m : r.tensors) {
     auto it = pending_.find(m.name);
-    if (it == pending_.end() && !joined_)
+    if (it == pending_.end() && !joined(r.tensors.front().members))
       throw_error(ErrorKind::kInternal, "rank ", rank_, ": told to run '", m.name,
                   "', which this rank never submitted");
     local.push_back(it == pending_.end() ? nullptr : &it->second);

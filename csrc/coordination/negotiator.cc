@@ -58,8 +58,13 @@ void Negotiator::reject(int rank, RequestMeta m, std::string why, double now) {
   if (slot.empty()) slot = why.empty() ? std::string("(no reason given)") : std::move(why);
 }
 
-void Negotiator::join(int rank, double now) {
+void Negotiator::join(int rank, double now, const std::vector<int32_t>& members) {
   last_activity_ = std::max(last_activity_, now);
+  if (!members.empty()) {
+    auto& in = set_joins_[members];
+    if (std::find(in.begin(), in.end(), rank) == in.end()) in.push_back(rank);
+    return;
+  }
   if (joined_[rank]) return;
   joined_[rank] = true;
   ++joined_count_;
@@ -73,8 +78,36 @@ void Negotiator::join(int rank, double now) {
 bool Negotiator::ready(const Pending& p) const {
   const RequestMeta& m = any_meta(p);
   for (int r = 0; r < opt_.size; ++r)
-    if (!joined_[r] && !p.submitted[r] && m.has_rank(r)) return false;
+    if (!has_joined(m, r) && !p.submitted[r] && m.has_rank(r)) return false;
   return true;
+}
+
+bool Negotiator::has_joined(const RequestMeta& m, int rank) const {
+  if (joined_[rank]) return true;
+  if (m.members.empty() || set_joins_.empty()) return false;
+  auto it = set_joins_.find(m.members);
+  return it != set_joins_.end() &&
+         std::find(it->second.begin(), it->second.end(), rank) != it->second.end();
+}
+
+// A process set all of whose members joined: kJoinDone names it (its one
+// tensor carries the members) and its join state resets.
+void Negotiator::finish_set_joins(std::vector<Response>* out) {
+  for (auto it = set_joins_.begin(); it != set_joins_.end();) {
+    if (it->second.size() < it->first.size()) {
+      ++it;
+      continue;
+    }
+    Response j;
+    j.type = RespType::kJoinDone;
+    j.last_joined = it->second.back();
+    j.tensors.emplace_back();
+    j.tensors.back().kind = CollKind::kBarrier;
+    j.tensors.back().name = cat("join@", ranks_text(it->first));
+    j.tensors.back().members = it->first;
+    out->push_back(std::move(j));
+    it = set_joins_.erase(it);
+  }
 }
 
 std::string Negotiator::mismatch(const Pending& p) const {
@@ -117,11 +150,11 @@ std::string Negotiator::rejection(const Pending& p) const {
 }
 
 std::string Negotiator::unsupported_with_joined(const Pending& p) const {
-  if (joined_count_ == 0) return "";
+  if (joined_count_ == 0 && set_joins_.empty()) return "";
   const RequestMeta& m = any_meta(p);
   std::vector<int> absent;
   for (int r = 0; r < opt_.size; ++r)
-    if (joined_[r] && !p.submitted[r] && m.has_rank(r)) absent.push_back(r);
+    if (has_joined(m, r) && !p.submitted[r] && m.has_rank(r)) absent.push_back(r);
   if (absent.empty()) return "";
   if (m.kind == CollKind::kBroadcast && !p.submitted[m.global_rank(m.root)])
     return cat(
@@ -181,6 +214,7 @@ std::vector<Response> Negotiator::decide(double now) {
     joined_count_ = 0;
     last_joined_ = -1;
   }
+  if (!set_joins_.empty()) finish_set_joins(&out);
   stall_report(now, &out);
   return out;
 }
@@ -189,7 +223,7 @@ std::string Negotiator::missing_ranks(const Pending& p) const {
   std::vector<int> have, miss;  // a joined rank is not missing: it will contribute zeros
   const RequestMeta& m = any_meta(p);
   for (int r = 0; r < opt_.size; ++r)
-    if (p.submitted[r] || (!joined_[r] && m.has_rank(r)))
+    if (p.submitted[r] || (!has_joined(m, r) && m.has_rank(r)))
       (p.submitted[r] ? have : miss).push_back(r);
   return cat("submitted by ", rank_list(have), ", missing on ", rank_list(miss));
 }

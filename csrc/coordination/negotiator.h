@@ -10,13 +10,16 @@
 // first saw them: an exec response when all submissions are compatible, an
 // error response naming what each rank sent when not. Then fusion planning
 // (fusion.h), then join completion (every rank joined -> kJoinDone, the set
-// resets), then stall reports (also for a join() that the other ranks never
+// resets; likewise per process set for join(process_set=): its tensors wait
+// for its members that have not joined, and once all joined a kJoinDone
+// naming the set resets it), then stall reports (also for a join() that the other ranks never
 // match while nothing else happens). Pure logic: no I/O, time passed in, so the
 // unit tests feed it canned requests.
 #pragma once
 
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -41,7 +44,8 @@ class Negotiator {
 
   // By value: a request decoded from the wire is moved in, not copied.
   void submit(int rank, RequestMeta m, double now);
-  void join(int rank, double now);
+  // `members`: the process set joined (empty: the whole job).
+  void join(int rank, double now, const std::vector<int32_t>& members = {});
   // `rank` refused its own call under m.name (kind and name are all m holds)
   // because it failed that rank's checks; its caller already got the error.
   // The name counts as submitted by `rank`, so once the other ranks submit it
@@ -65,6 +69,8 @@ class Negotiator {
   static size_t first_submitted(const Pending& p);
   static const RequestMeta& any_meta(const Pending& p);
   bool ready(const Pending& p) const;
+  bool has_joined(const RequestMeta& m, int rank) const;  // the job, or m's set
+  void finish_set_joins(std::vector<Response>* out);
   Response verdict(Pending& p) const;  // moves one of p's metas into the response
   std::string mismatch(const Pending& p) const;
   std::string rejection(const Pending& p) const;
@@ -80,6 +86,8 @@ class Negotiator {
   std::vector<bool> joined_;
   int joined_count_ = 0;
   int last_joined_ = -1;
+  // join(process_set=): per set, its members (global ranks) that joined, in order.
+  std::map<std::vector<int32_t>, std::vector<int32_t>> set_joins_;
   uint64_t next_order_ = 0;
   double last_activity_ = 0;  // latest submit or join, for join stalls
   double join_warned_ = 0;

@@ -23,14 +23,8 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
   o.rank = rank;
   o.size = size;
   o.secret = secret;
-  std::string mode = env_str("RINGREDUCE_TRANSPORT", "auto");
-  if (mode == "tcp")
-    o.mode = TransportMode::kTcp;
-  else if (mode == "shm")
-    o.mode = TransportMode::kShm;
-  else if (mode != "auto")
-    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_TRANSPORT='", mode,
-                "' is not one of auto, shm, tcp");
+  o.transport = env_str("RINGREDUCE_TRANSPORT", o.transport);
+  allowed_transports(o.transport);  // refuses an unknown name here, before any connection
   o.bind_addr = env_str("RINGREDUCE_BIND_ADDR", o.bind_addr);
   o.connect_timeout_s = env_double("RINGREDUCE_CONNECT_TIMEOUT_SECONDS", o.connect_timeout_s);
   o.timeout_s = env_double("RINGREDUCE_TIMEOUT_SECONDS", o.timeout_s);
@@ -73,7 +67,9 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
 }
 
 Context::Context(ContextOptions options)
-    : opt_(std::move(options)), stream_choice_(opt_.shm_stream_mode) {
+    : opt_(std::move(options)),
+      allowed_(allowed_transports(opt_.transport)),
+      stream_choice_(opt_.shm_stream_mode) {
   if (opt_.size < 1 || opt_.rank < 0 || opt_.rank >= opt_.size)
     throw_error(ErrorKind::kInvalidArgument, "invalid rank ", opt_.rank, " for world size ",
                 opt_.size);
@@ -164,12 +160,29 @@ void Context::compute_topology() {
       static_cast<int>(std::find(hosts.begin(), hosts.end(), opt_.host_id) - hosts.begin());
 }
 
-bool Context::use_shm_with(int peer) const {
-  bool same_host = local_index_[peer] >= 0;
-  if (opt_.mode == TransportMode::kShm && !same_host)
-    throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_TRANSPORT=shm but rank ", peer,
-                " is on another host (", peers_[peer].host_id, ")");
-  return same_host && opt_.mode != TransportMode::kTcp;
+// Walks the allowed entries of the table for every peer (protocol in
+// transports.h); both ends of a link choose alike from the same records.
+void Context::choose_transports() {
+  chosen_.assign(opt_.size, nullptr);
+  const PeerInfo& self = peers_[opt_.rank];
+  for (int r = 0; r < opt_.size; ++r) {
+    if (r == opt_.rank) continue;
+    for (const Transport* t : allowed_)
+      if (t->can_connect(self, peers_[r], opt_)) {
+        chosen_[r] = t;
+        break;
+      }
+    if (!chosen_[r])
+      throw_error(ErrorKind::kInvalidArgument, "rank ", opt_.rank,
+                  ": RINGREDUCE_TRANSPORT=", opt_.transport,
+                  " but no transport it allows reaches rank ", r, " on another host (",
+                  peers_[r].host_id, ")");
+  }
+}
+
+void Context::add_link(int peer, std::unique_ptr<Link> link) {
+  link->bind(*chosen_[peer]);
+  links_[peer] = std::move(link);
 }
 
 void Context::connect(const std::vector<std::string>& infos) {
@@ -191,8 +204,13 @@ void Context::connect(const std::vector<std::string>& infos) {
   for (const auto& p : peers_) hosts.push_back(p.host_id);
   heartbeat_ = std::make_unique<Heartbeat>(
       HeartbeatOptions{opt_.rank, opt_.stall_check_s, opt_.peer_timeout_s, std::move(hosts)});
-  connect_shm();
-  connect_tcp();
+  choose_transports();
+  for (const Transport& t : transport_table()) {
+    std::vector<int> mine;
+    for (int r = 0; r < opt_.size; ++r)
+      if (chosen_[r] == &t) mine.push_back(r);
+    t.connect(*this, mine);
+  }
   listener_.reset();  // no more strangers can knock once the mesh is complete
   heartbeat_->start();
   progress_.heartbeat = heartbeat_.get();
@@ -209,10 +227,9 @@ std::string Context::shm_prefix() const {
   return "/ringreduce-" + hex64(job_id()) + "-";
 }
 
-void Context::connect_shm() {
-  std::vector<int> local;
-  for (int r = 0; r < opt_.size; ++r)
-    if (r != opt_.rank && use_shm_with(r)) local.push_back(r);
+// The shm entry: one segment per rank holding a ring from every local peer;
+// `local` are the peers on this host (all of them, or none).
+void Context::connect_shm(const std::vector<int>& local) {
   if (local.empty()) return;
   const std::string prefix = shm_prefix();
   segments_.clear();
@@ -245,35 +262,42 @@ void Context::connect_shm() {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   mine->unlink();
-  for (int r : local) {
-    links_[r] = std::make_unique<ShmLink>(
-        r, peers_[r].host_id, peers_[r].pid, mine, segments_[local_index_[r]].get(),
-        static_cast<uint32_t>(local_rank_), static_cast<uint32_t>(local_index_[r]),
-        opt_.shm_stream_send_bytes);
-  }
+  for (int r : local)
+    add_link(r, std::make_unique<ShmLink>(
+                    r, peers_[r].host_id, peers_[r].pid, mine, segments_[local_index_[r]].get(),
+                    static_cast<uint32_t>(local_rank_), static_cast<uint32_t>(local_index_[r]),
+                    opt_.shm_stream_send_bytes));
+}
+
+bool Context::hosts_may_share_memory() const {
+  for (const Transport* t : allowed_)
+    if (t->shares_memory) return true;
+  return false;
 }
 
 // Shared among this host's ranks: every rank's on a one-host job; on several
-// hosts each host's (allreduce_shared_hierarchical.cc reads them). None over
-// TCP only, nor for a group view.
+// hosts each host's (allreduce_shared_hierarchical.cc reads them). None when
+// no allowed transport shares memory, nor for a group view.
 std::shared_ptr<SharedRegion> Context::create_shared(size_t bytes) {
-  if (parent_ || opt_.mode == TransportMode::kTcp) return nullptr;
+  if (parent_ || !hosts_may_share_memory()) return nullptr;
   std::vector<SharedPeer> peers;
   for (int r = 0; r < opt_.size; ++r)
-    if (r != opt_.rank && use_shm_with(r)) peers.push_back(SharedPeer{r, peers_[r].pid});
+    if (r != opt_.rank && chosen_[r]->shares_memory) peers.push_back(SharedPeer{r, peers_[r].pid});
   return shared_.create(shm_prefix(), opt_.rank, opt_.size, peers, bytes, opt_.connect_timeout_s);
 }
 
-// Data links to every peer not reached through shared memory (the lower
-// rank accepts), plus one heartbeat connection from every worker to rank 0,
-// whatever the transport (heartbeat.h).
-void Context::connect_tcp() {
+// The tcp entry: data links to `data_peers` (the lower rank accepts), plus
+// one heartbeat connection from every worker to rank 0, whatever carries the
+// data (heartbeat.h), so it runs even with no data peers.
+void Context::connect_tcp(const std::vector<int>& data_peers) {
   HandshakeParams hp{opt_.secret, job_id(), opt_.rank, opt_.size};
   auto deadline = deadline_in(opt_.connect_timeout_s);
+  std::vector<bool> by_socket(opt_.size, false);
+  for (int r : data_peers) by_socket[r] = true;
   int expect_accepts = opt_.rank == 0 ? opt_.size - 1 : 0;  // heartbeats
   for (int r = 0; r < opt_.size; ++r) {
     if (r == opt_.rank) continue;
-    const bool data = !use_shm_with(r);
+    const bool data = by_socket[r];
     if (r > opt_.rank) {
       expect_accepts += data;
       continue;
@@ -287,15 +311,16 @@ void Context::connect_tcp() {
         tune_data_socket(fd.get(), opt_.link_timeout_s);
         heartbeat_->add(r, std::move(fd));
       } else {
-        links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk(),
-                                              opt_.link_timeout_s);
+        add_link(r, std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk(),
+                                              opt_.link_timeout_s));
       }
     }
   }
-  accept_tcp(expect_accepts, hp, deadline);
+  accept_tcp(expect_accepts, by_socket, hp, deadline);
 }
 
-void Context::accept_tcp(int expect_accepts, const HandshakeParams& hp, Deadline deadline) {
+void Context::accept_tcp(int expect_accepts, const std::vector<bool>& data,
+                         const HandshakeParams& hp, Deadline deadline) {
   std::vector<bool> beating(opt_.size, false);
   while (expect_accepts > 0) {
     std::string from;
@@ -308,7 +333,7 @@ void Context::accept_tcp(int expect_accepts, const HandshakeParams& hp, Deadline
     Channel ch = Channel::kData;
     int r = handshake_accept(fd.get(), hp, deadline_in(5), &ch, &why);
     const bool beat = ch == Channel::kHeartbeat;
-    const bool fresh = r > opt_.rank && (beat ? !beating[r] : !links_[r] && !use_shm_with(r));
+    const bool fresh = r > opt_.rank && (beat ? !beating[r] : !links_[r] && data[r]);
     if (r < 0 || !fresh) {
       log(LogLevel::kWarning, opt_.rank, "refused connection from ", from, ": ",
           why.empty() ? cat("unexpected rank ", r) : why);
@@ -319,8 +344,8 @@ void Context::accept_tcp(int expect_accepts, const HandshakeParams& hp, Deadline
       tune_data_socket(fd.get(), opt_.link_timeout_s);
       heartbeat_->add(r, std::move(fd));
     } else {
-      links_[r] = std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk(),
-                                            opt_.link_timeout_s);
+      add_link(r, std::make_unique<TcpLink>(r, peers_[r].host_id, std::move(fd), chunk(),
+                                            opt_.link_timeout_s));
     }
     --expect_accepts;
   }

@@ -22,10 +22,9 @@
 #include "transport/stream_choice.h"
 #include "transport/tcp/handshake.h"
 #include "transport/tcp/socket_util.h"
+#include "transport/transports.h"
 
 namespace rr {
-
-enum class TransportMode { kAuto, kTcp, kShm };
 
 // Told by the algorithms when they enter a phase ("RING_REDUCE_SCATTER"...);
 // the engine's timeline implements it. Not owned by the Context.
@@ -38,9 +37,9 @@ class PhaseObserver {
 struct ContextOptions {
   int rank = 0;
   int size = 1;
-  std::string secret;   // shared by all ranks of the job (random per job)
-  std::string host_id;  // ranks with equal host_id share memory
-  TransportMode mode = TransportMode::kAuto;
+  std::string secret;              // shared by all ranks of the job (random per job)
+  std::string host_id;             // ranks with equal host_id share memory
+  std::string transport = "auto";  // RINGREDUCE_TRANSPORT (transports.h)
   std::string bind_addr = "0.0.0.0";
   double connect_timeout_s = 60;  // RINGREDUCE_CONNECT_TIMEOUT_SECONDS
   double timeout_s = 1800;        // RINGREDUCE_TIMEOUT_SECONDS
@@ -120,9 +119,12 @@ class Context {
   void mark_broken(const std::string& why);
   void check_usable() const;
 
+  // Ranks of one host may share memory: an allowed transport does
+  // (RINGREDUCE_TRANSPORT), whether or not this job has such peers.
+  bool hosts_may_share_memory() const;
   // A buffer the ranks of this host map (shared_region.h): collective over all
-  // ranks, in the same order with the same size; nullptr over TCP only and in
-  // a group view.
+  // ranks, in the same order with the same size; nullptr when no allowed
+  // transport shares memory, and in a group view.
   std::shared_ptr<SharedRegion> create_shared(size_t bytes);
   std::shared_ptr<SharedRegion> find_shared(const void* p, size_t n, size_t* offset) const {
     return shared_.find(p, n, offset);
@@ -157,10 +159,13 @@ class Context {
   Context(Context& parent, std::vector<int> members);  // a group view
   void leave(const std::string& reason);
   void compute_topology();
-  void connect_shm();
-  void connect_tcp();
-  void accept_tcp(int expect_accepts, const HandshakeParams& hp, Deadline deadline);
-  bool use_shm_with(int peer) const;
+  friend struct TransportAccess;  // the table's entries connect (transports.cc)
+  void choose_transports();
+  void add_link(int peer, std::unique_ptr<Link> link);
+  void connect_shm(const std::vector<int>& local);
+  void connect_tcp(const std::vector<int>& data_peers);
+  void accept_tcp(int expect_accepts, const std::vector<bool>& data, const HandshakeParams& hp,
+                  Deadline deadline);
   size_t chunk() const { return opt_.shm_slot_bytes; }  // TCP staging = shm slot
   uint64_t job_id() const;
   std::string shm_prefix() const;  // of every shm object of this job
@@ -169,6 +174,8 @@ class Context {
   ProgressSettings progress_;
   std::vector<PeerInfo> peers_;
   std::vector<std::unique_ptr<Link>> links_;
+  std::vector<const Transport*> allowed_;  // RINGREDUCE_TRANSPORT's entries, in table order
+  std::vector<const Transport*> chosen_;   // by peer (nullptr for this rank)
   std::unique_ptr<Heartbeat> heartbeat_;
   std::vector<std::unique_ptr<ShmSegment>> segments_;  // by local rank; ours included
   Fd listener_;

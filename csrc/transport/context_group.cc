@@ -26,6 +26,7 @@ Context::Context(Context& parent, std::vector<int> members)
     : opt_(view_options(parent.opt_, position_of(members, parent.rank()),
                         static_cast<int>(members.size()))),
       progress_(parent.progress_),
+      allowed_(parent.allowed_),
       stream_choice_(parent.opt_.shm_stream_mode),
       parent_(&parent),
       members_(std::move(members)) {

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <string>
 
+#include "transport/transports.h"
+
 namespace rr {
 
 class RecvSink {
@@ -43,17 +45,15 @@ struct IoPiece {
   size_t len;
 };
 
-// How a link can be waited on when it makes no progress.
-struct WaitHandle {
-  int fd = -1;            // pollable socket, or -1
-  bool doorbell = false;  // woken by this rank's shared-memory doorbell
-};
-
 class Link {
  public:
   virtual ~Link() = default;
   virtual int peer() const = 0;
-  virtual const char* kind() const = 0;  // "shm" or "tcp"
+  // The table entry that made this link (transports.h): its name, and how a
+  // waiter sleeps on it. Bound by the Context before anyone sees the link.
+  const Transport& transport() const { return *transport_; }
+  const char* kind() const { return transport_->name; }
+  void bind(const Transport& t) { transport_ = &t; }
   virtual const std::string& peer_host() const = 0;
 
   // Pushes more of a message of `n` bytes of which `done` are already sent.
@@ -88,13 +88,17 @@ class Link {
   // transport/stream_choice.h). Other transports ignore it.
   virtual void set_streaming(bool /*allowed*/) {}
 
-  virtual WaitHandle wait_handle() const = 0;
+  // What poll() waits on when the entry waits by fd (kWaitFd).
+  virtual int poll_fd() const { return -1; }
   // Throws kPeerLost if the peer is known to be gone. Called between waits.
   virtual void check_alive() = 0;
   // This rank is leaving (shutdown or unrecoverable failure): make the peer
   // notice promptly and learn `reason` (last words on the socket / wake it to
   // read our closed flag).
   virtual void abort(const std::string& reason) = 0;
+
+ private:
+  const Transport* transport_ = nullptr;
 };
 
 // A sink that copies into a contiguous destination.

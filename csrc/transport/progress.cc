@@ -88,19 +88,20 @@ std::string describe_pending(const std::vector<PendingIo>& io) {
   return out;
 }
 
-// Blocks for at most `slice_ns` or until something may have changed.
+// Blocks for at most `slice_ns` or until something may have changed, the
+// way the pending links' table entries say (transports.h).
 void block_once(const ProgressSettings& st, ProgressTask& task, const std::vector<PendingIo>& io,
                 std::vector<pollfd>* fds, int64_t slice_ns) {
-  bool any_shm = false;
+  bool any_bell = false;
   fds->clear();
   for (const auto& p : io) {
-    WaitHandle w = p.link->wait_handle();
+    const unsigned wait = p.link->transport().wait;
     const short events = p.sending ? POLLOUT : POLLIN;
-    if (w.fd >= 0) fds->push_back(pollfd{w.fd, events, 0});
-    any_shm |= w.doorbell;
+    if (wait & kWaitFd) fds->push_back(pollfd{p.link->poll_fd(), events, 0});
+    any_bell |= (wait & kWaitDoorbell) != 0;
   }
   Doorbell* bell = st.doorbell;
-  if (any_shm && fds->empty() && bell) {
+  if (any_bell && fds->empty() && bell) {
     uint32_t seen = bell->snapshot();
     bell->set_sleeping(true);
     size_t pending = 0;
@@ -108,9 +109,9 @@ void block_once(const ProgressSettings& st, ProgressTask& task, const std::vecto
     bell->set_sleeping(false);
     return;
   }
-  // Sockets only: poll for the whole slice. Mixed: short slices, since shm
-  // peers cannot wake poll().
-  if (any_shm) {
+  // Sockets only: poll for the whole slice. Mixed: short slices, since a
+  // doorbell cannot wake poll().
+  if (any_bell) {
     struct timespec ts{0, 200000};
     ppoll(fds->data(), fds->size(), &ts, nullptr);
   } else {

@@ -1,8 +1,9 @@
 // The progress engine: drives a batch of sends and receives over any mix of
 // links until all complete. It spins for a short while (a peer on the other
-// core usually answers within microseconds), then blocks: on this rank's
-// shared-memory doorbell when only shm links are pending, on poll() when only
-// sockets are, and in short poll slices when both are. Between blocking slices
+// core usually answers within microseconds), then blocks as the pending
+// links' transports say (transports.h): on this rank's doorbell when only
+// doorbell links are pending, on poll() when only fd links are, and in short
+// poll slices when both are. Between blocking slices
 // it checks deadlines and peer liveness, so a dead peer turns
 // into an error naming that peer and the operation instead of a hang.
 #pragma once

@@ -133,15 +133,14 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     allreduce / allgather / broadcast (e.g. DistributedOptimizer's gradient
     allreduces) with neutral elements; Average divides by the ranks that
     contributed. ``device`` is Horovod's (where to allocate the zeros) and is
-    ignored: the engine provides them itself. ``process_set`` must be the global set:
-    a joined rank takes part with neutral elements in every set it belongs to.
+    ignored: the engine provides them itself. With ``process_set`` only that set's
+    members join, and only its collectives take neutral elements from them; the rank
+    returned is then the global rank of the set's last member to join (as in Horovod).
+    A rank that joined the global set takes part with neutral elements in every set.
     """
     if isinstance(device, bool) or not isinstance(device, int):
         raise InvalidInputError(f"join: device must be an int, got {device!r}")
-    if process_set.process_set_id != 0:
-        raise InvalidInputError("join: only the global process set can be joined; a joined "
-                                "rank already contributes neutral elements to its other sets")
-    return _comm().join()
+    return _comm(process_set).join()
 
 
 def _no() -> bool:

@@ -3,7 +3,8 @@
     RANK=r WORLD_SIZE=n ... python process_sets_worker.py
 
 Sets: ``tail`` = every rank but 0, ``solo`` = rank 0 alone (static, at init); then dynamic
-``pair`` = ranks 0 and n-1 (added and removed at run time). Each check raises on failure;
+``pair`` = ranks 0 and n-1 (added and removed at run time; on it, calls refused by one
+member and join(process_set=)). Each check raises on failure;
 at the end every rank logs ``OK rank <r>``.
 """
 
@@ -49,6 +50,39 @@ def torch_on_set(ps: rr.ProcessSet) -> None:
     check(all(torch.equal(w[0], w[i]) for i in range(ps.size())), f"optimizer on {ps}")
 
 
+def refusals_on_set(ps: rr.ProcessSet) -> None:
+    """A call the set's last member refuses locally (a bad root_rank), named and unnamed:
+    the other members raise at once, naming that rank and its error, and the set goes on."""
+    import ringreduce
+
+    last = ps.ranks[-1]
+    for name in ("refused", None):
+        root = 7 if rr.rank() == last else 0
+        try:
+            ringreduce.broadcast(np.ones(2), root_rank=root, name=name, process_set=ps)
+        except rr.InvalidInputError as err:
+            check(rr.rank() == last and "root_rank" in str(err), str(err))
+        except rr.MismatchError as err:
+            check(f"rank {last}" in str(err) and "refused this call locally" in str(err)
+                  and "root_rank must be" in str(err), str(err))
+        else:
+            raise AssertionError(f"broadcast {name!r} refused by rank {last} completed")
+    s = ringreduce.allreduce(np.ones(2), op=rr.Sum, process_set=ps)
+    check(s.tolist() == [ps.size()] * 2, f"allreduce on {ps} after refusals")
+
+
+def join_on_set(ps: rr.ProcessSet) -> None:
+    """torch's join(process_set=): the set's first member joins at once, the last runs one
+    more allreduce (the joined one contributes zeros), then joins; both get the global rank
+    of the last."""
+    last = ps.ranks[-1]
+    if rr.rank() == last:
+        s = rr.allreduce(torch.ones(2), op=rr.Sum, process_set=ps)
+        check(s.tolist() == [1.0, 1.0], f"allreduce on {ps} with a joined member: {s}")
+    got = rr.join(process_set=ps)
+    check(got == last, f"join(process_set={ps}) returned {got}, not {last}")
+
+
 def main() -> None:
     watch_job()
     size = int(os.environ.get("WORLD_SIZE") or os.environ["PMI_SIZE"])  # env launch / MPICH
@@ -82,6 +116,8 @@ def main() -> None:
     if pair.included():
         s = ringreduce.allreduce(x, op=rr.Sum, process_set=pair)
         check(s.tolist() == [n - 1] * 3, f"numpy allreduce on {pair}")
+        refusals_on_set(pair)
+        join_on_set(pair)
     check(rr.remove_process_set(pair), "remove_process_set")
     check(rr.allreduce(torch.ones(1), op=rr.Sum).item() == n, "global after the sets")
     rr.shutdown()

@@ -25,7 +25,6 @@ class ShmLink : public Link {
           uint32_t my_ring_in_theirs, uint32_t their_ring_in_mine, size_t stream_send_bytes);
 
   int peer() const override { return peer_; }
-  const char* kind() const override { return "shm"; }
   const std::string& peer_host() const override { return host_; }
   size_t send_some(const uint8_t* data, size_t n, size_t done) override;
   size_t send_piece(const uint8_t* data, size_t len, size_t message_bytes) override;
@@ -34,7 +33,6 @@ class ShmLink : public Link {
   uint8_t* claim_chunk(size_t message_bytes, bool* stream) override;
   void publish_chunk() override;
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
-  WaitHandle wait_handle() const override { return WaitHandle{-1, true}; }
   void check_alive() override;
   void set_streaming(bool allowed) override { streaming_allowed_ = allowed; }
   void abort(const std::string&) override { theirs_->header()->doorbell.ring(); }

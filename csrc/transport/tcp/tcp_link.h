@@ -25,11 +25,10 @@ class TcpLink : public Link {
   TcpLink(int peer, std::string host, Fd fd, size_t chunk_bytes, double link_timeout_s);
 
   int peer() const override { return peer_; }
-  const char* kind() const override { return "tcp"; }
   const std::string& peer_host() const override { return host_; }
   size_t send_some(const uint8_t* data, size_t n, size_t done) override;
   size_t recv_some(RecvSink& sink, size_t n, size_t done) override;
-  WaitHandle wait_handle() const override { return WaitHandle{fd_.get(), false}; }
+  int poll_fd() const override { return fd_.get(); }
   // Between waits: notices a peer that left while this rank only sends to it
   // (a blocked send would otherwise wait until the peer's process exits).
   void check_alive() override;

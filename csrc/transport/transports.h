@@ -24,7 +24,7 @@
 //   only fd entries in poll(), and with both in short slices (progress.cc) or
 //   through a watcher that turns a ring into an eventfd write (engine.cc).
 // - Memory. shares_memory: the two ranks map each other's memory, so the
-//   job-wide shared buffers and the hierarchical allreduce's in-host phases
+//   shared buffers of a host and the hierarchical allreduce's in-host phases
 //   may read a peer's memory in place.
 #pragma once
 

@@ -1,8 +1,8 @@
 """The collectives of one Communicator on GPU arrays (``_cuda_arrays``): allreduce (fused
-and grouped, in place or not), broadcast and reducescatter go to the engine's GPU
-executor (NCCL on the device; emulated over host memory with ``RINGREDUCE_GPU_EMULATE=1``).
-One GPU per process: the first GPU array fixes this rank's device, and an array on
-another device is refused."""
+and grouped, in place or not), broadcast, reducescatter, allgather and alltoall go to the
+engine's GPU executor (NCCL on the device; emulated over host memory with
+``RINGREDUCE_GPU_EMULATE=1``). One GPU per process: the first GPU array fixes this rank's
+device, and an array on another device is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from . import _core
 from ._cuda_arrays import CudaArray, cuda_view
 from .exceptions import InvalidInputError, call_label
 
-ALLREDUCE, BROADCAST, REDUCESCATTER = 1, 3, 4  # CollKind (csrc/collectives/op_header.h)
+ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL = 1, 2, 3, 4, 5  # CollKind (op_header.h)
 
 
 class GpuCollectives:
@@ -67,9 +67,12 @@ class GpuCollectives:
 
     def submit(self, kind: int, ins: list[CudaArray], outs: Optional[list[CudaArray]],
                names: list[str], group: str = "", op: int = 0, pre: float = 1.0,
-               post: float = 1.0, root: int = -1) -> Any:
-        """One engine submission of ``ins`` (``outs`` None: in place); its core handle."""
+               post: float = 1.0, root: int = -1, splits: Sequence[int] = (),
+               peer_rows: Sequence[int] = ()) -> Any:
+        """One engine submission of ``ins`` (``outs`` None: in place); its core handle.
+        Allgather / alltoall: ``peer_rows`` are the rows coming from each rank, ``splits``
+        alltoall's rows going to each."""
         return _core.gpu.submit(
             self._engine, kind, [v.ptr for v in ins], [v.ptr for v in outs] if outs else
             [0] * len(ins), [list(v.shape) for v in ins], ins[0].code, names, group,
-            ins[0].device, ins[0].stream, op, pre, post, root)
+            ins[0].device, ins[0].stream, op, pre, post, root, list(splits), list(peer_rows))

@@ -29,7 +29,8 @@ void* as_ptr(const py::dict& d, const char* key) {
 
 // One tensor of a test response: the metadata keys of request_meta_from, and
 // "in" / "out" device addresses ("in": None: this rank joined and lacks it),
-// "stream" / "event" (the producer's, as numbers).
+// "stream" / "event" (the producer's, as numbers), "splits" / "peer_rows"
+// (allgather / alltoall).
 Entry entry_from(const py::dict& d, int32_t device) {
   Entry e;
   e.meta = request_meta_from(d);
@@ -38,6 +39,8 @@ Entry entry_from(const py::dict& d, int32_t device) {
   e.out = d.contains("out") ? as_ptr(d, "out") : const_cast<void*>(e.in);
   e.gpu_stream = as_ptr(d, "stream");
   e.gpu_ready_event = as_ptr(d, "event");
+  if (d.contains("splits")) e.splits = d["splits"].cast<std::vector<int64_t>>();
+  if (d.contains("peer_rows")) e.peer_rows = d["peer_rows"].cast<std::vector<int64_t>>();
   return e;
 }
 

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <set>
+#include <vector>
 
 #include "collectives/collectives.h"
 #include "common/error.h"
@@ -109,15 +110,51 @@ class EmulatedGpuOps : public GpuOps {
     reducescatter(ctx_, flat(send, total, dtype, "ncclReduceScatter"), host_op(op), 1.0, 1.0,
                   [recv](const std::vector<int64_t>&) { return ptr(recv); });
   }
+  // Point-to-point calls are collected until the group ends, then run as one
+  // pairwise alltoall of bytes (at most one send and one receive per peer,
+  // as the executor issues them; a peer without one moves 0 bytes).
+  void nccl_group_start() override {
+    sends_.assign(static_cast<size_t>(ctx_.size()), Block{});
+    recvs_.assign(static_cast<size_t>(ctx_.size()), Block{});
+  }
+  void nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream) override {
+    sends_.at(static_cast<size_t>(peer)) = Block{send, count * dtype_size(dtype)};
+  }
+  void nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream) override {
+    recvs_.at(static_cast<size_t>(peer)) = Block{recv, count * dtype_size(dtype)};
+  }
+  void nccl_group_end() override;
   std::string nccl_async_error() override { return ""; }
   void nccl_abort() override {}
 
  private:
+  struct Block {
+    uint64_t addr = 0, bytes = 0;
+  };
   Context& ctx_;
   const int nccl_version_;
+  std::vector<Block> sends_, recvs_;
   uint64_t next_handle_ = 0;
   std::set<uint64_t> allocations_;
 };
+
+void EmulatedGpuOps::nccl_group_end() {
+  const size_t n = sends_.size();
+  std::vector<size_t> send_off(n + 1, 0), recv_off(n + 1, 0);
+  for (size_t p = 0; p < n; ++p) {
+    send_off[p + 1] = send_off[p] + sends_[p].bytes;
+    recv_off[p + 1] = recv_off[p] + recvs_[p].bytes;
+  }
+  std::vector<uint8_t> in(send_off[n]), out(recv_off[n]);
+  for (size_t p = 0; p < n; ++p)
+    if (sends_[p].bytes) std::memcpy(in.data() + send_off[p], ptr(sends_[p].addr), sends_[p].bytes);
+  alltoall_pairwise(ctx_, in.data(), send_off, out.data(), recv_off, "emulated ncclSend/ncclRecv");
+  for (size_t p = 0; p < n; ++p)
+    if (recvs_[p].bytes)
+      std::memcpy(ptr(recvs_[p].addr), out.data() + recv_off[p], recvs_[p].bytes);
+  sends_.clear();
+  recvs_.clear();
+}
 
 }  // namespace
 

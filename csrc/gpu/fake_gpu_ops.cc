@@ -239,6 +239,28 @@ void FakeGpuOps::nccl_reducescatter(uint64_t send, uint64_t recv, uint64_t recv_
           " ", device_op_name(op), " ", stream_name(s)));
 }
 
+void FakeGpuOps::nccl_group_start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_group_start", "nccl_group_start");
+}
+
+void FakeGpuOps::nccl_group_end() {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_group_end", "nccl_group_end");
+}
+
+void FakeGpuOps::nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_send", cat("nccl_send ", hex(send), " ", count, " ", dtype_name(dtype), " peer=", peer,
+                       " ", stream_name(s)));
+}
+
+void FakeGpuOps::nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_recv", cat("nccl_recv ", hex(recv), " ", count, " ", dtype_name(dtype), " peer=", peer,
+                       " ", stream_name(s)));
+}
+
 std::string FakeGpuOps::nccl_async_error() {
   std::lock_guard<std::mutex> lock(mu_);
   return async_error_;  // not logged, like event_query

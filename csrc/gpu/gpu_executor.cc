@@ -9,10 +9,6 @@ namespace rr {
 namespace gpu {
 namespace {
 
-uint64_t addr(const void* p) {
-  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
-}
-
 bool is_floating(DType t) {
   return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 ||
          t == DType::kFloat64;
@@ -78,12 +74,16 @@ GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
 bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   const RequestMeta& m = r.tensors.front();
   const char* what = coll_name(m.kind);
-  // Refusals come before anything is enqueued.
-  if (m.kind != CollKind::kAllreduce && m.kind != CollKind::kBroadcast &&
-      m.kind != CollKind::kReducescatter)
-    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
-                ": only allreduce, broadcast and reducescatter run on GPU so far");
+  // Refusals come before anything is enqueued, alike on every rank.
+  if (m.kind == CollKind::kBarrier)
+    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': a barrier on GPU ",
+                opt_.device, " (barriers run on the host)");
   const bool absent = std::any_of(local.begin(), local.end(), [](Entry* e) { return !e; });
+  const bool joined = absent || (r.contributors > 0 && r.contributors < opt_.size);
+  if (joined && (m.kind == CollKind::kAllgather || m.kind == CollKind::kAlltoall))
+    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
+                ": a rank that joined takes part on GPU only in allreduce, broadcast and "
+                "reducescatter so far");
   if (absent && m.kind == CollKind::kAllreduce && m.op != ReduceOp::kSum &&
       m.op != ReduceOp::kAverage)
     throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
@@ -103,14 +103,23 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   InFlight f;
   f.names = present_names(r, local);
   wait_for_producers(local, f);
-  if (m.kind == CollKind::kBroadcast)
-    broadcast_one(r, local[0]);
-  else if (m.kind == CollKind::kReducescatter)
-    reducescatter_one(r, local[0]);
-  else if (r.tensors.size() == 1)
-    allreduce_one(r, local[0]);
-  else
-    allreduce_fused(r, local);
+  try {  // a refusal inside: nothing was enqueued but the waits, whose events come back
+    if (m.kind == CollKind::kBroadcast)
+      broadcast_one(r, local[0]);
+    else if (m.kind == CollKind::kReducescatter)
+      reducescatter_one(r, local[0]);
+    else if (m.kind == CollKind::kAllgather)
+      allgather_one(local[0]);
+    else if (m.kind == CollKind::kAlltoall)
+      alltoall_one(local[0]);
+    else if (r.tensors.size() == 1)
+      allreduce_one(r, local[0]);
+    else
+      allreduce_fused(r, local);
+  } catch (const Error&) {
+    release(f);
+    throw;
+  }
   f.done = take_event();
   ops_->event_record(f.done, stream_);
   in_flight_.push_back(std::move(f));
@@ -142,7 +151,7 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   const RequestMeta& m = r.tensors.front();
   std::vector<PackEntry> entries;
   for (size_t i = 0; i < r.tensors.size(); ++i)
-    entries.push_back(PackEntry{local[i] ? addr(local[i]->in) : 0, r.tensors[i].bytes()});
+    entries.push_back(PackEntry{local[i] ? addr_of(local[i]->in) : 0, r.tensors[i].bytes()});
   // The layout only: offsets from 0, descriptors rebuilt below for the
   // entries this rank has (pack from the inputs, unpack to the outputs).
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
@@ -150,8 +159,8 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   std::vector<CopyDesc> pack, unpack;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!local[i]) continue;
-    const uint64_t in = addr(local[i]->in);
-    const uint64_t out = local[i]->out ? addr(local[i]->out) : in;
+    const uint64_t in = addr_of(local[i]->in);
+    const uint64_t out = local[i]->out ? addr_of(local[i]->out) : in;
     const uint64_t fused = buf + layout.offsets[i];
     for (uint64_t done = 0; done < entries[i].bytes; done += layout.chunk_bytes) {
       const uint64_t n = std::min(layout.chunk_bytes, entries[i].bytes - done);
@@ -178,8 +187,8 @@ void GpuExecutor::allreduce_one(const Response& r, Entry* e) {
   const ReducePlan p = plan_reduce(r);
   uint64_t data;
   if (e) {
-    uint64_t in = addr(e->in);
-    const uint64_t out = e->out ? addr(e->out) : in;
+    uint64_t in = addr_of(e->in);
+    const uint64_t out = e->out ? addr_of(e->out) : in;
     if (m.prescale != 1.0) {  // the input stays as the caller gave it
       if (in != out) ops_->memcpy_async(out, in, bytes, stream_);
       ops_->launch_scale(out, count, m.dtype, m.prescale, stream_);
@@ -199,8 +208,8 @@ void GpuExecutor::broadcast_one(const Response& r, Entry* e) {
   const RequestMeta& m = r.tensors.front();
   const uint64_t count = m.bytes() / dtype_size(m.dtype);
   if (e) {
-    const uint64_t out = e->out ? addr(e->out) : addr(e->in);
-    const uint64_t in = e->in ? addr(e->in) : out;
+    const uint64_t out = e->out ? addr_of(e->out) : addr_of(e->in);
+    const uint64_t in = e->in ? addr_of(e->in) : out;
     ops_->nccl_broadcast(in, out, count, m.dtype, m.root, stream_);
   } else {
     const uint64_t buf = fusion(m.bytes());

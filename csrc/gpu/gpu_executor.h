@@ -19,8 +19,10 @@
 // One tensor runs in place on its own buffers: no pack or unpack (a copy in
 // -> out first only when a prescale must not touch the input).
 // Broadcast runs NCCL's broadcast in -> out; reducescatter, NCCL's
-// reducescatter (gpu_reducescatter.cc). Allgather and alltoall on GPU are
-// refused (kInvalidArgument) for now.
+// reducescatter (gpu_reducescatter.cc); allgather, NCCL's allgather, padded
+// when the row counts differ (gpu_allgather.cc); alltoall, grouped NCCL sends
+// and receives (gpu_alltoall.cc). Allgather and alltoall need every rank's
+// tensor (no rank joined): refused otherwise, on every rank alike.
 //
 // Errors: an event that reports a CUDA error, or an NCCL asynchronous error
 // (checked on every poll while work is in flight), fails every response in
@@ -39,6 +41,16 @@
 
 namespace rr {
 namespace gpu {
+
+inline uint64_t addr_of(const void* p) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+}
+// Elements per row of dim 0 (1 for a vector).
+inline uint64_t row_elements(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= static_cast<uint64_t>(shape[i]);
+  return n;
+}
 
 struct GpuExecutorOptions {
   int device = 0;
@@ -83,6 +95,8 @@ class GpuExecutor : public Executor {
   void allreduce_one(const Response& r, Entry* e);
   void broadcast_one(const Response& r, Entry* e);
   void reducescatter_one(const Response& r, Entry* e);  // gpu_reducescatter.cc
+  void allgather_one(Entry* e);                         // gpu_allgather.cc
+  void alltoall_one(Entry* e);                          // gpu_alltoall.cc
   uint64_t fusion(uint64_t bytes);
   GpuEvent take_event();
   void release(InFlight& f);

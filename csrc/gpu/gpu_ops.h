@@ -73,6 +73,13 @@ class GpuOps {
                               GpuStream s) = 0;
   virtual void nccl_reducescatter(uint64_t send, uint64_t recv, uint64_t recv_count, DType dtype,
                                   DeviceOp op, GpuStream s) = 0;
+  // ncclGroupStart / ncclGroupEnd around point-to-point calls (alltoall):
+  // NCCL runs every send and receive between them as one operation, so no
+  // pair of ranks waits on the other's order.
+  virtual void nccl_group_start() = 0;
+  virtual void nccl_group_end() = 0;
+  virtual void nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream s) = 0;
+  virtual void nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream s) = 0;
   // ncclCommGetAsyncError: "" while the communicator is healthy, else NCCL's message.
   virtual std::string nccl_async_error() = 0;
   virtual void nccl_abort() = 0;  // ncclCommAbort; the communicator is gone afterwards

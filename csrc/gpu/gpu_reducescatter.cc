@@ -34,8 +34,8 @@ void GpuExecutor::reducescatter_one(const Response& r, Entry* e) {
   const uint64_t me = static_cast<uint64_t>(opt_.rank);
   const uint64_t my_rows = base + (me < extra ? 1 : 0);
   const ReducePlan p = plan_reduce(r);
-  const uint64_t in = reinterpret_cast<uintptr_t>(e->in);
-  const uint64_t out = reinterpret_cast<uintptr_t>(e->out);
+  const uint64_t in = addr_of(e->in);
+  const uint64_t out = addr_of(e->out);
   if (extra == 0) {
     uint64_t src = in;
     if (m.prescale != 1.0) {
@@ -47,15 +47,15 @@ void GpuExecutor::reducescatter_one(const Response& r, Entry* e) {
   } else {
     const uint64_t block = (base + 1) * row_bytes;  // the largest share, rank 0's
     const uint64_t buf = fusion(block * (size + 1));
-    std::vector<CopyDesc> descs;
+    std::vector<CopyDesc> copies;
     uint64_t offset = 0;
     for (uint64_t q = 0; q < size; ++q) {
       const uint64_t n = (base + (q < extra ? 1 : 0)) * row_bytes;
-      if (n) descs.push_back(CopyDesc{in + offset, buf + q * block, n});
+      if (n) copies.push_back(CopyDesc{in + offset, buf + q * block, n});
       offset += n;
     }
-    const PackPlan layout = plan_pack({PackEntry{0, block * size}}, 0, block * size, opt_.pack);
-    ops_->launch_pack(descs, layout.launch, stream_);
+    const PackPlan plan = plan_copies(copies, opt_.pack);
+    ops_->launch_pack(plan.descs, plan.launch, stream_);
     if (m.prescale != 1.0)
       ops_->launch_scale(buf, block * size / item, m.dtype, m.prescale, stream_);
     const uint64_t tail = buf + block * size;

@@ -4,8 +4,10 @@ as tests/test_gpu_arrays.py runs on emulated GPUs (tests/workers/gpu_worker.py),
 arrays and on torch CUDA tensors, one process per GPU (np = the visible GPUs, at most 2),
 and a dead-rank test: a rank killed during GPU collectives must not hang the other.
 
-Also ringreduce.torch's recipe on a CUDA model against one process on the whole batch.
-Not here yet (see README, "GPU backend"): GPU allgather / reducescatter / alltoall."""
+The worker covers allreduce (every dtype and op, fused, grouped), broadcast, reducescatter,
+allgather (equal and ragged rows), alltoall (with and without splits), and with torch
+float16 / bfloat16 tensors and Compression.fp16 / .bf16 cast on the device.
+Also ringreduce.torch's recipe on a CUDA model against one process on the whole batch."""
 
 from __future__ import annotations
 

@@ -148,6 +148,72 @@ def check_reducescatter(g: Arrays, rank: int, size: int) -> None:
                                           inputs(rank, rows * 3, np.float64))
 
 
+def check_allgather(g: Arrays, rank: int, size: int) -> None:
+    # Equal row counts (one NCCL allgather) and ragged ones (padded, then compacted), of
+    # several dtypes; a rank with no rows; the grouped and async forms.
+    for rows_of, dtype in ((lambda r: 3, np.float32), (lambda r: r + 1, np.int64),
+                           (lambda r: 2 * r, np.float16)):
+        x = g.make(inputs(rank, rows_of(rank) * 5, dtype).reshape(-1, 5))
+        out = rr.allgather(x, name=f"ag.{np.dtype(dtype).name}")
+        want = np.concatenate([inputs(r, rows_of(r) * 5, dtype).reshape(-1, 5)
+                               for r in range(size)])
+        assert type(out) is type(x) and np.array_equal(g.host(out), want), (dtype, want)
+    xs = [g.make(inputs(rank, (rank + 1) * (i + 1), np.float64)) for i in range(3)]
+    outs = rr.grouped_allgather(xs)
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(g.host(o), np.concatenate(
+            [inputs(r, (r + 1) * (i + 1), np.float64) for r in range(size)]))
+    h = rr.allgather_async(g.make(inputs(rank, 4, np.int32)))
+    np.testing.assert_array_equal(g.host(rr.synchronize(h)),
+                                  np.concatenate([inputs(r, 4, np.int32) for r in range(size)]))
+
+
+def check_alltoall(g: Arrays, rank: int, size: int) -> None:
+    x = g.make(inputs(rank, 2 * size * 3, np.float32).reshape(2 * size, 3))
+    out = rr.alltoall(x, name="a2a")
+    want = np.concatenate([inputs(r, 2 * size * 3, np.float32).reshape(2 * size, 3)
+                           [2 * rank:2 * rank + 2] for r in range(size)])
+    assert type(out) is type(x) and np.array_equal(g.host(out), want)
+    # Ragged splits, a zero among them: rank r sends q + r rows to rank q (none to itself
+    # when q + r == 0).
+    def splits(r):
+        return [q + r for q in range(size)]
+
+    def data(r):
+        return inputs(r, sum(splits(r)) * 2, np.int64).reshape(-1, 2)
+
+    out, received = rr.alltoall(g.make(data(rank)), splits=splits(rank), name="a2a.ragged")
+    starts = [np.cumsum([0] + splits(r)) for r in range(size)]
+    want = np.concatenate([data(r)[starts[r][rank]:starts[r][rank + 1]] for r in range(size)])
+    np.testing.assert_array_equal(received, [splits(r)[rank] for r in range(size)])
+    np.testing.assert_array_equal(g.host(out), want)
+
+
+def check_torch_low_precision(rank: int, size: int) -> None:
+    """torch only (real GPUs): float16 / bfloat16 CUDA tensors reduced by NCCL, and
+    ringreduce.torch's Compression.fp16 / .bf16 casting on the device (torch ops), never
+    through host memory."""
+    import torch
+
+    import ringreduce.torch as rrt
+
+    base = torch.arange(64, dtype=torch.float64) / 8
+    want = sum(base + r for r in range(size)) / size
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (base + rank).to(dtype).cuda()
+        out = rrt.allreduce(x, op=rrt.Average, name=f"lp.{dtype}")
+        assert out.is_cuda and out.dtype == dtype
+        torch.testing.assert_close(out.double().cpu(), want, rtol=1e-2, atol=1e-2)
+    for comp, wire in ((rrt.Compression.fp16, torch.float16),
+                       (rrt.Compression.bf16, torch.bfloat16)):
+        x = (base + rank).float().cuda()
+        sent, ctx = comp.compress(x)
+        assert sent.is_cuda and sent.dtype == wire  # cast on the device
+        out = rrt.allreduce(x, op=rrt.Average, compression=comp, name=f"comp.{wire}")
+        assert out.is_cuda and out.dtype == torch.float32
+        torch.testing.assert_close(out.double().cpu(), want, rtol=1e-2, atol=1e-2)
+
+
 def check_join(g: Arrays, rank: int) -> None:
     # Every rank but 0 joins at once and takes part in rank 0's GPU allreduce with zeros,
     # through the GPU executor it already has.
@@ -158,7 +224,7 @@ def check_join(g: Arrays, rank: int) -> None:
     assert rr.join() == 0
 
 
-def check_refusals(g: Arrays, rank: int) -> None:
+def check_refusals(g: Arrays, rank: int, size: int) -> None:
     def refused(fn, match: str) -> None:
         try:
             fn()
@@ -177,8 +243,18 @@ def check_refusals(g: Arrays, rank: int) -> None:
     refused(lambda: rr.allreduce_(strided, name="s"), "need a C-contiguous array, got strides")
     refused(lambda: rr.allreduce(g.make(np.zeros(2, np.complex64), cai=True), name="c"),
             "complex64 is not supported")
-    refused(lambda: rr.allgather(g.make(np.zeros(2, np.float32)), name="g"),
-            "on GPU, ringreduce runs allreduce, grouped_allreduce, broadcast and reducescatter")
+    refused(lambda: rr.allreduce(g.make(np.zeros(2, np.float32)), op=rr.Adasum, name="g"),
+            "on GPU, ringreduce runs allreduce, grouped_allreduce, allgather, broadcast")
+    # Refused on one rank before the splits exchange: the other ranks hear of it.
+    if size > 1:
+        bad = [1] * size if rank == 0 else [0] * size
+        try:
+            rr.alltoall(g.make(np.zeros((size, 2), np.float32)), splits=bad, name="bad")
+        except rr.RingReduceError as e:
+            want = "rank 1 refused this call" if rank == 0 else "splits must have one entry"
+            assert want in str(e), str(e)
+        else:
+            raise AssertionError("alltoall with bad splits on rank 1 was not refused")
 
 
 def main() -> None:
@@ -196,7 +272,11 @@ def main() -> None:
     check_out_of_place_and_fused(g, rank, size)
     check_broadcast(g, rank, size)
     check_reducescatter(g, rank, size)
-    check_refusals(g, rank)
+    check_allgather(g, rank, size)
+    check_alltoall(g, rank, size)
+    check_refusals(g, rank, size)
+    if kind == "torch":
+        check_torch_low_precision(rank, size)
     check_join(g, rank)
     rr.shutdown()
     say(f"OK rank {rank}")

@@ -536,7 +536,7 @@ class ProcessSetCommunicator(Communicator):
         self._ctx = parent._ctx
         self._rendezvous = None
         self._engine = parent._engine.process_set(members)
-        self._gpu = parent._gpu  # GPU tensors are refused in sets (the engine says so)
+        self._gpu = GpuCollectives(parent._engine, parent.rank(), members)
         self._init_calls()
         self._members = list(members)
         self._rank = self._members.index(parent.rank())

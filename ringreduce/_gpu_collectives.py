@@ -25,11 +25,15 @@ class GpuCollectives:
         The communicator's engine.
     rank : int
         This rank, for messages.
+    members : list of int, optional
+        A process set's ranks: its collectives run on an NCCL communicator of those ranks
+        only (made at the set's first GPU collective). None: the whole job.
     """
 
-    def __init__(self, engine: Any, rank: int) -> None:
+    def __init__(self, engine: Any, rank: int, members: Optional[list[int]] = None) -> None:
         self._engine = engine
         self._rank = rank
+        self._members = list(members or [])
         self._device: Optional[int] = None
 
     def views(self, xs: Sequence[Any], op: str, name: Optional[str]) -> list[CudaArray]:
@@ -75,4 +79,5 @@ class GpuCollectives:
         return _core.gpu.submit(
             self._engine, kind, [v.ptr for v in ins], [v.ptr for v in outs] if outs else
             [0] * len(ins), [list(v.shape) for v in ins], ins[0].code, names, group,
-            ins[0].device, ins[0].stream, op, pre, post, root, list(splits), list(peer_rows))
+            ins[0].device, ins[0].stream, op, pre, post, root, list(splits), list(peer_rows),
+            self._members)

@@ -1,5 +1,6 @@
 """GPU arrays from Python into the engine, end to end in real processes at np=2 on
-emulated GPUs (RINGREDUCE_GPU_EMULATE=1, csrc/gpu/emulated_gpu_ops.cc): the DLPack and
+emulated GPUs (RINGREDUCE_GPU_EMULATE=1, csrc/gpu/emulated_gpu_ops.cc), and at np=3
+with a process set {0, 2} on GPU: the DLPack and
 __cuda_array_interface__ intake, the device / contiguity / dtype refusals, out-of-place
 results in the array's own type, fusion, broadcast, and the NCCL bootstrap across
 processes (tests/workers/gpu_worker.py). Also: without emulation, a GPU array on
@@ -17,10 +18,12 @@ from ringreduce.testing import run_threaded
 WORKER = WORKERS / "gpu_worker.py"
 
 
-def test_gpu_collectives_on_emulated_gpus_np2():
-    job = run_env_launch(2, WORKER, ["--arrays", "emulated"], env={"RINGREDUCE_GPU_EMULATE": "1"},
-                         timeout=120)
-    job.check_ok(expect_ranks=2)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_gpu_collectives_on_emulated_gpus(np_):
+    # np=3 also runs a process set {0, 2} on GPU (its own communicator; rank 1 stays out).
+    job = run_env_launch(np_, WORKER, ["--arrays", "emulated"],
+                         env={"RINGREDUCE_GPU_EMULATE": "1"}, timeout=120)
+    job.check_ok(expect_ranks=np_)
 
 
 class _HostBufferOnCuda:

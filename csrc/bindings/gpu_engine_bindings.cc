@@ -21,7 +21,7 @@ void* as_ptr(uint64_t a) {
 // (0: the legacy default stream); outs[i] == 0: in place. Several entries
 // with a `group` run as one fused unit (grouped_allreduce). Allgather and
 // alltoall: `peer_rows` are the rows coming from each rank (and `splits`
-// alltoall's rows going to each).
+// alltoall's rows going to each). `members`: a process set's ranks (empty: the job).
 std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::vector<uint64_t>& ins,
                                         const std::vector<uint64_t>& outs,
                                         const std::vector<std::vector<int64_t>>& shapes,
@@ -29,7 +29,8 @@ std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::ve
                                         const std::string& group, int32_t device, uint64_t stream,
                                         int32_t op, double pre, double post, int32_t root,
                                         const std::vector<int64_t>& splits,
-                                        const std::vector<int64_t>& peer_rows) {
+                                        const std::vector<int64_t>& peer_rows,
+                                        const std::vector<int32_t>& members) {
   if (kind < 1 || kind > static_cast<int32_t>(CollKind::kAlltoall))
     throw_error(ErrorKind::kInvalidArgument, "unknown collective code ", kind);
   if (!dtype_is_valid(dtype)) throw_error(ErrorKind::kInvalidArgument, "unknown dtype ", dtype);
@@ -55,6 +56,7 @@ std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::ve
     e.gpu_stream = as_ptr(stream);
     e.splits = splits;
     e.peer_rows = peer_rows;
+    e.meta.members = members;
   }
   py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
   return eng.submit(std::move(es));
@@ -67,7 +69,7 @@ void bind_gpu_engine(py::module_& m) {
         py::arg("shapes"), py::arg("dtype"), py::arg("names"), py::arg("group"), py::arg("device"),
         py::arg("stream"), py::arg("op") = 0, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
         py::arg("root") = -1, py::arg("splits") = std::vector<int64_t>{},
-        py::arg("peer_rows") = std::vector<int64_t>{});
+        py::arg("peer_rows") = std::vector<int64_t>{}, py::arg("members") = std::vector<int32_t>{});
   // Testing aid: this engine's GPUs become emulated ones (emulated_gpu_ops.h),
   // their communicator bootstrapped like a real one.
   m.def(
@@ -75,8 +77,11 @@ void bind_gpu_engine(py::module_& m) {
       [](Engine& eng, int nccl_version) {
         Context& ctx = eng.context();
         eng.set_device_executor_factory([&ctx, nccl_version](int32_t device) {
-          return gpu::bootstrap_gpu_executor(ctx, device,
-                                             gpu::make_emulated_gpu_ops(ctx, nccl_version), "");
+          return gpu::bootstrap_gpu_executor(
+              ctx, device, gpu::make_emulated_gpu_ops(ctx, nccl_version), "",
+              [nccl_version](Context& group) {
+                return gpu::make_emulated_gpu_ops(group, nccl_version);
+              });
         });
       },
       py::arg("engine"), py::arg("nccl_version") = 22703);

@@ -141,10 +141,12 @@ void bind_gpu_testing(py::module_& parent) {
         Context& ctx = eng.context();
         eng.set_device_executor_factory([ops, &ctx, bootstrap](int32_t device) {
           auto it = ops.find(device);
-          if (bootstrap)
+          if (bootstrap) {
+            std::shared_ptr<FakeGpuOps> fake = it == ops.end() ? nullptr : it->second;
             return gpu::bootstrap_gpu_executor(
-                ctx, device, it == ops.end() ? nullptr : it->second,
-                it == ops.end() ? cat("no fake for GPU ", device) : std::string());
+                ctx, device, fake, fake ? std::string() : cat("no fake for GPU ", device),
+                [fake](Context&) { return fake; });  // a set's calls in the same log
+          }
           if (it == ops.end()) throw_error(ErrorKind::kInvalidArgument, "no fake for GPU ", device);
           gpu::GpuExecutorOptions o;
           o.device = device;

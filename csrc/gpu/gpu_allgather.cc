@@ -28,11 +28,11 @@ namespace gpu {
 void GpuExecutor::allgather_one(Entry* e) {
   const RequestMeta& m = e->meta;  // this rank's shape: dim 0 differs per rank
   const std::vector<int64_t>& rows = e->peer_rows;
-  if (m.shape.empty() || rows.size() != static_cast<size_t>(opt_.size) ||
-      rows[static_cast<size_t>(opt_.rank)] != m.shape[0] ||
+  if (m.shape.empty() || rows.size() != static_cast<size_t>(cur_->size) ||
+      rows[static_cast<size_t>(cur_->rank)] != m.shape[0] ||
       std::any_of(rows.begin(), rows.end(), [](int64_t n) { return n < 0; }))
     throw_error(ErrorKind::kInvalidArgument, "allgather '", m.name, "' on GPU ", opt_.device,
-                ": needs every rank's row count (", opt_.size,
+                ": needs every rank's row count (", cur_->size,
                 " non-negative counts, this rank's its own)");
   const uint64_t item = dtype_size(m.dtype);
   const uint64_t row_bytes =
@@ -42,13 +42,13 @@ void GpuExecutor::allgather_one(Entry* e) {
   const uint64_t block = max_rows * row_bytes;
   if (block == 0) return;  // nothing to move anywhere
   if (std::all_of(rows.begin(), rows.end(), [&](int64_t n) { return uint64_t(n) == max_rows; })) {
-    ops_->nccl_allgather(in, out, block / item, m.dtype, stream_);
+    nccl().nccl_allgather(in, out, block / item, m.dtype, stream_);
     return;
   }
-  const uint64_t buf = fusion(block * static_cast<uint64_t>(opt_.size));
-  const uint64_t mine = buf + static_cast<uint64_t>(opt_.rank) * block;
+  const uint64_t buf = fusion(block * static_cast<uint64_t>(cur_->size));
+  const uint64_t mine = buf + static_cast<uint64_t>(cur_->rank) * block;
   if (m.bytes()) ops_->memcpy_async(mine, in, m.bytes(), stream_);
-  ops_->nccl_allgather(mine, buf, block / item, m.dtype, stream_);
+  nccl().nccl_allgather(mine, buf, block / item, m.dtype, stream_);
   std::vector<CopyDesc> copies;
   uint64_t offset = 0;
   for (size_t q = 0; q < rows.size(); ++q) {

@@ -32,10 +32,7 @@ GpuExecutor::~GpuExecutor() {
   // first, which ends it. Then the stream is destroyed: that waits for work
   // still enqueued, so nothing below is in use.
   try {
-    if (comm_ && !in_flight_.empty()) {
-      comm_ = false;
-      ops_->nccl_abort();
-    }
+    if (!in_flight_.empty()) abort_comms();
     if (started_) ops_->stream_destroy(stream_);
     for (GpuEvent e : all_events_) ops_->event_destroy(e);
     if (fusion_addr_) ops_->free_device(fusion_addr_, nullptr);
@@ -53,12 +50,25 @@ void GpuExecutor::start() {
 void GpuExecutor::init_comm(const std::string& unique_id) {
   start();
   ops_->nccl_comm_init(unique_id, opt_.size, opt_.rank);
-  comm_ = true;
+  Comm& c = comms_[{}];
+  c.ops = ops_;
+  c.rank = opt_.rank;
+  c.size = opt_.size;
+  c.alive = true;
+}
+
+void GpuExecutor::abort_comms() {
+  for (auto& kv : comms_) {
+    if (!kv.second.alive) continue;
+    kv.second.alive = false;
+    kv.second.ops->nccl_abort();
+  }
 }
 
 GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
   const RequestMeta& m = r.tensors.front();
-  const int contributors = r.contributors > 0 ? r.contributors : opt_.size;
+  const int size = cur_->size;
+  const int contributors = r.contributors > 0 ? r.contributors : size;
   switch (m.op) {
     case ReduceOp::kSum: return {DeviceOp::kSum, m.postscale};
     case ReduceOp::kMin: return {DeviceOp::kMin, m.postscale};
@@ -66,7 +76,7 @@ GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
     case ReduceOp::kProduct: return {DeviceOp::kProd, m.postscale};
     case ReduceOp::kAverage: break;
   }
-  if (contributors == opt_.size && is_floating(m.dtype) && ops_->nccl_version() >= kNcclAvgVersion)
+  if (contributors == size && is_floating(m.dtype) && cur_->ops->nccl_version() >= kNcclAvgVersion)
     return {DeviceOp::kAvg, m.postscale};
   return {DeviceOp::kSum, m.postscale / contributors};
 }
@@ -79,7 +89,7 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
     throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': a barrier on GPU ",
                 opt_.device, " (barriers run on the host)");
   const bool absent = std::any_of(local.begin(), local.end(), [](Entry* e) { return !e; });
-  const bool joined = absent || (r.contributors > 0 && r.contributors < opt_.size);
+  const bool joined = absent || (r.contributors > 0 && r.contributors < m.set_size(opt_.size));
   if (joined && (m.kind == CollKind::kAllgather || m.kind == CollKind::kAlltoall))
     throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
                 ": a rank that joined takes part on GPU only in allreduce, broadcast and "
@@ -96,9 +106,7 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
     finished_.push_back(std::move(c));
     return false;
   }
-  if (!comm_)
-    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': GPU ", opt_.device,
-                " has no NCCL communicator");
+  cur_ = &comm_for(r);
   start();
   InFlight f;
   f.names = present_names(r, local);
@@ -175,7 +183,7 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   const uint64_t count = layout.bytes / dtype_size(m.dtype);
   const ReducePlan p = plan_reduce(r);
   if (m.prescale != 1.0) ops_->launch_scale(buf, count, m.dtype, m.prescale, stream_);
-  ops_->nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
+  nccl().nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
   if (p.postscale != 1.0) ops_->launch_scale(buf, count, m.dtype, p.postscale, stream_);
   if (!unpack.empty()) ops_->launch_unpack(unpack, layout.launch, stream_);
 }
@@ -194,12 +202,12 @@ void GpuExecutor::allreduce_one(const Response& r, Entry* e) {
       ops_->launch_scale(out, count, m.dtype, m.prescale, stream_);
       in = out;
     }
-    ops_->nccl_allreduce(in, out, count, m.dtype, p.op, stream_);
+    nccl().nccl_allreduce(in, out, count, m.dtype, p.op, stream_);
     data = out;
   } else {  // joined: zeros from scratch space
     data = fusion(bytes);
     ops_->memset_async(data, bytes, stream_);
-    ops_->nccl_allreduce(data, data, count, m.dtype, p.op, stream_);
+    nccl().nccl_allreduce(data, data, count, m.dtype, p.op, stream_);
   }
   if (p.postscale != 1.0) ops_->launch_scale(data, count, m.dtype, p.postscale, stream_);
 }
@@ -210,10 +218,10 @@ void GpuExecutor::broadcast_one(const Response& r, Entry* e) {
   if (e) {
     const uint64_t out = e->out ? addr_of(e->out) : addr_of(e->in);
     const uint64_t in = e->in ? addr_of(e->in) : out;
-    ops_->nccl_broadcast(in, out, count, m.dtype, m.root, stream_);
+    nccl().nccl_broadcast(in, out, count, m.dtype, m.root, stream_);
   } else {
     const uint64_t buf = fusion(m.bytes());
-    ops_->nccl_broadcast(buf, buf, count, m.dtype, m.root, stream_);
+    nccl().nccl_broadcast(buf, buf, count, m.dtype, m.root, stream_);
   }
 }
 
@@ -258,16 +266,17 @@ void GpuExecutor::fail_in_flight(const std::string& why) {
     finished_.push_back(std::move(c));
   }
   in_flight_.clear();  // their events may never complete: not reused
-  if (comm_) {
-    comm_ = false;
-    ops_->nccl_abort();
-  }
+  abort_comms();
 }
 
 std::vector<Completion> GpuExecutor::poll() {
   if (!in_flight_.empty()) {
-    const std::string nccl = comm_ ? ops_->nccl_async_error() : std::string();
-    if (!nccl.empty()) fail_in_flight(cat("NCCL failed on GPU ", opt_.device, ": ", nccl));
+    for (auto& kv : comms_) {
+      const std::string nccl = kv.second.alive ? kv.second.ops->nccl_async_error() : "";
+      if (nccl.empty()) continue;
+      fail_in_flight(cat("NCCL failed on GPU ", opt_.device, ": ", nccl));
+      break;
+    }
     // One stream: work completes in the order it was enqueued.
     while (!in_flight_.empty()) {
       std::string cuda;

@@ -27,11 +27,11 @@ void GpuExecutor::reducescatter_one(const Response& r, Entry* e) {
     throw_error(ErrorKind::kInvalidArgument, "reducescatter '", m.name, "' on GPU ", opt_.device,
                 ": needs a tensor with at least one dimension and an output");
   const uint64_t rows = static_cast<uint64_t>(m.shape[0]);
-  const uint64_t size = static_cast<uint64_t>(opt_.size);
+  const uint64_t size = static_cast<uint64_t>(cur_->size);
   const uint64_t row_bytes = rows ? m.bytes() / rows : 0;
   const uint64_t item = dtype_size(m.dtype);
   const uint64_t base = rows / size, extra = rows % size;
-  const uint64_t me = static_cast<uint64_t>(opt_.rank);
+  const uint64_t me = static_cast<uint64_t>(cur_->rank);
   const uint64_t my_rows = base + (me < extra ? 1 : 0);
   const ReducePlan p = plan_reduce(r);
   const uint64_t in = addr_of(e->in);
@@ -43,7 +43,7 @@ void GpuExecutor::reducescatter_one(const Response& r, Entry* e) {
       ops_->memcpy_async(src, in, m.bytes(), stream_);
       ops_->launch_scale(src, m.bytes() / item, m.dtype, m.prescale, stream_);
     }
-    ops_->nccl_reducescatter(src, out, base * row_bytes / item, m.dtype, p.op, stream_);
+    nccl().nccl_reducescatter(src, out, base * row_bytes / item, m.dtype, p.op, stream_);
   } else {
     const uint64_t block = (base + 1) * row_bytes;  // the largest share, rank 0's
     const uint64_t buf = fusion(block * (size + 1));
@@ -59,7 +59,7 @@ void GpuExecutor::reducescatter_one(const Response& r, Entry* e) {
     if (m.prescale != 1.0)
       ops_->launch_scale(buf, block * size / item, m.dtype, m.prescale, stream_);
     const uint64_t tail = buf + block * size;
-    ops_->nccl_reducescatter(buf, tail, block / item, m.dtype, p.op, stream_);
+    nccl().nccl_reducescatter(buf, tail, block / item, m.dtype, p.op, stream_);
     if (my_rows) ops_->memcpy_async(out, tail, my_rows * row_bytes, stream_);
   }
   if (p.postscale != 1.0 && my_rows)

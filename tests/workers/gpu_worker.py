@@ -14,6 +14,7 @@ CuPy arrays or torch CUDA tensors on GPU ``local_rank``.
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 from workerlib import run, say, set_rank
@@ -214,6 +215,37 @@ def check_torch_low_precision(rank: int, size: int) -> None:
         torch.testing.assert_close(out.double().cpu(), want, rtol=1e-2, atol=1e-2)
 
 
+def check_process_sets(g: Arrays, rank: int, pair, solo) -> None:
+    """Collectives of a set on GPU run on an NCCL communicator of its members (made at
+    the set's first GPU collective, before the job's here); ranks are the set's."""
+    if pair.included():
+        ms, me = pair.ranks, pair.rank()
+        x = g.make(inputs(rank, 6, np.float32))
+        rr.allreduce_(x, op=rr.Sum, name="ps.ar", process_set=pair)
+        np.testing.assert_array_equal(g.host(x), sum(inputs(r, 6, np.float32) for r in ms))
+        out = rr.broadcast(g.make(inputs(rank, 3, np.int32)), root_rank=1, name="ps.b",
+                           process_set=pair)
+        np.testing.assert_array_equal(g.host(out), inputs(ms[1], 3, np.int32))
+        out = rr.allgather(g.make(inputs(rank, rank + 1, np.float64)), name="ps.ag",
+                           process_set=pair)
+        np.testing.assert_array_equal(g.host(out), np.concatenate(
+            [inputs(r, r + 1, np.float64) for r in ms]))
+        out = rr.alltoall(g.make(inputs(rank, 4, np.int64).reshape(2, 2)), name="ps.a2a",
+                          process_set=pair)
+        k = 2 // len(ms)  # rows to each member
+        np.testing.assert_array_equal(g.host(out), np.concatenate(
+            [inputs(r, 4, np.int64).reshape(2, 2)[me * k:(me + 1) * k] for r in ms]))
+        out = rr.reducescatter(g.make(inputs(rank, 6, np.float32).reshape(3, 2)), op=rr.Sum,
+                               name="ps.rs", process_set=pair)
+        total = sum(inputs(r, 6, np.float32) for r in ms).reshape(3, 2)
+        first, mine = (0, 3) if len(ms) == 1 else ((0, 2) if me == 0 else (2, 1))
+        np.testing.assert_array_equal(g.host(out), total[first:first + mine])
+    if solo is not None and solo.included():  # a set of one rank: its own communicator of one
+        x = g.make(inputs(rank, 5, np.float32))
+        assert rr.allreduce_(x, op=rr.Sum, name="solo", process_set=solo) is x
+        np.testing.assert_array_equal(g.host(x), inputs(rank, 5, np.float32))
+
+
 def check_join(g: Arrays, rank: int) -> None:
     # Every rank but 0 joins at once and takes part in rank 0's GPU allreduce with zeros,
     # through the GPU executor it already has.
@@ -251,7 +283,7 @@ def check_refusals(g: Arrays, rank: int, size: int) -> None:
         try:
             rr.alltoall(g.make(np.zeros((size, 2), np.float32)), splits=bad, name="bad")
         except rr.RingReduceError as e:
-            want = "rank 1 refused this call" if rank == 0 else "splits must have one entry"
+            want = "refused this call locally" if rank == 0 else "splits must have one entry"
             assert want in str(e), str(e)
         else:
             raise AssertionError("alltoall with bad splits on rank 1 was not refused")
@@ -261,13 +293,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arrays", choices=["emulated", "cupy", "torch"], default="emulated")
     kind = parser.parse_args().arrays
-    rr.init()
-    rank, size = rr.rank(), rr.size()
+    size = int(os.environ["WORLD_SIZE"])
+    pair = rr.ProcessSet(sorted({0, size - 1}))  # {0, 2} at np=3, every rank at np=2
+    solo = rr.ProcessSet([size - 1]) if size > 1 else None
+    rr.init(process_sets=[pair] + ([solo] if solo else []))
+    rank = rr.rank()
     set_rank(rank)
     g = Arrays(kind, rank)
     rr.register_gpu_array_type(DlpackGpu, lambda x, shape: DlpackGpu(np.empty(shape, x.a.dtype),
                                                                       x.device))
     rr.register_gpu_array_type(CaiGpu, lambda x, shape: CaiGpu(np.empty(shape, x.a.dtype)))
+    check_process_sets(g, rank, pair, solo)
     check_allreduce(g, rank, size)
     check_out_of_place_and_fused(g, rank, size)
     check_broadcast(g, rank, size)

@@ -15,7 +15,7 @@ from ringreduce._core.gpu import testing as gt
 
 import ringreduce as rr
 from ringreduce import _core
-from ringreduce.testing import make_world
+from ringreduce.testing import make_world, run_threaded
 
 F32, I32, F16, BF16 = 6, 2, 4, 5
 SUM, AVG, MIN = 0, 1, 2
@@ -462,3 +462,45 @@ def test_gpu_tensor_without_a_usable_gpu_fails_clearly_and_the_engine_goes_on(co
         h.wait()
     x = np.ones(3, np.float32)
     np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="after"), x)
+
+
+# ------------------------------------------------- hierarchical (fake hosts)
+def test_hierarchical_allreduce_splits_reduce_scatter_host_ring_allgather():
+    # 4 ranks on 2 fake hosts, RINGREDUCE_HIERARCHICAL_ALLREDUCE=1: 11 floats, 2 shards of
+    # 6 (one padding float zeroed), shard l of local rank l across hosts on the host.
+    from conftest import env
+
+    fakes = [gt.FakeGpuOps(id_seed=0x70 + r) for r in range(4)]
+    for f in fakes:
+        f.complete_all(sticky=True)
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1"):
+        world = make_world(4, ["a", "a", "b", "b"])
+    for r, c in enumerate(world):
+        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
+
+    def fn(c):
+        gt.submit(c._engine, {**tensor("h", 11), "op": AVG}, c.rank()).wait()
+        return c._engine.stats()["hierarchical_allreduces"]
+
+    try:
+        assert run_threaded(4, fn, world=world, timeout=60) == [1, 1, 1, 1]
+    finally:
+        for c in world:
+            c.close()
+    for r, f in enumerate(fakes):
+        mine = FUSION + 24 * (r % 2)
+        work = [c for c in f.calls() if c.split()[0] in (
+            "nccl_comm_init", "memset_async", "nccl_reducescatter", "memcpy_async",
+            "nccl_allgather", "nccl_allreduce", "launch_scale")]
+        assert [w.split()[0] for w in work] == [
+            "nccl_comm_init",  # the job's, at its first response
+            "memset_async", "nccl_comm_init",  # padding; the host's communicator
+            "nccl_reducescatter", "memcpy_async", "memcpy_async", "nccl_allgather",
+            "launch_scale"]  # Average ran as Sum: 1 / 4 afterwards
+        assert work[0].endswith(f"size=4 rank={r}") and work[2].endswith(f"size=2 rank={r % 2}")
+        assert work[1].split()[1:3] == [f"{FUSION + 44:#x}", "4"]
+        assert work[3].split()[1:6] == [f"{FUSION:#x}", f"{mine:#x}", "6", "float32", "sum"]
+        assert work[4].split()[2:4] == [f"{mine:#x}", "24"]  # to the host
+        assert work[5].split()[1] == f"{mine:#x}"  # back
+        assert work[6].split()[1:4] == [f"{mine:#x}", f"{FUSION:#x}", "6"]
+        assert work[7].split()[1:5] == [f"{FUSION:#x}", "11", "float32", "0.25"]

@@ -13,22 +13,11 @@ namespace rr {
 namespace gpu {
 namespace {
 
-void* ptr(uint64_t a) {
-  return reinterpret_cast<void*>(static_cast<uintptr_t>(a));
+uint8_t* ptr(uint64_t a) {
+  return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(a));
 }
 uint64_t addr(const void* p) {
   return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
-}
-
-ReduceOp host_op(DeviceOp op) {
-  switch (op) {
-    case DeviceOp::kSum: return ReduceOp::kSum;
-    case DeviceOp::kProd: return ReduceOp::kProduct;
-    case DeviceOp::kMin: return ReduceOp::kMin;
-    case DeviceOp::kMax: return ReduceOp::kMax;
-    case DeviceOp::kAvg: return ReduceOp::kAverage;  // ncclAvg: the sum over all ranks / size
-  }
-  return ReduceOp::kSum;
 }
 
 Tensor flat(uint64_t data, uint64_t count, DType dtype, const char* what) {
@@ -99,16 +88,21 @@ class EmulatedGpuOps : public GpuOps {
       std::memmove(ptr(recv), ptr(send), count * dtype_size(dtype));
     broadcast(ctx_, ptr(recv), flat(recv, count, dtype, "ncclBroadcast"), root);
   }
+  // In place as NCCL allows it (send inside recv, or recv inside send): the
+  // host collectives get a copy of what is sent.
   void nccl_allgather(uint64_t send, uint64_t recv, uint64_t send_count, DType dtype,
                       GpuStream) override {
-    allgather(ctx_, flat(send, send_count, dtype, "ncclAllGather"),
+    const uint64_t bytes = send_count * dtype_size(dtype);
+    std::vector<uint8_t> copy(ptr(send), ptr(send) + bytes);
+    allgather(ctx_, flat(addr(copy.data()), send_count, dtype, "ncclAllGather"),
               [recv](const std::vector<int64_t>&) { return ptr(recv); });
   }
   void nccl_reducescatter(uint64_t send, uint64_t recv, uint64_t recv_count, DType dtype,
                           DeviceOp op, GpuStream) override {
     const uint64_t total = recv_count * static_cast<uint64_t>(ctx_.size());
-    reducescatter(ctx_, flat(send, total, dtype, "ncclReduceScatter"), host_op(op), 1.0, 1.0,
-                  [recv](const std::vector<int64_t>&) { return ptr(recv); });
+    std::vector<uint8_t> copy(ptr(send), ptr(send) + total * dtype_size(dtype));
+    reducescatter(ctx_, flat(addr(copy.data()), total, dtype, "ncclReduceScatter"), host_op(op),
+                  1.0, 1.0, [recv](const std::vector<int64_t>&) { return ptr(recv); });
   }
   // Point-to-point calls are collected until the group ends, then run as one
   // pairwise alltoall of bytes (at most one send and one receive per peer,

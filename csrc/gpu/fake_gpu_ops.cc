@@ -56,6 +56,17 @@ const char* device_op_name(DeviceOp op) {
   return "?";
 }
 
+ReduceOp host_op(DeviceOp op) {
+  switch (op) {
+    case DeviceOp::kSum: return ReduceOp::kSum;
+    case DeviceOp::kProd: return ReduceOp::kProduct;
+    case DeviceOp::kMin: return ReduceOp::kMin;
+    case DeviceOp::kMax: return ReduceOp::kMax;
+    case DeviceOp::kAvg: return ReduceOp::kAverage;
+  }
+  return ReduceOp::kSum;
+}
+
 std::vector<std::string> FakeGpuOps::calls() const {
   std::lock_guard<std::mutex> lock(mu_);
   return calls_;

@@ -24,8 +24,7 @@ void GpuExecutor::bootstrap_over(Context& ctx, CommOpsMaker make_ops, std::strin
   why_not_ = std::move(why_not);
 }
 
-GpuExecutor::Comm& GpuExecutor::comm_for(const Response& r) {
-  const RequestMeta& m = r.tensors.front();
+GpuExecutor::Comm& GpuExecutor::comm_of(const RequestMeta& m) {
   auto it = comms_.find(m.members);
   if (it == comms_.end()) {
     if (!ctx_)

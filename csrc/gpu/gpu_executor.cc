@@ -120,10 +120,10 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
       allgather_one(local[0]);
     else if (m.kind == CollKind::kAlltoall)
       alltoall_one(local[0]);
-    else if (r.tensors.size() == 1)
+    else if (r.tensors.size() == 1 && !hierarchical(r, local))
       allreduce_one(r, local[0]);
     else
-      allreduce_fused(r, local);
+      allreduce_fused(r, local, hierarchical(r, local));
   } catch (const Error&) {
     release(f);
     throw;
@@ -155,7 +155,7 @@ void GpuExecutor::wait_for_producers(const std::vector<Entry*>& local, InFlight&
   }
 }
 
-void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& local) {
+void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& local, bool hier) {
   const RequestMeta& m = r.tensors.front();
   std::vector<PackEntry> entries;
   for (size_t i = 0; i < r.tensors.size(); ++i)
@@ -163,7 +163,8 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   // The layout only: offsets from 0, descriptors rebuilt below for the
   // entries this rank has (pack from the inputs, unpack to the outputs).
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
-  const uint64_t buf = fusion(layout.bytes);
+  const uint64_t item = dtype_size(m.dtype);
+  const uint64_t buf = fusion(hier ? hierarchical_bytes(layout.bytes, item) : layout.bytes);
   std::vector<CopyDesc> pack, unpack;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!local[i]) continue;
@@ -180,10 +181,14 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   for (size_t i = 0; i < entries.size(); ++i)
     if (!local[i] && entries[i].bytes)
       ops_->memset_async(buf + layout.offsets[i], entries[i].bytes, stream_);
-  const uint64_t count = layout.bytes / dtype_size(m.dtype);
-  const ReducePlan p = plan_reduce(r);
+  const uint64_t count = layout.bytes / item;
+  ReducePlan p = plan_reduce(r);
+  if (hier && p.op == DeviceOp::kAvg) p = {DeviceOp::kSum, p.postscale / cur_->size};
   if (m.prescale != 1.0) ops_->launch_scale(buf, count, m.dtype, m.prescale, stream_);
-  nccl().nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
+  if (hier)
+    allreduce_hierarchical(m, buf, count, p.op);
+  else
+    nccl().nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
   if (p.postscale != 1.0) ops_->launch_scale(buf, count, m.dtype, p.postscale, stream_);
   if (!unpack.empty()) ops_->launch_unpack(unpack, layout.launch, stream_);
 }

@@ -24,6 +24,10 @@
 // and receives (gpu_alltoall.cc). Allgather and alltoall need every rank's
 // tensor (no rank joined): refused otherwise, on every rank alike.
 //
+// With RINGREDUCE_HIERARCHICAL_ALLREDUCE=1 on several hosts, allreduces take
+// the fused path with a hierarchical reduction in step 4
+// (gpu_allreduce_hierarchical.cc).
+//
 // Communicators: one per set of ranks, the job's for ordinary responses and
 // one per process set for a set's (gpu_comms.cc), each made by the bootstrap
 // of gpu_bootstrap.h at the first response that needs it, on its members only.
@@ -104,7 +108,13 @@ class GpuExecutor : public Executor {
     bool alive = false;           // joined and not aborted
     std::string failed;           // why it could not be made (every later response fails)
   };
-  Comm& comm_for(const Response& r);  // gpu_comms.cc
+  Comm& comm_for(const Response& r) { return comm_of(r.tensors.front()); }
+  Comm& comm_of(const RequestMeta& m);  // m.members' communicator (gpu_comms.cc)
+  // gpu_allreduce_hierarchical.cc
+  bool hierarchical(const Response& r, const std::vector<Entry*>& local) const;
+  uint64_t hierarchical_bytes(uint64_t bytes, uint64_t item) const;
+  void allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uint64_t count, DeviceOp op);
+  void wait_here(Comm& c);
   void abort_comms();
   GpuOps& nccl() { return *cur_->ops; }  // the current response's communicator
 
@@ -115,7 +125,7 @@ class GpuExecutor : public Executor {
   };
   void start();
   void wait_for_producers(const std::vector<Entry*>& local, InFlight& f);
-  void allreduce_fused(const Response& r, const std::vector<Entry*>& local);
+  void allreduce_fused(const Response& r, const std::vector<Entry*>& local, bool hier);
   void allreduce_one(const Response& r, Entry* e);
   void broadcast_one(const Response& r, Entry* e);
   void reducescatter_one(const Response& r, Entry* e);  // gpu_reducescatter.cc
@@ -134,6 +144,7 @@ class GpuExecutor : public Executor {
   Context* ctx_ = nullptr;  // set by bootstrap_over
   CommOpsMaker make_ops_;
   std::string why_not_;
+  std::vector<uint8_t> staging_;  // hierarchical allreduce's host shard
   GpuStream stream_ = nullptr;
   uint64_t fusion_addr_ = 0, fusion_bytes_ = 0;
   std::vector<GpuEvent> free_events_;

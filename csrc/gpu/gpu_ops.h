@@ -24,6 +24,8 @@ using GpuEvent = void*;   // cudaEvent_t
 // How a collective reduces on the device (ncclRedOp_t's meaning).
 enum class DeviceOp { kSum, kProd, kMin, kMax, kAvg };
 const char* device_op_name(DeviceOp op);
+// The host collectives' op for a device op (kAvg: kAverage, the sum over all ranks / size).
+ReduceOp host_op(DeviceOp op);
 
 // Outcome of one event_query.
 enum class EventState { kPending, kDone, kError };

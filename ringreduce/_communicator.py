@@ -312,7 +312,7 @@ class Communicator(GpuCalls, CompositeCalls):
     def allgather_async(self, x: Any, name: Optional[str] = None) -> Handle:
         """Start an allgather; the result concatenates every rank's ``x`` along axis 0."""
         if is_gpu_array(x):
-            return self._gpu_allgather(x, name)
+            return self._gpu_allgather([x], name)
         what = call_label("allgather", name)
         with self._refusing("allgather", name):
             src = for_reading(x, what, None)

@@ -18,7 +18,7 @@ import numpy as np
 from ._call_checks import _check_op, _part, check_scales
 from ._cuda_arrays import is_gpu_array
 from ._gpu_collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
-from ._handles import Handle
+from ._handles import Handle, _HandleGroup
 from .exceptions import InvalidInputError, call_label
 
 
@@ -68,22 +68,33 @@ class GpuCalls:
         core = self._gpu.submit(REDUCESCATTER, ins, outs, [self._name(name)], "", op, pre, post)
         return self._track(core, lambda _: outs[0].obj, (ins, outs))
 
-    def _gpu_allgather(self, x: Any, name: Optional[str]) -> Handle:
-        """An allgather of a GPU array with any first dimension: the row counts over the
-        host, then NCCL's allgather (padded when they differ) into a new array."""
-        what, rows_name = call_label("allgather", name), _part(name, "rows")
+    def _gpu_allgather(self, xs: Sequence[Any], name: Optional[str],
+                       grouped: bool = False) -> Handle:
+        """Allgathers of GPU arrays with any first dimension: every rank's row counts in one
+        host exchange, then NCCL's allgather (padded when they differ) of each into a new
+        array. ``grouped``: ``grouped_allgather`` (members ``<name>.<i>``, a list back)."""
+        op = "grouped_allgather" if grouped else "allgather"
+        what, rows_name = call_label(op, name), _part(name, "rows")
+        names = [_part(name, str(i)) for i in range(len(xs))] if grouped else [name]
         with self._refusing("allgather", rows_name):  # peers wait in the count exchange
-            ins = self._gpu.views([x], "allgather", name)
-            if not ins[0].shape:
-                raise InvalidInputError(f"{what}: needs at least one dimension")
-        rows = [int(n) for n in self.allgather(np.array([ins[0].shape[0]], np.int64),
-                                               rows_name)]
-        if len(rows) != self.size():
+            if not all(is_gpu_array(x) for x in xs):
+                raise InvalidInputError(f"{what}: a group is either all GPU arrays or all "
+                                        "host arrays")
+            ins = [self._gpu.views([x], op, name)[0] for x in xs]
+            if not all(v.shape for v in ins):
+                raise InvalidInputError(f"{what}: needs arrays of at least one dimension")
+        table = self.allgather(np.array([v.shape[0] for v in ins], np.int64), rows_name)
+        if table.size != self.size() * len(ins):
             raise InvalidInputError(f"{what}: a rank that joined takes part on GPU only in "
                                     "allreduce, broadcast and reducescatter so far")
-        outs = self._gpu.results(ins, "allgather", name, [(sum(rows), *ins[0].shape[1:])])
-        core = self._gpu.submit(ALLGATHER, ins, outs, [self._name(name)], peer_rows=rows)
-        return self._track(core, lambda _: outs[0].obj, (ins, outs))
+        table = table.reshape(self.size(), len(ins))
+        handles = []
+        for i, (v, member) in enumerate(zip(ins, names)):
+            rows = [int(k) for k in table[:, i]]
+            outs = self._gpu.results([v], op, member, [(sum(rows), *v.shape[1:])])
+            core = self._gpu.submit(ALLGATHER, [v], outs, [self._name(member)], peer_rows=rows)
+            handles.append(self._track(core, lambda _, o=outs[0]: o.obj, (v, outs)))
+        return Handle(_HandleGroup(handles), lambda g: g.results) if grouped else handles[0]
 
     def _gpu_alltoall(self, x: Any, splits: Optional[Sequence[int]],
                       name: Optional[str]) -> Handle:

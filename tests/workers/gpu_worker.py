@@ -190,10 +190,31 @@ def check_alltoall(g: Arrays, rank: int, size: int) -> None:
     np.testing.assert_array_equal(g.host(out), want)
 
 
+def check_compression_emulated(rank: int, size: int) -> None:
+    """ringreduce.compression's CastCompressor (what Compression.fp16 is in every framework)
+    over GPU arrays: the float16 array it hands over is reduced on the GPU path."""
+    from ringreduce.compression import CastCompressor
+
+    class Fp16(CastCompressor):
+        wire = np.dtype(np.float16)
+        dtype_of = staticmethod(lambda x: x.a.dtype)
+        is_float = staticmethod(lambda d: d.kind == "f")
+        itemsize = staticmethod(lambda d: np.dtype(d).itemsize)
+        cast = staticmethod(lambda x, d: DlpackGpu(x.a.astype(d), x.device))
+
+    x = DlpackGpu(inputs(rank, 40, np.float32) / 4, rank)
+    sent, ctx = Fp16.compress(x)
+    assert isinstance(sent, DlpackGpu) and sent.a.dtype == np.float16
+    out = Fp16.decompress(rr.allreduce(sent, op=rr.Average, name="fp16"), ctx)
+    assert out.a.dtype == np.float32
+    np.testing.assert_allclose(out.a, np.mean([inputs(r, 40, np.float32) / 4
+                                               for r in range(size)], axis=0), rtol=1e-3)
+
+
 def check_torch_low_precision(rank: int, size: int) -> None:
-    """torch only (real GPUs): float16 / bfloat16 CUDA tensors reduced by NCCL, and
+    """torch only (real GPUs): float16 / bfloat16 CUDA tensors reduced by NCCL,
     ringreduce.torch's Compression.fp16 / .bf16 casting on the device (torch ops), never
-    through host memory."""
+    through host memory, and the torch layer's allgather / alltoall on CUDA tensors."""
     import torch
 
     import ringreduce.torch as rrt
@@ -213,6 +234,14 @@ def check_torch_low_precision(rank: int, size: int) -> None:
         out = rrt.allreduce(x, op=rrt.Average, compression=comp, name=f"comp.{wire}")
         assert out.is_cuda and out.dtype == torch.float32
         torch.testing.assert_close(out.double().cpu(), want, rtol=1e-2, atol=1e-2)
+    # The torch layer's allgather / alltoall on CUDA tensors (ragged rows, splits).
+    got = rrt.allgather(torch.full((rank + 1, 2), float(rank), device="cuda"), name="t.ag")
+    assert got.is_cuda and got.cpu().tolist() == [[float(r)] * 2 for r in range(size)
+                                                 for _ in range(r + 1)]
+    out, received = rrt.alltoall(torch.arange(size, device="cuda") + 10 * rank,
+                                 splits=[1] * size, name="t.a2a")
+    assert out.is_cuda and out.cpu().tolist() == [10 * r + rank for r in range(size)]
+    assert received.tolist() == [1] * size
 
 
 def check_process_sets(g: Arrays, rank: int, pair, solo) -> None:
@@ -313,6 +342,8 @@ def main() -> None:
     check_refusals(g, rank, size)
     if kind == "torch":
         check_torch_low_precision(rank, size)
+    if kind == "emulated":
+        check_compression_emulated(rank, size)
     check_join(g, rank)
     rr.shutdown()
     say(f"OK rank {rank}")

@@ -19,6 +19,7 @@
 // Waiting for stage 1 blocks the engine thread (the host needs the data);
 // the wait polls the host communicator's NCCL errors, so a dead peer inside
 // the host fails the response instead of hanging it.
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -42,16 +43,29 @@ bool GpuExecutor::hierarchical(const Response& r, const std::vector<Entry*>& loc
   return true;
 }
 
+// This rank's host (its global ranks, ascending) and its index there.
+const std::vector<int>& GpuExecutor::my_host(int* index) const {
+  for (const auto& h : ctx_->hosts()) {
+    auto it = std::find(h.begin(), h.end(), ctx_->rank());
+    if (it == h.end()) continue;
+    *index = static_cast<int>(it - h.begin());
+    return h;
+  }
+  throw_error(ErrorKind::kInternal, "rank ", ctx_->rank(), " is on none of the job's hosts");
+}
+
 uint64_t GpuExecutor::hierarchical_bytes(uint64_t bytes, uint64_t item) const {
-  const uint64_t L = static_cast<uint64_t>(ctx_->local_size());
+  int l = 0;
+  const uint64_t L = my_host(&l).size();
   const uint64_t count = bytes / item;
   return (count + L - 1) / L * L * item;
 }
 
 void GpuExecutor::allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uint64_t count,
                                          DeviceOp op) {
-  const std::vector<int>& host = ctx_->hosts()[static_cast<size_t>(ctx_->cross_rank())];
-  const int L = static_cast<int>(host.size()), l = ctx_->local_rank();
+  int l = 0;
+  const std::vector<int>& host = my_host(&l);
+  const int L = static_cast<int>(host.size());
   const uint64_t item = dtype_size(m.dtype);
   const uint64_t shard = (count + static_cast<uint64_t>(L) - 1) / static_cast<uint64_t>(L);
   const uint64_t sb = shard * item, mine = buf + static_cast<uint64_t>(l) * sb;

@@ -37,9 +37,7 @@ GpuExecutor::Comm& GpuExecutor::comm_of(const RequestMeta& m) {
       Context& g = m.members.empty() ? *ctx_ : ctx_->group(m.members);
       const std::string id = agree_on_unique_id(g, ops_.get(), why_not_);
       if (!m.members.empty() && !make_ops_)
-        throw_error(ErrorKind::kInvalidArgument,
-                    "this build makes no NCCL communicator for "
-                    "process sets");
+        throw_error(ErrorKind::kInvalidArgument, "no NCCL communicators for process sets here");
       c.ops = m.members.empty() ? ops_ : make_ops_(g);
       start();
       c.ops->nccl_comm_init(id, g.size(), g.rank());

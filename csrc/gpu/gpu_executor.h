@@ -113,6 +113,7 @@ class GpuExecutor : public Executor {
   // gpu_allreduce_hierarchical.cc
   bool hierarchical(const Response& r, const std::vector<Entry*>& local) const;
   uint64_t hierarchical_bytes(uint64_t bytes, uint64_t item) const;
+  const std::vector<int>& my_host(int* index) const;
   void allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uint64_t count, DeviceOp op);
   void wait_here(Comm& c);
   void abort_comms();

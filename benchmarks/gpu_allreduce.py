@@ -1,10 +1,17 @@
-"""GPU allreduce benchmark: ringreduce (its NCCL executor) against torch.distributed's NCCL
-backend and CuPy's NCCL communicator, in one run and one table, nccl-tests style.
+"""GPU allreduce (or allgather) benchmark: ringreduce (its NCCL executor) against
+torch.distributed's NCCL backend and CuPy's NCCL communicator, in one run and one table,
+nccl-tests style.
 
 One process per GPU, launched by ringreduce's launcher or mpirun::
 
     ringrun -np 2 python benchmarks/gpu_allreduce.py
     mpirun -np 2 python benchmarks/gpu_allreduce.py --max-bytes 256M
+    ringrun -np 2 python benchmarks/gpu_allreduce.py --op allgather
+
+``--op allgather``: every rank's buffer of ``size`` bytes gathered into a new array of
+n x size bytes (ringreduce's column includes its host exchange of the row counts and the
+output's allocation, as a user's call; the peers allocate their output too);
+algbw = n x size / time, busbw = algbw (n - 1) / n, as nccl-tests reports allgather.
 
 Every implementation sums the same float32 CuPy buffer in place (torch sees it through
 DLPack, without a copy). ringreduce's column includes everything a user's call costs: the
@@ -31,7 +38,7 @@ from typing import Any, Callable
 
 import ringreduce as rr
 
-Fn = Callable[[Any], None]
+Fn = Callable[[Any], Any]
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--op", choices=["allreduce", "allgather"], default="allreduce")
     return p.parse_args()
 
 
@@ -56,9 +64,13 @@ def require_gpu() -> None:
         sys.exit(2)
 
 
-def peers(cp: Any) -> dict:
-    """The implementations: ringreduce always; torch NCCL and CuPy NCCL when importable."""
-    impls: dict = {"ringreduce": lambda buf: rr.allreduce_(buf, op=rr.Sum, name="bench")}
+def peers(cp: Any, op: str) -> dict:
+    """The implementations of ``op``: ringreduce always; torch NCCL and CuPy NCCL when
+    importable. Each returns its result (allgather: a new array of every rank's buffer)."""
+    if op == "allgather":
+        impls: dict = {"ringreduce": lambda buf: rr.allgather(buf, name="bench")}
+    else:
+        impls = {"ringreduce": lambda buf: rr.allreduce_(buf, op=rr.Sum, name="bench")}
     try:
         import torch
         import torch.distributed as dist
@@ -71,16 +83,33 @@ def peers(cp: Any) -> dict:
         dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=rr.rank(),
                                 world_size=rr.size(), device_id=torch.device("cuda", cp.cuda
                                                                              .Device().id))
-        impls["torch-nccl"] = lambda buf: dist.all_reduce(torch.from_dlpack(buf))
+        if op == "allgather":
+            def torch_allgather(buf: Any) -> Any:
+                t = torch.from_dlpack(buf)
+                out = torch.empty(t.numel() * rr.size(), dtype=t.dtype, device=t.device)
+                dist.all_gather_into_tensor(out, t)
+                return out
+            impls["torch-nccl"] = torch_allgather
+        else:
+            impls["torch-nccl"] = lambda buf: dist.all_reduce(torch.from_dlpack(buf)) or buf
     except Exception as e:  # noqa: BLE001 - a peer that cannot start is left out, said why
         print(f"# torch.distributed NCCL left out on rank {rr.rank()}: {e}")
     from cupy.cuda import nccl
 
     uid = rr.broadcast_object(nccl.get_unique_id() if rr.rank() == 0 else None, 0, "bench.uid")
     comm = nccl.NcclCommunicator(rr.size(), uid, rr.rank())
-    impls["cupy-nccl"] = lambda buf: comm.allReduce(
-        buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
-        cp.cuda.get_current_stream().ptr)
+    def cupy_allgather(buf: Any) -> Any:
+        out = cp.empty(buf.size * rr.size(), cp.float32)
+        comm.allGather(buf.data.ptr, out.data.ptr, buf.size, nccl.NCCL_FLOAT32,
+                       cp.cuda.get_current_stream().ptr)
+        return out
+
+    def cupy_allreduce(buf: Any) -> Any:
+        comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                       cp.cuda.get_current_stream().ptr)
+        return buf
+
+    impls["cupy-nccl"] = cupy_allgather if op == "allgather" else cupy_allreduce
     return impls
 
 
@@ -101,11 +130,14 @@ def timed(cp: Any, fn: Fn, buf: Any, args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
-def correct(cp: Any, fn: Fn, n: int) -> bool:
+def correct(cp: Any, fn: Fn, n: int, op: str) -> bool:
     buf = cp.full(n, rr.rank() + 1, cp.float32)
-    fn(buf)
+    out = cp.asarray(fn(buf))
     cp.cuda.Device().synchronize()
-    return bool((buf == rr.size() * (rr.size() + 1) / 2).all())
+    if op == "allgather":
+        want = cp.repeat(cp.arange(1, rr.size() + 1, dtype=cp.float32), n)
+        return bool(out.shape == want.shape and (out == want).all())
+    return bool((out == rr.size() * (rr.size() + 1) / 2).all())
 
 
 def main() -> None:
@@ -115,11 +147,12 @@ def main() -> None:
 
     rr.init()
     cp.cuda.Device(rr.local_rank()).use()
-    impls = peers(cp)
+    impls = peers(cp, args.op)
     names = list(impls)
     say = print if rr.rank() == 0 else (lambda *a, **k: None)
     n = rr.size()
-    say(f"# gpu_allreduce: {n} ranks, float32, Sum, in place; {rr.gpu_info()['nccl_path']}")
+    what = "allgather, new output" if args.op == "allgather" else "allreduce, Sum, in place"
+    say(f"# gpu_allreduce: {n} ranks, float32, {what}; {rr.gpu_info()['nccl_path']}")
     say(f"{'size (B)':>12} {'count':>11} " + "".join(
         f"| {name + ' time(us)':>22} {'algbw':>8} {'busbw':>8} " for name in names) + "| check")
     nbytes = args.min_bytes
@@ -131,9 +164,12 @@ def main() -> None:
         for name in names:
             mine = timed(cp, impls[name], buf, args)
             slowest = max(rr.allgather_object(mine, name=f"t.{name}.{nbytes}"))
-            algbw = nbytes / slowest / 1e9
-            row += f"| {slowest * 1e6:>22.1f} {algbw:>8.2f} {algbw * 2 * (n - 1) / n:>8.2f} "
-            ok.append(all(rr.allgather_object(correct(cp, impls[name], count), name=f"c.{name}")))
+            gather = args.op == "allgather"
+            algbw = nbytes * (n if gather else 1) / slowest / 1e9
+            busbw = algbw * (1 if gather else 2) * (n - 1) / n
+            row += f"| {slowest * 1e6:>22.1f} {algbw:>8.2f} {busbw:>8.2f} "
+            ok.append(all(rr.allgather_object(correct(cp, impls[name], count, args.op),
+                                              name=f"c.{name}")))
         say(row + "| " + ("ok" if all(ok) else "WRONG"))
         nbytes *= args.factor
     rr.shutdown()

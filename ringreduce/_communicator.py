@@ -314,6 +314,8 @@ class Communicator(GpuCalls, CompositeCalls):
     # ------------------------------------------------------ other collectives
     def allgather_async(self, x: Any, name: Optional[str] = None) -> Handle:
         """Start an allgather; the result concatenates every rank's ``x`` along axis 0."""
+        if is_gpu_array(x):
+            return self._gpu_allgather([x], name)
         what = call_label("allgather", name)
         with self._refusing("allgather", name):
             src = for_reading(x, what, None)
@@ -387,6 +389,8 @@ class Communicator(GpuCalls, CompositeCalls):
     def alltoall_async(self, x: Any, splits: Optional[Sequence[int]] = None,
                        name: Optional[str] = None) -> Handle:
         """Start an alltoall (see ``alltoall``)."""
+        if is_gpu_array(x):
+            return self._gpu_alltoall(x, splits, name)
         what = call_label("alltoall", name)
         given = splits is not None
         with self._refusing("alltoall", name):
@@ -567,7 +571,7 @@ class ProcessSetCommunicator(Communicator):
         self._ctx = parent._ctx
         self._rendezvous = None
         self._engine = parent._engine.process_set(members)
-        self._gpu = parent._gpu  # GPU tensors are refused in sets (the engine says so)
+        self._gpu = GpuCollectives(parent._engine, parent.rank(), members)
         self._init_calls()
         self._members = list(members)
         self._rank = self._members.index(parent.rank())

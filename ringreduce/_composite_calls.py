@@ -12,6 +12,7 @@ import numpy as np
 from ._adasum import adasum_part, gather_and_combine
 from ._arrays import for_reading, for_writing
 from ._call_checks import Average, _members, _part, check_scales
+from ._cuda_arrays import is_gpu_array
 from ._handles import Handle, _HandleGroup
 from .exceptions import InvalidInputError, call_label
 
@@ -51,6 +52,8 @@ class CompositeCalls:
         Members are named ``<name>.<i>`` (unnamed: matched by order, like single calls).
         """
         what = call_label("grouped_allgather", name)
+        if any(is_gpu_array(x) for x in _members(xs, what)):  # one row-count exchange
+            return self._gpu_allgather(list(xs), name, grouped=True)
         handles = [self.allgather_async(x, _part(name, str(i)))
                    for i, x in enumerate(_members(xs, what))]
         return Handle(_HandleGroup(handles), lambda g: g.results)

@@ -138,8 +138,8 @@ def gpu_array_error(what: str, where: str) -> Exception:
 
     return InvalidInputError(
         f"{what}: the array is in {where} memory; on GPU, ringreduce runs allreduce, "
-        f"grouped_allreduce, broadcast and reducescatter so far ({gpu_status()}); copy it to "
-        "host memory "
+        "grouped_allreduce, allgather, broadcast, reducescatter and alltoall (not Adasum or "
+        f"the object calls) so far ({gpu_status()}); copy it to host memory "
         "first (CuPy: x.get(), torch: t.cpu(), TensorFlow: inside tf.device('/CPU:0'))")
 
 

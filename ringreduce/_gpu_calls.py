@@ -1,15 +1,24 @@
 """The collectives of a Communicator on GPU arrays (CuPy, torch CUDA, DLPack CUDA):
-argument checks and result allocation here, the work in the engine's GPU executor."""
+argument checks and result allocation here, the work in the engine's GPU executor.
+
+Allgather and alltoall results are allocated by the array's framework, so their row
+count must be known when the call is submitted: the call first exchanges the row counts
+(allgather) or the splits (alltoall) with a small host allgather of int64s named
+``<name>.rows`` / ``<name>.splits`` (unnamed calls: the next unnamed names, in order), then
+submits the GPU collective with every rank's counts. The ``_async`` forms therefore return
+after that exchange, i.e. once every rank has made the call."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
-from ._call_checks import _check_op, check_scales
+import numpy as np
+
+from ._call_checks import _check_op, _part, check_scales
 from ._cuda_arrays import is_gpu_array
-from ._gpu_collectives import ALLREDUCE, BROADCAST, REDUCESCATTER
-from ._handles import Handle
+from ._gpu_collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
+from ._handles import Handle, _HandleGroup
 from .exceptions import InvalidInputError, call_label
 
 
@@ -58,3 +67,65 @@ class GpuCalls:
         outs = self._gpu.results(ins, "reducescatter", name, [(mine, *ins[0].shape[1:])])
         core = self._gpu.submit(REDUCESCATTER, ins, outs, [self._name(name)], "", op, pre, post)
         return self._track(core, lambda _: outs[0].obj, (ins, outs))
+
+    def _gpu_allgather(self, xs: Sequence[Any], name: Optional[str],
+                       grouped: bool = False) -> Handle:
+        """Allgathers of GPU arrays with any first dimension: every rank's row counts in one
+        host exchange, then NCCL's allgather (padded when they differ) of each into a new
+        array. ``grouped``: ``grouped_allgather`` (members ``<name>.<i>``, a list back)."""
+        op = "grouped_allgather" if grouped else "allgather"
+        what, rows_name = call_label(op, name), _part(name, "rows")
+        names = [_part(name, str(i)) for i in range(len(xs))] if grouped else [name]
+        with self._refusing("allgather", rows_name):  # peers wait in the count exchange
+            if not all(is_gpu_array(x) for x in xs):
+                raise InvalidInputError(f"{what}: a group is either all GPU arrays or all "
+                                        "host arrays")
+            ins = [self._gpu.views([x], op, name)[0] for x in xs]
+            if not all(v.shape for v in ins):
+                raise InvalidInputError(f"{what}: needs arrays of at least one dimension")
+        table = self.allgather(np.array([v.shape[0] for v in ins], np.int64), rows_name)
+        if table.size != self.size() * len(ins):
+            raise InvalidInputError(f"{what}: a rank that joined takes part on GPU only in "
+                                    "allreduce, broadcast and reducescatter so far")
+        table = table.reshape(self.size(), len(ins))
+        handles = []
+        for i, (v, member) in enumerate(zip(ins, names)):
+            rows = [int(k) for k in table[:, i]]
+            outs = self._gpu.results([v], op, member, [(sum(rows), *v.shape[1:])])
+            core = self._gpu.submit(ALLGATHER, [v], outs, [self._name(member)], peer_rows=rows)
+            handles.append(self._track(core, lambda _, o=outs[0]: o.obj, (v, outs)))
+        return Handle(_HandleGroup(handles), lambda g: g.results) if grouped else handles[0]
+
+    def _gpu_alltoall(self, x: Any, splits: Optional[Sequence[int]],
+                      name: Optional[str]) -> Handle:
+        """An alltoall of a GPU array: every rank's splits over the host, then NCCL's
+        grouped sends and receives into a new array; with ``splits``, also the rows
+        received from each rank."""
+        what, splits_name, n = call_label("alltoall", name), _part(name, "splits"), self.size()
+        given = splits is not None
+        with self._refusing("allgather", splits_name):  # peers wait in the splits exchange
+            ins = self._gpu.views([x], "alltoall", name)
+            if not ins[0].shape:
+                raise InvalidInputError(f"{what}: needs at least one dimension")
+            rows = ins[0].shape[0]
+            if not given and rows % n:
+                raise InvalidInputError(f"{what}: axis 0 ({rows}) does not divide by size {n}; "
+                                        "pass splits=")
+            send = [int(s) for s in splits] if given else [rows // n] * n
+            if len(send) != n or min(send) < 0 or sum(send) != rows:
+                raise InvalidInputError(f"{what}: splits must have one entry per rank ({n}) "
+                                        f"summing to dim 0 ({rows}); got {send}")
+        table = self.allgather(np.asarray(send, np.int64), splits_name)
+        if table.size != n * n:
+            raise InvalidInputError(f"{what}: a rank that joined takes part on GPU only in "
+                                    "allreduce, broadcast and reducescatter so far")
+        received = table.reshape(n, n)[:, self.rank()]
+        outs = self._gpu.results(ins, "alltoall", name, [(int(received.sum()),
+                                                          *ins[0].shape[1:])])
+        core = self._gpu.submit(ALLTOALL, ins, outs, [self._name(name)], splits=send,
+                                peer_rows=[int(r) for r in received])
+
+        def finish(_: Any) -> Any:
+            return (outs[0].obj, received.astype(np.int64)) if given else outs[0].obj
+
+        return self._track(core, finish, (ins, outs))

@@ -1,8 +1,8 @@
 """The collectives of one Communicator on GPU arrays (``_cuda_arrays``): allreduce (fused
-and grouped, in place or not), broadcast and reducescatter go to the engine's GPU
-executor (NCCL on the device; emulated over host memory with ``RINGREDUCE_GPU_EMULATE=1``).
-One GPU per process: the first GPU array fixes this rank's device, and an array on
-another device is refused."""
+and grouped, in place or not), broadcast, reducescatter, allgather and alltoall go to the
+engine's GPU executor (NCCL on the device; emulated over host memory with
+``RINGREDUCE_GPU_EMULATE=1``). One GPU per process: the first GPU array fixes this rank's
+device, and an array on another device is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from . import _core
 from ._cuda_arrays import CudaArray, cuda_view
 from .exceptions import InvalidInputError, call_label
 
-ALLREDUCE, BROADCAST, REDUCESCATTER = 1, 3, 4  # CollKind (csrc/collectives/op_header.h)
+ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL = 1, 2, 3, 4, 5  # CollKind (op_header.h)
 
 
 class GpuCollectives:
@@ -25,11 +25,15 @@ class GpuCollectives:
         The communicator's engine.
     rank : int
         This rank, for messages.
+    members : list of int, optional
+        A process set's ranks: its collectives run on an NCCL communicator of those ranks
+        only (made at the set's first GPU collective). None: the whole job.
     """
 
-    def __init__(self, engine: Any, rank: int) -> None:
+    def __init__(self, engine: Any, rank: int, members: Optional[list[int]] = None) -> None:
         self._engine = engine
         self._rank = rank
+        self._members = list(members or [])
         self._device: Optional[int] = None
 
     def views(self, xs: Sequence[Any], op: str, name: Optional[str]) -> list[CudaArray]:
@@ -67,9 +71,13 @@ class GpuCollectives:
 
     def submit(self, kind: int, ins: list[CudaArray], outs: Optional[list[CudaArray]],
                names: list[str], group: str = "", op: int = 0, pre: float = 1.0,
-               post: float = 1.0, root: int = -1) -> Any:
-        """One engine submission of ``ins`` (``outs`` None: in place); its core handle."""
+               post: float = 1.0, root: int = -1, splits: Sequence[int] = (),
+               peer_rows: Sequence[int] = ()) -> Any:
+        """One engine submission of ``ins`` (``outs`` None: in place); its core handle.
+        Allgather / alltoall: ``peer_rows`` are the rows coming from each rank, ``splits``
+        alltoall's rows going to each."""
         return _core.gpu.submit(
             self._engine, kind, [v.ptr for v in ins], [v.ptr for v in outs] if outs else
             [0] * len(ins), [list(v.shape) for v in ins], ins[0].code, names, group,
-            ins[0].device, ins[0].stream, op, pre, post, root)
+            ins[0].device, ins[0].stream, op, pre, post, root, list(splits), list(peer_rows),
+            self._members)

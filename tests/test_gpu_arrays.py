@@ -1,5 +1,6 @@
 """GPU arrays from Python into the engine, end to end in real processes at np=2 on
-emulated GPUs (RINGREDUCE_GPU_EMULATE=1, csrc/gpu/emulated_gpu_ops.cc): the DLPack and
+emulated GPUs (RINGREDUCE_GPU_EMULATE=1, csrc/gpu/emulated_gpu_ops.cc), and at np=3
+with a process set {0, 2} on GPU: the DLPack and
 __cuda_array_interface__ intake, the device / contiguity / dtype refusals, out-of-place
 results in the array's own type, fusion, broadcast, and the NCCL bootstrap across
 processes (tests/workers/gpu_worker.py). Also: without emulation, a GPU array on
@@ -12,15 +13,17 @@ import pytest
 from procs import WORKERS, run_env_launch
 
 import ringreduce as rr
-from ringreduce.testing import run_threaded
+from ringreduce.testing import make_world, run_threaded
 
 WORKER = WORKERS / "gpu_worker.py"
 
 
-def test_gpu_collectives_on_emulated_gpus_np2():
-    job = run_env_launch(2, WORKER, ["--arrays", "emulated"], env={"RINGREDUCE_GPU_EMULATE": "1"},
-                         timeout=120)
-    job.check_ok(expect_ranks=2)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_gpu_collectives_on_emulated_gpus(np_):
+    # np=3 also runs a process set {0, 2} on GPU (its own communicator; rank 1 stays out).
+    job = run_env_launch(np_, WORKER, ["--arrays", "emulated"],
+                         env={"RINGREDUCE_GPU_EMULATE": "1"}, timeout=120)
+    job.check_ok(expect_ranks=np_)
 
 
 class _HostBufferOnCuda:
@@ -47,3 +50,47 @@ def test_without_a_gpu_every_rank_fails_with_what_is_missing():
         assert f"rank {r}: allreduce 'g': the tensor is on GPU 0" in msg, msg
         assert "GPU collectives need every rank to have a GPU (rank 0: " in msg, msg
         assert "rank 1: " in msg, msg
+
+
+class _DlpackOnGpu:
+    """A host buffer that says it is on CUDA device ``device`` (emulated GPUs read it)."""
+
+    def __init__(self, a: np.ndarray, device: int) -> None:
+        self.a, self.device = a, device
+
+    def __dlpack_device__(self):
+        return (2, self.device)
+
+    def __dlpack__(self, stream=None):
+        return self.a.__dlpack__()
+
+
+def test_hierarchical_gpu_allreduce_on_emulated_gpus_and_fake_hosts():
+    # 2 fake hosts x 2 ranks: NCCL reduce-scatter in the host, the CPU ring across hosts,
+    # NCCL allgather in the host; a fused group and a single tensor, Sum and Average.
+    from conftest import env
+
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1", RINGREDUCE_GPU_EMULATE="1"):
+        world = make_world(4, ["a", "a", "b", "b"])
+
+    def data(r, n):
+        return (np.arange(n) % 5 + r).astype(np.float32)
+
+    def fn(c):
+        r = c.rank()
+        xs = [_DlpackOnGpu(data(r, n), r) for n in (7, 1000)]
+        c.grouped_allreduce_async_(xs, op=rr.Sum).wait()
+        one = _DlpackOnGpu(data(r, 13), r)
+        c.allreduce_(one, op=rr.Average, name="one")
+        return [x.a for x in xs], one.a, c._engine.stats()["hierarchical_allreduces"]
+
+    try:
+        out = run_threaded(4, fn, world=world, timeout=60)
+    finally:
+        for c in world:
+            c.close()
+    for xs, one, ran in out:
+        assert ran == 2
+        for x, n in zip(xs, (7, 1000)):
+            np.testing.assert_array_equal(x, sum(data(r, n) for r in range(4)))
+        np.testing.assert_allclose(one, np.mean([data(r, 13) for r in range(4)], axis=0))

@@ -74,3 +74,28 @@ def test_rank_zero_failing_to_make_the_id_fails_every_rank():
     for m in msgs:
         assert "rank 0 could not make an NCCL unique id: ncclGetUniqueId failed" in m, m
     assert not any(c.startswith("nccl_comm_init") for f in fakes for c in f.calls())
+
+
+def test_a_process_sets_communicator_is_made_among_its_members_only():
+    # Rank 1's set {1} on GPU first (rank 0 takes no part), then the job's communicator.
+    fakes = [gt.FakeGpuOps(id_seed=0x70 + r) for r in range(2)]
+    for f in fakes:
+        f.complete_all(sticky=True)
+    world = make_world(2)
+    for r, c in enumerate(world):
+        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
+
+    def fn(c):
+        if c.rank() == 1:
+            gt.submit(c._engine, {**gpu_tensor("s"), "members": [1]}, 1).wait()
+        gt.submit(c._engine, gpu_tensor("g"), c.rank()).wait()
+
+    try:
+        run_threaded(2, fn, world=world, timeout=60)
+    finally:
+        for c in world:
+            c.close()
+    inits = [[c for c in f.calls() if c.startswith("nccl_comm_init")] for f in fakes]
+    assert inits[0] == ["nccl_comm_init id=128B:70010000 size=2 rank=0"]
+    assert inits[1] == ["nccl_comm_init id=128B:71010000 size=1 rank=0",  # the set's, its id
+                        "nccl_comm_init id=128B:70010000 size=2 rank=1"]

@@ -15,9 +15,9 @@ from ringreduce._core.gpu import testing as gt
 
 import ringreduce as rr
 from ringreduce import _core
-from ringreduce.testing import make_world
+from ringreduce.testing import make_world, run_threaded
 
-F32, I32 = 6, 2
+F32, I32, F16, BF16 = 6, 2, 4, 5
 SUM, AVG, MIN = 0, 1, 2
 NCCL_2_27, NCCL_2_9 = 22703, 20903  # ncclAvg exists from 2.10 on
 FUSION = 0x10000000  # the fake's first device allocation
@@ -220,8 +220,6 @@ def test_joined_rank_zero_fills_the_tensors_it_lacks():
 
 def test_refusals_come_before_any_work():
     ops, ex = executor()
-    with pytest.raises(rr.InvalidInputError, match="only allreduce, broadcast and reducescatter"):
-        ex.execute([tensor("g", 8, kind="allgather")])
     with pytest.raises(rr.InvalidInputError, match="joined"):
         ex.execute([tensor("a", 8, 0, op=MIN), {**tensor("b", 8, 1, op=MIN), "in": None}])
     assert ops.calls() == []
@@ -271,6 +269,75 @@ def test_reducescatter_of_ragged_rows_pads_blocks_and_copies_this_ranks_rows(ran
     assert call(ops, "memcpy_async")[1:4] == ["0x8000000", f"{FUSION + 72:#x}",
                                               str(12 * rows_out)]
     assert call(ops, "launch_scale")[1:5] == ["0x8000000", str(3 * rows_out), "float32", "2"]
+
+
+@pytest.mark.parametrize("dtype, label", [(F16, "float16"), (BF16, "bfloat16")])
+def test_half_precision_tensors_are_fused_and_reduced_in_their_own_type(dtype, label):
+    # What Compression.fp16 / .bf16 hand over (cast on the device by torch): 2-byte
+    # elements, 256-byte aligned (20 B at 0, 6 B at 256): 131 elements, ncclAvg.
+    ops, ex = executor()
+    ex.execute([tensor("h0", 10, 0, dtype=dtype, op=AVG, prescale=0.5),
+                tensor("h1", 3, 1, dtype=dtype, op=AVG, prescale=0.5)])
+    assert call(ops, "launch_scale")[1:5] == [f"{FUSION:#x}", "131", label, "0.5"]
+    assert call(ops, "nccl_allreduce")[3:6] == ["131", label, "avg"]
+
+
+def test_allgather_of_equal_rows_is_one_nccl_call_into_the_output():
+    ops, ex = executor(size=3)
+    ex.execute([tensor("ag", 8, kind="allgather", shape=[4, 2], peer_rows=[4, 4, 4])])
+    assert [v for v in verbs(ops) if not v.startswith(("event", "stream"))] == ["nccl_allgather"]
+    assert call(ops, "nccl_allgather")[1:5] == ["0x7000000", "0x8000000", "8", "float32"]
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_allgather_of_ragged_rows_pads_then_compacts_in_one_launch(rank):
+    # Rows 2, 3, 0 of 3 floats (12 B): blocks of 3 rows (36 B); output rows 0-1 from
+    # rank 0's block, 2-4 from rank 1's; rank 2 sends nothing but takes part.
+    rows = [2, 3, 0]
+    ops = gt.FakeGpuOps()
+    ex = gt.GpuExecutor(ops, device=0, rank=rank, size=3)
+    ex.init_comm(bytes(128))
+    ops.clear_calls()
+    ex.execute([tensor("ag", 3 * rows[rank], kind="allgather", shape=[rows[rank], 3],
+                       peer_rows=rows)])
+    mine = FUSION + 36 * rank
+    assert [v for v in verbs(ops) if not v.startswith(("event", "stream"))] == (
+        ["malloc_device"] + (["memcpy_async"] if rows[rank] else []) +
+        ["nccl_allgather", "launch_unpack"])
+    assert call(ops, "malloc_device")[1] == "108"
+    if rows[rank]:
+        assert call(ops, "memcpy_async")[1:4] == [f"{mine:#x}", "0x7000000", "24"]
+    assert call(ops, "nccl_allgather")[1:4] == [f"{mine:#x}", f"{FUSION:#x}", "9"]
+    unpack = call(ops, "launch_unpack")
+    assert unpack[1] == "2" and unpack[5:] == [f"{FUSION:#x}->0x8000000:24",
+                                               f"{FUSION + 36:#x}->0x8000018:36"]
+
+
+def test_allgather_and_alltoall_refuse_a_joined_rank_on_every_rank():
+    ops, ex = executor(size=2)
+    for kind in ("allgather", "alltoall"):
+        with pytest.raises(rr.InvalidInputError, match="a rank that joined takes part on GPU"):
+            ex.execute([tensor("x", 4, kind=kind, peer_rows=[4, 0], splits=[2, 2])],
+                       contributors=1)
+    assert ops.calls() == []
+
+
+def test_alltoall_is_one_nccl_group_of_sends_and_receives_and_a_local_copy():
+    # Rank 1 of 3, rows of 2 int32 (8 B): sends 1, 2, 0 rows, receives 3, 2, 0 rows.
+    ops = gt.FakeGpuOps()
+    ex = gt.GpuExecutor(ops, device=0, rank=1, size=3)
+    ex.init_comm(bytes(128))
+    ops.clear_calls()
+    ex.execute([tensor("a2a", 6, kind="alltoall", shape=[3, 2], dtype=I32, splits=[1, 2, 0],
+                       peer_rows=[3, 2, 0])])
+    work = [c for c in ops.calls() if not c.startswith(("event", "stream"))]
+    assert work == [
+        "nccl_group_start",
+        "nccl_send 0x7000000 2 int32 peer=0 stream#1",  # row 0 to rank 0
+        "nccl_recv 0x8000000 6 int32 peer=0 stream#1",  # 3 rows from rank 0 first
+        "nccl_group_end",  # nothing to or from rank 2
+        "memcpy_async 0x8000018 0x7000008 16 stream#1",  # its own 2 rows, after rank 0's 3
+    ]
 
 
 def test_close_waits_for_the_stream_and_releases_everything():
@@ -395,3 +462,45 @@ def test_gpu_tensor_without_a_usable_gpu_fails_clearly_and_the_engine_goes_on(co
         h.wait()
     x = np.ones(3, np.float32)
     np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="after"), x)
+
+
+# ------------------------------------------------- hierarchical (fake hosts)
+def test_hierarchical_allreduce_splits_reduce_scatter_host_ring_allgather():
+    # 4 ranks on 2 fake hosts, RINGREDUCE_HIERARCHICAL_ALLREDUCE=1: 11 floats, 2 shards of
+    # 6 (one padding float zeroed), shard l of local rank l across hosts on the host.
+    from conftest import env
+
+    fakes = [gt.FakeGpuOps(id_seed=0x70 + r) for r in range(4)]
+    for f in fakes:
+        f.complete_all(sticky=True)
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1"):
+        world = make_world(4, ["a", "a", "b", "b"])
+    for r, c in enumerate(world):
+        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
+
+    def fn(c):
+        gt.submit(c._engine, {**tensor("h", 11), "op": AVG}, c.rank()).wait()
+        return c._engine.stats()["hierarchical_allreduces"]
+
+    try:
+        assert run_threaded(4, fn, world=world, timeout=60) == [1, 1, 1, 1]
+    finally:
+        for c in world:
+            c.close()
+    for r, f in enumerate(fakes):
+        mine = FUSION + 24 * (r % 2)
+        work = [c for c in f.calls() if c.split()[0] in (
+            "nccl_comm_init", "memset_async", "nccl_reducescatter", "memcpy_async",
+            "nccl_allgather", "nccl_allreduce", "launch_scale")]
+        assert [w.split()[0] for w in work] == [
+            "nccl_comm_init",  # the job's, at its first response
+            "memset_async", "nccl_comm_init",  # padding; the host's communicator
+            "nccl_reducescatter", "memcpy_async", "memcpy_async", "nccl_allgather",
+            "launch_scale"]  # Average ran as Sum: 1 / 4 afterwards
+        assert work[0].endswith(f"size=4 rank={r}") and work[2].endswith(f"size=2 rank={r % 2}")
+        assert work[1].split()[1:3] == [f"{FUSION + 44:#x}", "4"]
+        assert work[3].split()[1:6] == [f"{FUSION:#x}", f"{mine:#x}", "6", "float32", "sum"]
+        assert work[4].split()[2:4] == [f"{mine:#x}", "24"]  # to the host
+        assert work[5].split()[1] == f"{mine:#x}"  # back
+        assert work[6].split()[1:4] == [f"{mine:#x}", f"{FUSION:#x}", "6"]
+        assert work[7].split()[1:5] == [f"{FUSION:#x}", "11", "float32", "0.25"]

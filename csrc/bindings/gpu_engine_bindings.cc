@@ -19,13 +19,18 @@ void* as_ptr(uint64_t a) {
 
 // One entry per element of `ins`, all on `device`, produced on `stream`
 // (0: the legacy default stream); outs[i] == 0: in place. Several entries
-// with a `group` run as one fused unit (grouped_allreduce).
+// with a `group` run as one fused unit (grouped_allreduce). Allgather and
+// alltoall: `peer_rows` are the rows coming from each rank (and `splits`
+// alltoall's rows going to each). `members`: a process set's ranks (empty: the job).
 std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::vector<uint64_t>& ins,
                                         const std::vector<uint64_t>& outs,
                                         const std::vector<std::vector<int64_t>>& shapes,
                                         int32_t dtype, const std::vector<std::string>& names,
                                         const std::string& group, int32_t device, uint64_t stream,
-                                        int32_t op, double pre, double post, int32_t root) {
+                                        int32_t op, double pre, double post, int32_t root,
+                                        const std::vector<int64_t>& splits,
+                                        const std::vector<int64_t>& peer_rows,
+                                        const std::vector<int32_t>& members) {
   if (kind < 1 || kind > static_cast<int32_t>(CollKind::kAlltoall))
     throw_error(ErrorKind::kInvalidArgument, "unknown collective code ", kind);
   if (!dtype_is_valid(dtype)) throw_error(ErrorKind::kInvalidArgument, "unknown dtype ", dtype);
@@ -49,6 +54,9 @@ std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::ve
     e.in = as_ptr(ins[i]);
     e.out = as_ptr(outs[i] ? outs[i] : ins[i]);
     e.gpu_stream = as_ptr(stream);
+    e.splits = splits;
+    e.peer_rows = peer_rows;
+    e.meta.members = members;
   }
   py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
   return eng.submit(std::move(es));
@@ -60,7 +68,8 @@ void bind_gpu_engine(py::module_& m) {
   m.def("submit", &submit_gpu, py::arg("engine"), py::arg("kind"), py::arg("ins"), py::arg("outs"),
         py::arg("shapes"), py::arg("dtype"), py::arg("names"), py::arg("group"), py::arg("device"),
         py::arg("stream"), py::arg("op") = 0, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
-        py::arg("root") = -1);
+        py::arg("root") = -1, py::arg("splits") = std::vector<int64_t>{},
+        py::arg("peer_rows") = std::vector<int64_t>{}, py::arg("members") = std::vector<int32_t>{});
   // Testing aid: this engine's GPUs become emulated ones (emulated_gpu_ops.h),
   // their communicator bootstrapped like a real one.
   m.def(
@@ -68,8 +77,11 @@ void bind_gpu_engine(py::module_& m) {
       [](Engine& eng, int nccl_version) {
         Context& ctx = eng.context();
         eng.set_device_executor_factory([&ctx, nccl_version](int32_t device) {
-          return gpu::bootstrap_gpu_executor(ctx, device,
-                                             gpu::make_emulated_gpu_ops(ctx, nccl_version), "");
+          return gpu::bootstrap_gpu_executor(
+              ctx, device, gpu::make_emulated_gpu_ops(ctx, nccl_version), "",
+              [nccl_version](Context& group) {
+                return gpu::make_emulated_gpu_ops(group, nccl_version);
+              });
         });
       },
       py::arg("engine"), py::arg("nccl_version") = 22703);

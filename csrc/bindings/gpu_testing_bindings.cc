@@ -29,7 +29,8 @@ void* as_ptr(const py::dict& d, const char* key) {
 
 // One tensor of a test response: the metadata keys of request_meta_from, and
 // "in" / "out" device addresses ("in": None: this rank joined and lacks it),
-// "stream" / "event" (the producer's, as numbers).
+// "stream" / "event" (the producer's, as numbers), "splits" / "peer_rows"
+// (allgather / alltoall).
 Entry entry_from(const py::dict& d, int32_t device) {
   Entry e;
   e.meta = request_meta_from(d);
@@ -38,6 +39,8 @@ Entry entry_from(const py::dict& d, int32_t device) {
   e.out = d.contains("out") ? as_ptr(d, "out") : const_cast<void*>(e.in);
   e.gpu_stream = as_ptr(d, "stream");
   e.gpu_ready_event = as_ptr(d, "event");
+  if (d.contains("splits")) e.splits = d["splits"].cast<std::vector<int64_t>>();
+  if (d.contains("peer_rows")) e.peer_rows = d["peer_rows"].cast<std::vector<int64_t>>();
   return e;
 }
 
@@ -138,10 +141,12 @@ void bind_gpu_testing(py::module_& parent) {
         Context& ctx = eng.context();
         eng.set_device_executor_factory([ops, &ctx, bootstrap](int32_t device) {
           auto it = ops.find(device);
-          if (bootstrap)
+          if (bootstrap) {
+            std::shared_ptr<FakeGpuOps> fake = it == ops.end() ? nullptr : it->second;
             return gpu::bootstrap_gpu_executor(
-                ctx, device, it == ops.end() ? nullptr : it->second,
-                it == ops.end() ? cat("no fake for GPU ", device) : std::string());
+                ctx, device, fake, fake ? std::string() : cat("no fake for GPU ", device),
+                [fake](Context&) { return fake; });  // a set's calls in the same log
+          }
           if (it == ops.end()) throw_error(ErrorKind::kInvalidArgument, "no fake for GPU ", device);
           gpu::GpuExecutorOptions o;
           o.device = device;

@@ -111,9 +111,6 @@ void Engine::validate_members(const RequestMeta& m) const {
   if (!m.has_rank(rank_))
     throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
                 "': this rank is not a member of process set ", ranks_text(ms));
-  if (!ms.empty() && m.device >= 0)
-    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": ", coll_name(m.kind), " '", m.name,
-                "': process sets run on host memory only; the tensor is on GPU ", m.device);
 }
 
 void Engine::validate(Entry& e) {

@@ -104,7 +104,10 @@ struct Entry {
   const void* in = nullptr;
   void* out = nullptr;          // allreduce / broadcast: the caller's result buffer
   std::vector<int64_t> splits;  // alltoall
-  bool join = false;            // a join() marker rather than a tensor
+  // GPU allgather / alltoall: the rows coming from each rank, which the
+  // caller learnt before submitting (it allocates the output).
+  std::vector<int64_t> peer_rows;
+  bool join = false;  // a join() marker rather than a tensor
   // GPU tensors (meta.device >= 0): the stream that produced `in` (the
   // framework's current stream at submit time; nullptr: the default stream)
   // and, if the submitter recorded one there, the event marking the point

@@ -185,6 +185,19 @@ class CudaNcclOps : public GpuOps {
                                           nccl_op(op), comm_, s),
                "ncclReduceScatter");
   }
+  void nccl_group_start() override { nccl_check(nccl_->api().GroupStart(), "ncclGroupStart"); }
+  void nccl_group_end() override {
+    guard();
+    nccl_check(nccl_->api().GroupEnd(), "ncclGroupEnd");
+  }
+  void nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream s) override {
+    guard();
+    nccl_check(nccl_->api().Send(ptr(send), count, nccl_dtype(dtype), peer, comm_, s), "ncclSend");
+  }
+  void nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream s) override {
+    guard();
+    nccl_check(nccl_->api().Recv(ptr(recv), count, nccl_dtype(dtype), peer, comm_, s), "ncclRecv");
+  }
   std::string nccl_async_error() override {
     if (!comm_) return "";
     nccl::Result r = nccl::kSuccess;

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <set>
+#include <vector>
 
 #include "collectives/collectives.h"
 #include "common/error.h"
@@ -12,22 +13,11 @@ namespace rr {
 namespace gpu {
 namespace {
 
-void* ptr(uint64_t a) {
-  return reinterpret_cast<void*>(static_cast<uintptr_t>(a));
+uint8_t* ptr(uint64_t a) {
+  return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(a));
 }
 uint64_t addr(const void* p) {
   return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
-}
-
-ReduceOp host_op(DeviceOp op) {
-  switch (op) {
-    case DeviceOp::kSum: return ReduceOp::kSum;
-    case DeviceOp::kProd: return ReduceOp::kProduct;
-    case DeviceOp::kMin: return ReduceOp::kMin;
-    case DeviceOp::kMax: return ReduceOp::kMax;
-    case DeviceOp::kAvg: return ReduceOp::kAverage;  // ncclAvg: the sum over all ranks / size
-  }
-  return ReduceOp::kSum;
 }
 
 Tensor flat(uint64_t data, uint64_t count, DType dtype, const char* what) {
@@ -98,26 +88,67 @@ class EmulatedGpuOps : public GpuOps {
       std::memmove(ptr(recv), ptr(send), count * dtype_size(dtype));
     broadcast(ctx_, ptr(recv), flat(recv, count, dtype, "ncclBroadcast"), root);
   }
+  // In place as NCCL allows it (send inside recv, or recv inside send): the
+  // host collectives get a copy of what is sent.
   void nccl_allgather(uint64_t send, uint64_t recv, uint64_t send_count, DType dtype,
                       GpuStream) override {
-    allgather(ctx_, flat(send, send_count, dtype, "ncclAllGather"),
+    const uint64_t bytes = send_count * dtype_size(dtype);
+    std::vector<uint8_t> copy(ptr(send), ptr(send) + bytes);
+    allgather(ctx_, flat(addr(copy.data()), send_count, dtype, "ncclAllGather"),
               [recv](const std::vector<int64_t>&) { return ptr(recv); });
   }
   void nccl_reducescatter(uint64_t send, uint64_t recv, uint64_t recv_count, DType dtype,
                           DeviceOp op, GpuStream) override {
     const uint64_t total = recv_count * static_cast<uint64_t>(ctx_.size());
-    reducescatter(ctx_, flat(send, total, dtype, "ncclReduceScatter"), host_op(op), 1.0, 1.0,
-                  [recv](const std::vector<int64_t>&) { return ptr(recv); });
+    std::vector<uint8_t> copy(ptr(send), ptr(send) + total * dtype_size(dtype));
+    reducescatter(ctx_, flat(addr(copy.data()), total, dtype, "ncclReduceScatter"), host_op(op),
+                  1.0, 1.0, [recv](const std::vector<int64_t>&) { return ptr(recv); });
   }
+  // Point-to-point calls are collected until the group ends, then run as one
+  // pairwise alltoall of bytes (at most one send and one receive per peer,
+  // as the executor issues them; a peer without one moves 0 bytes).
+  void nccl_group_start() override {
+    sends_.assign(static_cast<size_t>(ctx_.size()), Block{});
+    recvs_.assign(static_cast<size_t>(ctx_.size()), Block{});
+  }
+  void nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream) override {
+    sends_.at(static_cast<size_t>(peer)) = Block{send, count * dtype_size(dtype)};
+  }
+  void nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream) override {
+    recvs_.at(static_cast<size_t>(peer)) = Block{recv, count * dtype_size(dtype)};
+  }
+  void nccl_group_end() override;
   std::string nccl_async_error() override { return ""; }
   void nccl_abort() override {}
 
  private:
+  struct Block {
+    uint64_t addr = 0, bytes = 0;
+  };
   Context& ctx_;
   const int nccl_version_;
+  std::vector<Block> sends_, recvs_;
   uint64_t next_handle_ = 0;
   std::set<uint64_t> allocations_;
 };
+
+void EmulatedGpuOps::nccl_group_end() {
+  const size_t n = sends_.size();
+  std::vector<size_t> send_off(n + 1, 0), recv_off(n + 1, 0);
+  for (size_t p = 0; p < n; ++p) {
+    send_off[p + 1] = send_off[p] + sends_[p].bytes;
+    recv_off[p + 1] = recv_off[p] + recvs_[p].bytes;
+  }
+  std::vector<uint8_t> in(send_off[n]), out(recv_off[n]);
+  for (size_t p = 0; p < n; ++p)
+    if (sends_[p].bytes) std::memcpy(in.data() + send_off[p], ptr(sends_[p].addr), sends_[p].bytes);
+  alltoall_pairwise(ctx_, in.data(), send_off, out.data(), recv_off, "emulated ncclSend/ncclRecv");
+  for (size_t p = 0; p < n; ++p)
+    if (recvs_[p].bytes)
+      std::memcpy(ptr(recvs_[p].addr), out.data() + recv_off[p], recvs_[p].bytes);
+  sends_.clear();
+  recvs_.clear();
+}
 
 }  // namespace
 

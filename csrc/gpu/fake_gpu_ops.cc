@@ -56,6 +56,17 @@ const char* device_op_name(DeviceOp op) {
   return "?";
 }
 
+ReduceOp host_op(DeviceOp op) {
+  switch (op) {
+    case DeviceOp::kSum: return ReduceOp::kSum;
+    case DeviceOp::kProd: return ReduceOp::kProduct;
+    case DeviceOp::kMin: return ReduceOp::kMin;
+    case DeviceOp::kMax: return ReduceOp::kMax;
+    case DeviceOp::kAvg: return ReduceOp::kAverage;
+  }
+  return ReduceOp::kSum;
+}
+
 std::vector<std::string> FakeGpuOps::calls() const {
   std::lock_guard<std::mutex> lock(mu_);
   return calls_;
@@ -237,6 +248,28 @@ void FakeGpuOps::nccl_reducescatter(uint64_t send, uint64_t recv, uint64_t recv_
   log("nccl_reducescatter",
       cat("nccl_reducescatter ", hex(send), " ", hex(recv), " ", recv_count, " ", dtype_name(dtype),
           " ", device_op_name(op), " ", stream_name(s)));
+}
+
+void FakeGpuOps::nccl_group_start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_group_start", "nccl_group_start");
+}
+
+void FakeGpuOps::nccl_group_end() {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_group_end", "nccl_group_end");
+}
+
+void FakeGpuOps::nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_send", cat("nccl_send ", hex(send), " ", count, " ", dtype_name(dtype), " peer=", peer,
+                       " ", stream_name(s)));
+}
+
+void FakeGpuOps::nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_recv", cat("nccl_recv ", hex(recv), " ", count, " ", dtype_name(dtype), " peer=", peer,
+                       " ", stream_name(s)));
 }
 
 std::string FakeGpuOps::nccl_async_error() {

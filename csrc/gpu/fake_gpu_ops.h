@@ -63,6 +63,10 @@ class FakeGpuOps : public GpuOps {
                       GpuStream s) override;
   void nccl_reducescatter(uint64_t send, uint64_t recv, uint64_t recv_count, DType dtype,
                           DeviceOp op, GpuStream s) override;
+  void nccl_group_start() override;
+  void nccl_group_end() override;
+  void nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream s) override;
+  void nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream s) override;
   std::string nccl_async_error() override;
   void nccl_abort() override;
 

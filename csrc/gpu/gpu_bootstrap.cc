@@ -86,20 +86,23 @@ std::string share_unique_id(Context& ctx, GpuOps& ops) {
 
 }  // namespace
 
-std::unique_ptr<Executor> bootstrap_gpu_executor(Context& ctx, int32_t device,
-                                                 std::shared_ptr<GpuOps> ops,
-                                                 const std::string& why_not, PackOptions pack) {
+std::string agree_on_unique_id(Context& ctx, GpuOps* ops, const std::string& why_not) {
   std::string reason = why_not;
   if (!ops && reason.empty()) reason = "no GPU operations";
   agree_every_rank_can(ctx, reason);
-  const std::string id = share_unique_id(ctx, *ops);
+  return share_unique_id(ctx, *ops);
+}
+
+std::unique_ptr<Executor> bootstrap_gpu_executor(
+    Context& ctx, int32_t device, std::shared_ptr<GpuOps> ops, const std::string& why_not,
+    std::function<std::shared_ptr<GpuOps>(Context&)> make_ops, PackOptions pack) {
   GpuExecutorOptions o;
   o.device = device;
   o.rank = ctx.rank();
   o.size = ctx.size();
   o.pack = pack;
   auto ex = std::make_unique<GpuExecutor>(std::move(ops), o);
-  ex->init_comm(id);
+  ex->bootstrap_over(ctx, std::move(make_ops), why_not);
   return ex;
 }
 

@@ -9,10 +9,6 @@ namespace rr {
 namespace gpu {
 namespace {
 
-uint64_t addr(const void* p) {
-  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
-}
-
 bool is_floating(DType t) {
   return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 ||
          t == DType::kFloat64;
@@ -36,10 +32,7 @@ GpuExecutor::~GpuExecutor() {
   // first, which ends it. Then the stream is destroyed: that waits for work
   // still enqueued, so nothing below is in use.
   try {
-    if (comm_ && !in_flight_.empty()) {
-      comm_ = false;
-      ops_->nccl_abort();
-    }
+    if (!in_flight_.empty()) abort_comms();
     if (started_) ops_->stream_destroy(stream_);
     for (GpuEvent e : all_events_) ops_->event_destroy(e);
     if (fusion_addr_) ops_->free_device(fusion_addr_, nullptr);
@@ -57,12 +50,25 @@ void GpuExecutor::start() {
 void GpuExecutor::init_comm(const std::string& unique_id) {
   start();
   ops_->nccl_comm_init(unique_id, opt_.size, opt_.rank);
-  comm_ = true;
+  Comm& c = comms_[{}];
+  c.ops = ops_;
+  c.rank = opt_.rank;
+  c.size = opt_.size;
+  c.alive = true;
+}
+
+void GpuExecutor::abort_comms() {
+  for (auto& kv : comms_) {
+    if (!kv.second.alive) continue;
+    kv.second.alive = false;
+    kv.second.ops->nccl_abort();
+  }
 }
 
 GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
   const RequestMeta& m = r.tensors.front();
-  const int contributors = r.contributors > 0 ? r.contributors : opt_.size;
+  const int size = cur_->size;
+  const int contributors = r.contributors > 0 ? r.contributors : size;
   switch (m.op) {
     case ReduceOp::kSum: return {DeviceOp::kSum, m.postscale};
     case ReduceOp::kMin: return {DeviceOp::kMin, m.postscale};
@@ -70,7 +76,7 @@ GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
     case ReduceOp::kProduct: return {DeviceOp::kProd, m.postscale};
     case ReduceOp::kAverage: break;
   }
-  if (contributors == opt_.size && is_floating(m.dtype) && ops_->nccl_version() >= kNcclAvgVersion)
+  if (contributors == size && is_floating(m.dtype) && cur_->ops->nccl_version() >= kNcclAvgVersion)
     return {DeviceOp::kAvg, m.postscale};
   return {DeviceOp::kSum, m.postscale / contributors};
 }
@@ -78,12 +84,16 @@ GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
 bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   const RequestMeta& m = r.tensors.front();
   const char* what = coll_name(m.kind);
-  // Refusals come before anything is enqueued.
-  if (m.kind != CollKind::kAllreduce && m.kind != CollKind::kBroadcast &&
-      m.kind != CollKind::kReducescatter)
-    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
-                ": only allreduce, broadcast and reducescatter run on GPU so far");
+  // Refusals come before anything is enqueued, alike on every rank.
+  if (m.kind == CollKind::kBarrier)
+    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': a barrier on GPU ",
+                opt_.device, " (barriers run on the host)");
   const bool absent = std::any_of(local.begin(), local.end(), [](Entry* e) { return !e; });
+  const bool joined = absent || (r.contributors > 0 && r.contributors < m.set_size(opt_.size));
+  if (joined && (m.kind == CollKind::kAllgather || m.kind == CollKind::kAlltoall))
+    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
+                ": a rank that joined takes part on GPU only in allreduce, broadcast and "
+                "reducescatter so far");
   if (absent && m.kind == CollKind::kAllreduce && m.op != ReduceOp::kSum &&
       m.op != ReduceOp::kAverage)
     throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
@@ -96,21 +106,28 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
     finished_.push_back(std::move(c));
     return false;
   }
-  if (!comm_)
-    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': GPU ", opt_.device,
-                " has no NCCL communicator");
+  cur_ = &comm_for(r);
   start();
   InFlight f;
   f.names = present_names(r, local);
   wait_for_producers(local, f);
-  if (m.kind == CollKind::kBroadcast)
-    broadcast_one(r, local[0]);
-  else if (m.kind == CollKind::kReducescatter)
-    reducescatter_one(r, local[0]);
-  else if (r.tensors.size() == 1)
-    allreduce_one(r, local[0]);
-  else
-    allreduce_fused(r, local);
+  try {  // a refusal inside: nothing was enqueued but the waits, whose events come back
+    if (m.kind == CollKind::kBroadcast)
+      broadcast_one(r, local[0]);
+    else if (m.kind == CollKind::kReducescatter)
+      reducescatter_one(r, local[0]);
+    else if (m.kind == CollKind::kAllgather)
+      allgather_one(local[0]);
+    else if (m.kind == CollKind::kAlltoall)
+      alltoall_one(local[0]);
+    else if (r.tensors.size() == 1 && !hierarchical(r, local))
+      allreduce_one(r, local[0]);
+    else
+      allreduce_fused(r, local, hierarchical(r, local));
+  } catch (const Error&) {
+    release(f);
+    throw;
+  }
   f.done = take_event();
   ops_->event_record(f.done, stream_);
   in_flight_.push_back(std::move(f));
@@ -138,20 +155,21 @@ void GpuExecutor::wait_for_producers(const std::vector<Entry*>& local, InFlight&
   }
 }
 
-void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& local) {
+void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& local, bool hier) {
   const RequestMeta& m = r.tensors.front();
   std::vector<PackEntry> entries;
   for (size_t i = 0; i < r.tensors.size(); ++i)
-    entries.push_back(PackEntry{local[i] ? addr(local[i]->in) : 0, r.tensors[i].bytes()});
+    entries.push_back(PackEntry{local[i] ? addr_of(local[i]->in) : 0, r.tensors[i].bytes()});
   // The layout only: offsets from 0, descriptors rebuilt below for the
   // entries this rank has (pack from the inputs, unpack to the outputs).
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
-  const uint64_t buf = fusion(layout.bytes);
+  const uint64_t item = dtype_size(m.dtype);
+  const uint64_t buf = fusion(hier ? hierarchical_bytes(layout.bytes, item) : layout.bytes);
   std::vector<CopyDesc> pack, unpack;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!local[i]) continue;
-    const uint64_t in = addr(local[i]->in);
-    const uint64_t out = local[i]->out ? addr(local[i]->out) : in;
+    const uint64_t in = addr_of(local[i]->in);
+    const uint64_t out = local[i]->out ? addr_of(local[i]->out) : in;
     const uint64_t fused = buf + layout.offsets[i];
     for (uint64_t done = 0; done < entries[i].bytes; done += layout.chunk_bytes) {
       const uint64_t n = std::min(layout.chunk_bytes, entries[i].bytes - done);
@@ -163,10 +181,14 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   for (size_t i = 0; i < entries.size(); ++i)
     if (!local[i] && entries[i].bytes)
       ops_->memset_async(buf + layout.offsets[i], entries[i].bytes, stream_);
-  const uint64_t count = layout.bytes / dtype_size(m.dtype);
-  const ReducePlan p = plan_reduce(r);
+  const uint64_t count = layout.bytes / item;
+  ReducePlan p = plan_reduce(r);
+  if (hier && p.op == DeviceOp::kAvg) p = {DeviceOp::kSum, p.postscale / cur_->size};
   if (m.prescale != 1.0) ops_->launch_scale(buf, count, m.dtype, m.prescale, stream_);
-  ops_->nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
+  if (hier)
+    allreduce_hierarchical(m, buf, count, p.op);
+  else
+    nccl().nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
   if (p.postscale != 1.0) ops_->launch_scale(buf, count, m.dtype, p.postscale, stream_);
   if (!unpack.empty()) ops_->launch_unpack(unpack, layout.launch, stream_);
 }
@@ -178,19 +200,19 @@ void GpuExecutor::allreduce_one(const Response& r, Entry* e) {
   const ReducePlan p = plan_reduce(r);
   uint64_t data;
   if (e) {
-    uint64_t in = addr(e->in);
-    const uint64_t out = e->out ? addr(e->out) : in;
+    uint64_t in = addr_of(e->in);
+    const uint64_t out = e->out ? addr_of(e->out) : in;
     if (m.prescale != 1.0) {  // the input stays as the caller gave it
       if (in != out) ops_->memcpy_async(out, in, bytes, stream_);
       ops_->launch_scale(out, count, m.dtype, m.prescale, stream_);
       in = out;
     }
-    ops_->nccl_allreduce(in, out, count, m.dtype, p.op, stream_);
+    nccl().nccl_allreduce(in, out, count, m.dtype, p.op, stream_);
     data = out;
   } else {  // joined: zeros from scratch space
     data = fusion(bytes);
     ops_->memset_async(data, bytes, stream_);
-    ops_->nccl_allreduce(data, data, count, m.dtype, p.op, stream_);
+    nccl().nccl_allreduce(data, data, count, m.dtype, p.op, stream_);
   }
   if (p.postscale != 1.0) ops_->launch_scale(data, count, m.dtype, p.postscale, stream_);
 }
@@ -199,12 +221,12 @@ void GpuExecutor::broadcast_one(const Response& r, Entry* e) {
   const RequestMeta& m = r.tensors.front();
   const uint64_t count = m.bytes() / dtype_size(m.dtype);
   if (e) {
-    const uint64_t out = e->out ? addr(e->out) : addr(e->in);
-    const uint64_t in = e->in ? addr(e->in) : out;
-    ops_->nccl_broadcast(in, out, count, m.dtype, m.root, stream_);
+    const uint64_t out = e->out ? addr_of(e->out) : addr_of(e->in);
+    const uint64_t in = e->in ? addr_of(e->in) : out;
+    nccl().nccl_broadcast(in, out, count, m.dtype, m.root, stream_);
   } else {
     const uint64_t buf = fusion(m.bytes());
-    ops_->nccl_broadcast(buf, buf, count, m.dtype, m.root, stream_);
+    nccl().nccl_broadcast(buf, buf, count, m.dtype, m.root, stream_);
   }
 }
 
@@ -249,16 +271,17 @@ void GpuExecutor::fail_in_flight(const std::string& why) {
     finished_.push_back(std::move(c));
   }
   in_flight_.clear();  // their events may never complete: not reused
-  if (comm_) {
-    comm_ = false;
-    ops_->nccl_abort();
-  }
+  abort_comms();
 }
 
 std::vector<Completion> GpuExecutor::poll() {
   if (!in_flight_.empty()) {
-    const std::string nccl = comm_ ? ops_->nccl_async_error() : std::string();
-    if (!nccl.empty()) fail_in_flight(cat("NCCL failed on GPU ", opt_.device, ": ", nccl));
+    for (auto& kv : comms_) {
+      const std::string nccl = kv.second.alive ? kv.second.ops->nccl_async_error() : "";
+      if (nccl.empty()) continue;
+      fail_in_flight(cat("NCCL failed on GPU ", opt_.device, ": ", nccl));
+      break;
+    }
     // One stream: work completes in the order it was enqueued.
     while (!in_flight_.empty()) {
       std::string cuda;

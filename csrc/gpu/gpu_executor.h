@@ -19,8 +19,18 @@
 // One tensor runs in place on its own buffers: no pack or unpack (a copy in
 // -> out first only when a prescale must not touch the input).
 // Broadcast runs NCCL's broadcast in -> out; reducescatter, NCCL's
-// reducescatter (gpu_reducescatter.cc). Allgather and alltoall on GPU are
-// refused (kInvalidArgument) for now.
+// reducescatter (gpu_reducescatter.cc); allgather, NCCL's allgather, padded
+// when the row counts differ (gpu_allgather.cc); alltoall, grouped NCCL sends
+// and receives (gpu_alltoall.cc). Allgather and alltoall need every rank's
+// tensor (no rank joined): refused otherwise, on every rank alike.
+//
+// With RINGREDUCE_HIERARCHICAL_ALLREDUCE=1 on several hosts, allreduces take
+// the fused path with a hierarchical reduction in step 4
+// (gpu_allreduce_hierarchical.cc).
+//
+// Communicators: one per set of ranks, the job's for ordinary responses and
+// one per process set for a set's (gpu_comms.cc), each made by the bootstrap
+// of gpu_bootstrap.h at the first response that needs it, on its members only.
 //
 // Errors: an event that reports a CUDA error, or an NCCL asynchronous error
 // (checked on every poll while work is in flight), fails every response in
@@ -29,6 +39,8 @@
 #pragma once
 
 #include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,12 +52,26 @@
 namespace rr {
 namespace gpu {
 
+inline uint64_t addr_of(const void* p) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+}
+// Elements per row of dim 0 (1 for a vector).
+inline uint64_t row_elements(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= static_cast<uint64_t>(shape[i]);
+  return n;
+}
+
 struct GpuExecutorOptions {
   int device = 0;
-  int rank = 0;
+  int rank = 0;  // in the job
   int size = 1;
   PackOptions pack;
 };
+
+// The GpuOps of one more NCCL communicator on this GPU, among the ranks of
+// `group` (a process set's view of the Context). Only its NCCL calls are used.
+using CommOpsMaker = std::function<std::shared_ptr<GpuOps>(Context& group)>;
 
 class GpuExecutor : public Executor {
  public:
@@ -54,14 +80,19 @@ class GpuExecutor : public Executor {
   GpuExecutor(const GpuExecutor&) = delete;
   GpuExecutor& operator=(const GpuExecutor&) = delete;
 
-  // Joins the NCCL communicator (every rank with the same 128-byte id).
+  // Joins the job's NCCL communicator now (every rank with the same 128-byte id).
   void init_comm(const std::string& unique_id);
+  // Communicators made at their first response instead (gpu_comms.cc): the
+  // job's over `ctx`, a process set's over ctx.group(members) with ops from
+  // `make_ops`. `why_not`: why this rank cannot (then `ops` may be null).
+  void bootstrap_over(Context& ctx, CommOpsMaker make_ops, std::string why_not);
 
   bool handles(int32_t device) const override { return device == opt_.device; }
   bool execute(const Response& r, const std::vector<Entry*>& local) override;
   std::vector<Completion> poll() override;
   bool busy() const override { return !in_flight_.empty() || !finished_.empty(); }
 
+ private:
   // How an allreduce of `r` reduces: the NCCL op, and the factor applied
   // after it (the request's postscale, with 1 / contributors folded in when
   // Average runs as Sum).
@@ -70,8 +101,24 @@ class GpuExecutor : public Executor {
     double postscale;
   };
   ReducePlan plan_reduce(const Response& r) const;
+  // One NCCL communicator: the job's (key: no members) or a process set's.
+  struct Comm {
+    std::shared_ptr<GpuOps> ops;  // its NCCL calls
+    int rank = 0, size = 1;       // in the communicator
+    bool alive = false;           // joined and not aborted
+    std::string failed;           // why it could not be made (every later response fails)
+  };
+  Comm& comm_for(const Response& r) { return comm_of(r.tensors.front()); }
+  Comm& comm_of(const RequestMeta& m);  // m.members' communicator (gpu_comms.cc)
+  // gpu_allreduce_hierarchical.cc
+  bool hierarchical(const Response& r, const std::vector<Entry*>& local) const;
+  uint64_t hierarchical_bytes(uint64_t bytes, uint64_t item) const;
+  const std::vector<int>& my_host(int* index) const;
+  void allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uint64_t count, DeviceOp op);
+  void wait_here(Comm& c);
+  void abort_comms();
+  GpuOps& nccl() { return *cur_->ops; }  // the current response's communicator
 
- private:
   struct InFlight {
     std::vector<std::string> names;
     GpuEvent done = nullptr;
@@ -79,19 +126,26 @@ class GpuExecutor : public Executor {
   };
   void start();
   void wait_for_producers(const std::vector<Entry*>& local, InFlight& f);
-  void allreduce_fused(const Response& r, const std::vector<Entry*>& local);
+  void allreduce_fused(const Response& r, const std::vector<Entry*>& local, bool hier);
   void allreduce_one(const Response& r, Entry* e);
   void broadcast_one(const Response& r, Entry* e);
   void reducescatter_one(const Response& r, Entry* e);  // gpu_reducescatter.cc
+  void allgather_one(Entry* e);                         // gpu_allgather.cc
+  void alltoall_one(Entry* e);                          // gpu_alltoall.cc
   uint64_t fusion(uint64_t bytes);
   GpuEvent take_event();
   void release(InFlight& f);
   void fail_in_flight(const std::string& why);
 
-  std::shared_ptr<GpuOps> ops_;
+  std::shared_ptr<GpuOps> ops_;  // streams, events, memory, kernels; the job's NCCL calls
   GpuExecutorOptions opt_;
   bool started_ = false;
-  bool comm_ = false;
+  std::map<std::vector<int32_t>, Comm> comms_;
+  Comm* cur_ = nullptr;
+  Context* ctx_ = nullptr;  // set by bootstrap_over
+  CommOpsMaker make_ops_;
+  std::string why_not_;
+  std::vector<uint8_t> staging_;  // hierarchical allreduce's host shard
   GpuStream stream_ = nullptr;
   uint64_t fusion_addr_ = 0, fusion_bytes_ = 0;
   std::vector<GpuEvent> free_events_;

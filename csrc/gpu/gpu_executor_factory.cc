@@ -53,7 +53,14 @@ std::shared_ptr<gpu::GpuOps> cuda_ops(int32_t device, std::string* why) {
 std::unique_ptr<Executor> make_device_executor(Context& ctx, int32_t device) {
   std::string why;
   std::shared_ptr<gpu::GpuOps> ops = cuda_ops(device, &why);
-  return gpu::bootstrap_gpu_executor(ctx, device, std::move(ops), why);
+  // A process set's communicator: more CUDA + NCCL operations on the same GPU.
+  auto make_ops = [device](Context&) -> std::shared_ptr<gpu::GpuOps> {
+    std::string no;
+    std::shared_ptr<gpu::GpuOps> more = cuda_ops(device, &no);
+    if (!more) throw_error(ErrorKind::kInvalidArgument, no);
+    return more;
+  };
+  return gpu::bootstrap_gpu_executor(ctx, device, std::move(ops), why, make_ops);
 }
 
 }  // namespace rr

@@ -24,6 +24,8 @@ using GpuEvent = void*;   // cudaEvent_t
 // How a collective reduces on the device (ncclRedOp_t's meaning).
 enum class DeviceOp { kSum, kProd, kMin, kMax, kAvg };
 const char* device_op_name(DeviceOp op);
+// The host collectives' op for a device op (kAvg: kAverage, the sum over all ranks / size).
+ReduceOp host_op(DeviceOp op);
 
 // Outcome of one event_query.
 enum class EventState { kPending, kDone, kError };
@@ -73,6 +75,13 @@ class GpuOps {
                               GpuStream s) = 0;
   virtual void nccl_reducescatter(uint64_t send, uint64_t recv, uint64_t recv_count, DType dtype,
                                   DeviceOp op, GpuStream s) = 0;
+  // ncclGroupStart / ncclGroupEnd around point-to-point calls (alltoall):
+  // NCCL runs every send and receive between them as one operation, so no
+  // pair of ranks waits on the other's order.
+  virtual void nccl_group_start() = 0;
+  virtual void nccl_group_end() = 0;
+  virtual void nccl_send(uint64_t send, uint64_t count, DType dtype, int peer, GpuStream s) = 0;
+  virtual void nccl_recv(uint64_t recv, uint64_t count, DType dtype, int peer, GpuStream s) = 0;
   // ncclCommGetAsyncError: "" while the communicator is healthy, else NCCL's message.
   virtual std::string nccl_async_error() = 0;
   virtual void nccl_abort() = 0;  // ncclCommAbort; the communicator is gone afterwards

@@ -27,15 +27,15 @@ void GpuExecutor::reducescatter_one(const Response& r, Entry* e) {
     throw_error(ErrorKind::kInvalidArgument, "reducescatter '", m.name, "' on GPU ", opt_.device,
                 ": needs a tensor with at least one dimension and an output");
   const uint64_t rows = static_cast<uint64_t>(m.shape[0]);
-  const uint64_t size = static_cast<uint64_t>(opt_.size);
+  const uint64_t size = static_cast<uint64_t>(cur_->size);
   const uint64_t row_bytes = rows ? m.bytes() / rows : 0;
   const uint64_t item = dtype_size(m.dtype);
   const uint64_t base = rows / size, extra = rows % size;
-  const uint64_t me = static_cast<uint64_t>(opt_.rank);
+  const uint64_t me = static_cast<uint64_t>(cur_->rank);
   const uint64_t my_rows = base + (me < extra ? 1 : 0);
   const ReducePlan p = plan_reduce(r);
-  const uint64_t in = reinterpret_cast<uintptr_t>(e->in);
-  const uint64_t out = reinterpret_cast<uintptr_t>(e->out);
+  const uint64_t in = addr_of(e->in);
+  const uint64_t out = addr_of(e->out);
   if (extra == 0) {
     uint64_t src = in;
     if (m.prescale != 1.0) {
@@ -43,23 +43,23 @@ void GpuExecutor::reducescatter_one(const Response& r, Entry* e) {
       ops_->memcpy_async(src, in, m.bytes(), stream_);
       ops_->launch_scale(src, m.bytes() / item, m.dtype, m.prescale, stream_);
     }
-    ops_->nccl_reducescatter(src, out, base * row_bytes / item, m.dtype, p.op, stream_);
+    nccl().nccl_reducescatter(src, out, base * row_bytes / item, m.dtype, p.op, stream_);
   } else {
     const uint64_t block = (base + 1) * row_bytes;  // the largest share, rank 0's
     const uint64_t buf = fusion(block * (size + 1));
-    std::vector<CopyDesc> descs;
+    std::vector<CopyDesc> copies;
     uint64_t offset = 0;
     for (uint64_t q = 0; q < size; ++q) {
       const uint64_t n = (base + (q < extra ? 1 : 0)) * row_bytes;
-      if (n) descs.push_back(CopyDesc{in + offset, buf + q * block, n});
+      if (n) copies.push_back(CopyDesc{in + offset, buf + q * block, n});
       offset += n;
     }
-    const PackPlan layout = plan_pack({PackEntry{0, block * size}}, 0, block * size, opt_.pack);
-    ops_->launch_pack(descs, layout.launch, stream_);
+    const PackPlan plan = plan_copies(copies, opt_.pack);
+    ops_->launch_pack(plan.descs, plan.launch, stream_);
     if (m.prescale != 1.0)
       ops_->launch_scale(buf, block * size / item, m.dtype, m.prescale, stream_);
     const uint64_t tail = buf + block * size;
-    ops_->nccl_reducescatter(buf, tail, block / item, m.dtype, p.op, stream_);
+    nccl().nccl_reducescatter(buf, tail, block / item, m.dtype, p.op, stream_);
     if (my_rows) ops_->memcpy_async(out, tail, my_rows * row_bytes, stream_);
   }
   if (p.postscale != 1.0 && my_rows)

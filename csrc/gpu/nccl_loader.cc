@@ -30,6 +30,8 @@ std::string resolve_all(void* h, nccl::Api* a) {
   resolve(h, "ncclBroadcast", a->Broadcast, &missing);
   resolve(h, "ncclAllGather", a->AllGather, &missing);
   resolve(h, "ncclReduceScatter", a->ReduceScatter, &missing);
+  resolve(h, "ncclSend", a->Send, &missing);  // NCCL >= 2.7
+  resolve(h, "ncclRecv", a->Recv, &missing);
   resolve(h, "ncclGroupStart", a->GroupStart, &missing);
   resolve(h, "ncclGroupEnd", a->GroupEnd, &missing);
   resolve(h, "ncclCommAbort", a->CommAbort, &missing);

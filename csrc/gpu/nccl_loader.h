@@ -55,6 +55,10 @@ struct Api {
                       Stream stream) = nullptr;
   Result (*ReduceScatter)(const void* send, void* recv, size_t recv_count, DataType dtype, RedOp op,
                           CommPtr comm, Stream stream) = nullptr;
+  Result (*Send)(const void* send, size_t count, DataType dtype, int peer, CommPtr comm,
+                 Stream stream) = nullptr;
+  Result (*Recv)(void* recv, size_t count, DataType dtype, int peer, CommPtr comm,
+                 Stream stream) = nullptr;
   Result (*GroupStart)() = nullptr;
   Result (*GroupEnd)() = nullptr;
   Result (*CommAbort)(CommPtr comm) = nullptr;

@@ -38,6 +38,36 @@ uint64_t auto_chunk(uint64_t total, uint64_t warps) {
   return std::max(kMinChunkBytes, rounded);
 }
 
+void check_chunk(uint64_t chunk_bytes) {
+  if (chunk_bytes % 16 != 0) {
+    throw_error(ErrorKind::kInvalidArgument,
+                "GPU pack plan: chunk_bytes must be a multiple of 16 (0: automatic), got ",
+                chunk_bytes);
+  }
+}
+
+// Every copy as descriptors of at most the chunk size (`total` bytes in all),
+// in order, and the grid that runs them.
+void split_copies(const std::vector<CopyDesc>& copies, uint64_t total, const PackOptions& opt,
+                  PackPlan& plan) {
+  const uint64_t warps_per_block = opt.threads / kWarpSize;
+  const uint64_t max_warps = warps_per_block * opt.max_blocks;
+  plan.chunk_bytes = opt.chunk_bytes != 0 ? opt.chunk_bytes : auto_chunk(total, max_warps);
+  // Counted first so that a huge plan allocates once.
+  uint64_t ndescs = 0;
+  for (const CopyDesc& c : copies) ndescs += ceil_div(c.bytes, plan.chunk_bytes);
+  plan.descs.reserve(ndescs);
+  for (const CopyDesc& c : copies) {
+    for (uint64_t done = 0; done < c.bytes; done += plan.chunk_bytes) {
+      const uint64_t n = std::min(plan.chunk_bytes, c.bytes - done);
+      plan.descs.push_back(CopyDesc{c.tensor + done, c.fused + done, n});
+    }
+  }
+  const uint64_t blocks = ceil_div(plan.descs.size(), warps_per_block);
+  plan.launch.threads = plan.descs.empty() ? 0 : opt.threads;
+  plan.launch.blocks = static_cast<uint32_t>(std::min<uint64_t>(blocks, opt.max_blocks));
+}
+
 }  // namespace
 
 PackPlan plan_pack(const std::vector<PackEntry>& entries, uint64_t fusion_addr,
@@ -47,11 +77,7 @@ PackPlan plan_pack(const std::vector<PackEntry>& entries, uint64_t fusion_addr,
     throw_error(ErrorKind::kInvalidArgument,
                 "GPU pack plan: alignment must be a power of two, got ", opt.alignment);
   }
-  if (opt.chunk_bytes % 16 != 0) {
-    throw_error(ErrorKind::kInvalidArgument,
-                "GPU pack plan: chunk_bytes must be a multiple of 16 (0: automatic), got ",
-                opt.chunk_bytes);
-  }
+  check_chunk(opt.chunk_bytes);
   if (fusion_addr % opt.alignment != 0) {
     throw_error(ErrorKind::kInvalidArgument, "GPU pack plan: the fusion buffer at 0x", std::hex,
                 fusion_addr, std::dec, " is not aligned to ", opt.alignment, " bytes");
@@ -85,26 +111,25 @@ PackPlan plan_pack(const std::vector<PackEntry>& entries, uint64_t fusion_addr,
                 "-byte alignment), it holds ", fusion_capacity);
   }
 
-  const uint64_t warps_per_block = opt.threads / kWarpSize;
-  const uint64_t max_warps = warps_per_block * opt.max_blocks;
-  plan.chunk_bytes = opt.chunk_bytes != 0 ? opt.chunk_bytes : auto_chunk(plan.bytes, max_warps);
+  std::vector<CopyDesc> copies;
+  copies.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i)
+    copies.push_back(CopyDesc{entries[i].addr, fusion_addr + plan.offsets[i], entries[i].bytes});
+  split_copies(copies, plan.bytes, opt, plan);
+  return plan;
+}
 
-  // Counted first so that a huge plan allocates once.
-  uint64_t ndescs = 0;
-  for (const PackEntry& e : entries) ndescs += ceil_div(e.bytes, plan.chunk_bytes);
-  plan.descs.reserve(ndescs);
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const PackEntry& e = entries[i];
-    const uint64_t fused = fusion_addr + plan.offsets[i];
-    for (uint64_t done = 0; done < e.bytes; done += plan.chunk_bytes) {
-      const uint64_t n = std::min(plan.chunk_bytes, e.bytes - done);
-      plan.descs.push_back(CopyDesc{e.addr + done, fused + done, n});
-    }
+PackPlan plan_copies(const std::vector<CopyDesc>& copies, const PackOptions& opt) {
+  check_threads(opt.threads, opt.max_blocks);
+  check_chunk(opt.chunk_bytes);
+  PackPlan plan;
+  for (const CopyDesc& c : copies) {
+    if (c.bytes > kMax - c.tensor || c.bytes > kMax - c.fused || c.bytes > kMax - plan.bytes)
+      throw_error(ErrorKind::kInvalidArgument, "GPU copy plan: a copy of ", c.bytes,
+                  " bytes wraps around the address space");
+    plan.bytes += c.bytes;
   }
-
-  const uint64_t blocks = ceil_div(plan.descs.size(), warps_per_block);
-  plan.launch.threads = plan.descs.empty() ? 0 : opt.threads;
-  plan.launch.blocks = static_cast<uint32_t>(std::min<uint64_t>(blocks, opt.max_blocks));
+  split_copies(copies, plan.bytes, opt, plan);
   return plan;
 }
 

@@ -70,6 +70,12 @@ constexpr uint64_t kMinChunkBytes = 16 * 1024;
 PackPlan plan_pack(const std::vector<PackEntry>& entries, uint64_t fusion_addr,
                    uint64_t fusion_capacity, const PackOptions& opt = {});
 
+// The same split and launch for copies whose places the caller chose
+// (allgather's compaction, reducescatter's padded blocks): each copy becomes
+// descriptors of at most the chunk size, in order. plan.bytes is their total;
+// plan.offsets stays empty.
+PackPlan plan_copies(const std::vector<CopyDesc>& copies, const PackOptions& opt = {});
+
 // Grid for an element-wise kernel (scale, cast) over `count` elements with a
 // grid-stride loop: one thread per element up to max_blocks blocks.
 LaunchArgs elementwise_launch(uint64_t count, uint32_t threads = 256, uint32_t max_blocks = 4096);

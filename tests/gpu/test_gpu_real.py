@@ -4,8 +4,10 @@ as tests/test_gpu_arrays.py runs on emulated GPUs (tests/workers/gpu_worker.py),
 arrays and on torch CUDA tensors, one process per GPU (np = the visible GPUs, at most 2),
 and a dead-rank test: a rank killed during GPU collectives must not hang the other.
 
-Also ringreduce.torch's recipe on a CUDA model against one process on the whole batch.
-Not here yet (see README, "GPU backend"): GPU allgather / reducescatter / alltoall."""
+The worker covers allreduce (every dtype and op, fused, grouped), broadcast, reducescatter,
+allgather (equal and ragged rows), alltoall (with and without splits), and with torch
+float16 / bfloat16 tensors and Compression.fp16 / .bf16 cast on the device.
+Also ringreduce.torch's recipe on a CUDA model against one process on the whole batch."""
 
 from __future__ import annotations
 
@@ -73,3 +75,29 @@ def test_dead_rank_during_gpu_collectives_does_not_hang(tmp_path):
     job = run_env_launch(2, script, timeout=120)
     assert not job.timed_out, job.describe()
     assert "FAILED CLEANLY" in job.describe(), job.describe()
+
+
+def test_hierarchical_allreduce_on_real_gpus_and_fake_hosts(tmp_path):
+    # One rank per fake host (RINGREDUCE_HOST_ID): NCCL inside each "host", the CPU ring
+    # across them; each rank on its own GPU (local_rank is 0 on every fake host).
+    if ranks() < 2 or importlib.util.find_spec("cupy") is None:
+        pytest.skip("needs 2 GPUs and CuPy")
+    script = tmp_path / "hierarchical.py"
+    script.write_text(
+        "import cupy, numpy as np\n"
+        "import ringreduce as rr\n"
+        "rr.init()\n"
+        "cupy.cuda.Device(rr.rank()).use()\n"
+        "for n in (1, 1001, 1 << 20):\n"
+        "    x = cupy.arange(n, dtype=cupy.float32) % 7 + rr.rank()\n"
+        "    rr.allreduce_(x, op=rr.Average, name=f'h.{n}')\n"
+        "    want = np.mean([np.arange(n, dtype=np.float32) % 7 + r\n"
+        "                    for r in range(rr.size())], axis=0)\n"
+        "    np.testing.assert_allclose(x.get(), want, rtol=1e-6)\n"
+        "assert rr._comm()._engine.stats()['hierarchical_allreduces'] == 3\n"
+        "print('HIERARCHICAL OK')\n")
+    job = run_env_launch(2, script, env={"RINGREDUCE_HIERARCHICAL_ALLREDUCE": "1"},
+                         rank_env=[{"RINGREDUCE_HOST_ID": f"fake-host-{r}"} for r in range(2)],
+                         timeout=120)
+    job.check_ok()
+    assert job.describe().count("HIERARCHICAL OK") == 2, job.describe()

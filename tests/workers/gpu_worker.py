@@ -14,6 +14,7 @@ CuPy arrays or torch CUDA tensors on GPU ``local_rank``.
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 from workerlib import run, say, set_rank
@@ -148,6 +149,132 @@ def check_reducescatter(g: Arrays, rank: int, size: int) -> None:
                                           inputs(rank, rows * 3, np.float64))
 
 
+def check_allgather(g: Arrays, rank: int, size: int) -> None:
+    # Equal row counts (one NCCL allgather) and ragged ones (padded, then compacted), of
+    # several dtypes; a rank with no rows; the grouped and async forms.
+    for rows_of, dtype in ((lambda r: 3, np.float32), (lambda r: r + 1, np.int64),
+                           (lambda r: 2 * r, np.float16)):
+        x = g.make(inputs(rank, rows_of(rank) * 5, dtype).reshape(-1, 5))
+        out = rr.allgather(x, name=f"ag.{np.dtype(dtype).name}")
+        want = np.concatenate([inputs(r, rows_of(r) * 5, dtype).reshape(-1, 5)
+                               for r in range(size)])
+        assert type(out) is type(x) and np.array_equal(g.host(out), want), (dtype, want)
+    xs = [g.make(inputs(rank, (rank + 1) * (i + 1), np.float64)) for i in range(3)]
+    outs = rr.grouped_allgather(xs)
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(g.host(o), np.concatenate(
+            [inputs(r, (r + 1) * (i + 1), np.float64) for r in range(size)]))
+    h = rr.allgather_async(g.make(inputs(rank, 4, np.int32)))
+    np.testing.assert_array_equal(g.host(rr.synchronize(h)),
+                                  np.concatenate([inputs(r, 4, np.int32) for r in range(size)]))
+
+
+def check_alltoall(g: Arrays, rank: int, size: int) -> None:
+    x = g.make(inputs(rank, 2 * size * 3, np.float32).reshape(2 * size, 3))
+    out = rr.alltoall(x, name="a2a")
+    want = np.concatenate([inputs(r, 2 * size * 3, np.float32).reshape(2 * size, 3)
+                           [2 * rank:2 * rank + 2] for r in range(size)])
+    assert type(out) is type(x) and np.array_equal(g.host(out), want)
+    # Ragged splits, a zero among them: rank r sends q + r rows to rank q (none to itself
+    # when q + r == 0).
+    def splits(r):
+        return [q + r for q in range(size)]
+
+    def data(r):
+        return inputs(r, sum(splits(r)) * 2, np.int64).reshape(-1, 2)
+
+    out, received = rr.alltoall(g.make(data(rank)), splits=splits(rank), name="a2a.ragged")
+    starts = [np.cumsum([0] + splits(r)) for r in range(size)]
+    want = np.concatenate([data(r)[starts[r][rank]:starts[r][rank + 1]] for r in range(size)])
+    np.testing.assert_array_equal(received, [splits(r)[rank] for r in range(size)])
+    np.testing.assert_array_equal(g.host(out), want)
+
+
+def check_compression_emulated(rank: int, size: int) -> None:
+    """ringreduce.compression's CastCompressor (what Compression.fp16 is in every framework)
+    over GPU arrays: the float16 array it hands over is reduced on the GPU path."""
+    from ringreduce.compression import CastCompressor
+
+    class Fp16(CastCompressor):
+        wire = np.dtype(np.float16)
+        dtype_of = staticmethod(lambda x: x.a.dtype)
+        is_float = staticmethod(lambda d: d.kind == "f")
+        itemsize = staticmethod(lambda d: np.dtype(d).itemsize)
+        cast = staticmethod(lambda x, d: DlpackGpu(x.a.astype(d), x.device))
+
+    x = DlpackGpu(inputs(rank, 40, np.float32) / 4, rank)
+    sent, ctx = Fp16.compress(x)
+    assert isinstance(sent, DlpackGpu) and sent.a.dtype == np.float16
+    out = Fp16.decompress(rr.allreduce(sent, op=rr.Average, name="fp16"), ctx)
+    assert out.a.dtype == np.float32
+    np.testing.assert_allclose(out.a, np.mean([inputs(r, 40, np.float32) / 4
+                                               for r in range(size)], axis=0), rtol=1e-3)
+
+
+def check_torch_low_precision(rank: int, size: int) -> None:
+    """torch only (real GPUs): float16 / bfloat16 CUDA tensors reduced by NCCL,
+    ringreduce.torch's Compression.fp16 / .bf16 casting on the device (torch ops), never
+    through host memory, and the torch layer's allgather / alltoall on CUDA tensors."""
+    import torch
+
+    import ringreduce.torch as rrt
+
+    base = torch.arange(64, dtype=torch.float64) / 8
+    want = sum(base + r for r in range(size)) / size
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (base + rank).to(dtype).cuda()
+        out = rrt.allreduce(x, op=rrt.Average, name=f"lp.{dtype}")
+        assert out.is_cuda and out.dtype == dtype
+        torch.testing.assert_close(out.double().cpu(), want, rtol=1e-2, atol=1e-2)
+    for comp, wire in ((rrt.Compression.fp16, torch.float16),
+                       (rrt.Compression.bf16, torch.bfloat16)):
+        x = (base + rank).float().cuda()
+        sent, ctx = comp.compress(x)
+        assert sent.is_cuda and sent.dtype == wire  # cast on the device
+        out = rrt.allreduce(x, op=rrt.Average, compression=comp, name=f"comp.{wire}")
+        assert out.is_cuda and out.dtype == torch.float32
+        torch.testing.assert_close(out.double().cpu(), want, rtol=1e-2, atol=1e-2)
+    # The torch layer's allgather / alltoall on CUDA tensors (ragged rows, splits).
+    got = rrt.allgather(torch.full((rank + 1, 2), float(rank), device="cuda"), name="t.ag")
+    assert got.is_cuda and got.cpu().tolist() == [[float(r)] * 2 for r in range(size)
+                                                 for _ in range(r + 1)]
+    out, received = rrt.alltoall(torch.arange(size, device="cuda") + 10 * rank,
+                                 splits=[1] * size, name="t.a2a")
+    assert out.is_cuda and out.cpu().tolist() == [10 * r + rank for r in range(size)]
+    assert received.tolist() == [1] * size
+
+
+def check_process_sets(g: Arrays, rank: int, pair, solo) -> None:
+    """Collectives of a set on GPU run on an NCCL communicator of its members (made at
+    the set's first GPU collective, before the job's here); ranks are the set's."""
+    if pair.included():
+        ms, me = pair.ranks, pair.rank()
+        x = g.make(inputs(rank, 6, np.float32))
+        rr.allreduce_(x, op=rr.Sum, name="ps.ar", process_set=pair)
+        np.testing.assert_array_equal(g.host(x), sum(inputs(r, 6, np.float32) for r in ms))
+        out = rr.broadcast(g.make(inputs(rank, 3, np.int32)), root_rank=1, name="ps.b",
+                           process_set=pair)
+        np.testing.assert_array_equal(g.host(out), inputs(ms[1], 3, np.int32))
+        out = rr.allgather(g.make(inputs(rank, rank + 1, np.float64)), name="ps.ag",
+                           process_set=pair)
+        np.testing.assert_array_equal(g.host(out), np.concatenate(
+            [inputs(r, r + 1, np.float64) for r in ms]))
+        out = rr.alltoall(g.make(inputs(rank, 4, np.int64).reshape(2, 2)), name="ps.a2a",
+                          process_set=pair)
+        k = 2 // len(ms)  # rows to each member
+        np.testing.assert_array_equal(g.host(out), np.concatenate(
+            [inputs(r, 4, np.int64).reshape(2, 2)[me * k:(me + 1) * k] for r in ms]))
+        out = rr.reducescatter(g.make(inputs(rank, 6, np.float32).reshape(3, 2)), op=rr.Sum,
+                               name="ps.rs", process_set=pair)
+        total = sum(inputs(r, 6, np.float32) for r in ms).reshape(3, 2)
+        first, mine = (0, 3) if len(ms) == 1 else ((0, 2) if me == 0 else (2, 1))
+        np.testing.assert_array_equal(g.host(out), total[first:first + mine])
+    if solo is not None and solo.included():  # a set of one rank: its own communicator of one
+        x = g.make(inputs(rank, 5, np.float32))
+        assert rr.allreduce_(x, op=rr.Sum, name="solo", process_set=solo) is x
+        np.testing.assert_array_equal(g.host(x), inputs(rank, 5, np.float32))
+
+
 def check_join(g: Arrays, rank: int) -> None:
     # Every rank but 0 joins at once and takes part in rank 0's GPU allreduce with zeros,
     # through the GPU executor it already has.
@@ -158,7 +285,7 @@ def check_join(g: Arrays, rank: int) -> None:
     assert rr.join() == 0
 
 
-def check_refusals(g: Arrays, rank: int) -> None:
+def check_refusals(g: Arrays, rank: int, size: int) -> None:
     def refused(fn, match: str) -> None:
         try:
             fn()
@@ -177,26 +304,46 @@ def check_refusals(g: Arrays, rank: int) -> None:
     refused(lambda: rr.allreduce_(strided, name="s"), "need a C-contiguous array, got strides")
     refused(lambda: rr.allreduce(g.make(np.zeros(2, np.complex64), cai=True), name="c"),
             "complex64 is not supported")
-    refused(lambda: rr.allgather(g.make(np.zeros(2, np.float32)), name="g"),
-            "on GPU, ringreduce runs allreduce, grouped_allreduce, broadcast and reducescatter")
+    refused(lambda: rr.allreduce(g.make(np.zeros(2, np.float32)), op=rr.Adasum, name="g"),
+            "on GPU, ringreduce runs allreduce, grouped_allreduce, allgather, broadcast")
+    # Refused on one rank before the splits exchange: the other ranks hear of it.
+    if size > 1:
+        bad = [1] * size if rank == 0 else [0] * size
+        try:
+            rr.alltoall(g.make(np.zeros((size, 2), np.float32)), splits=bad, name="bad")
+        except rr.RingReduceError as e:
+            want = "refused this call locally" if rank == 0 else "splits must have one entry"
+            assert want in str(e), str(e)
+        else:
+            raise AssertionError("alltoall with bad splits on rank 1 was not refused")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arrays", choices=["emulated", "cupy", "torch"], default="emulated")
     kind = parser.parse_args().arrays
-    rr.init()
-    rank, size = rr.rank(), rr.size()
+    size = int(os.environ["WORLD_SIZE"])
+    pair = rr.ProcessSet(sorted({0, size - 1}))  # {0, 2} at np=3, every rank at np=2
+    solo = rr.ProcessSet([size - 1]) if size > 1 else None
+    rr.init(process_sets=[pair] + ([solo] if solo else []))
+    rank = rr.rank()
     set_rank(rank)
     g = Arrays(kind, rank)
     rr.register_gpu_array_type(DlpackGpu, lambda x, shape: DlpackGpu(np.empty(shape, x.a.dtype),
                                                                       x.device))
     rr.register_gpu_array_type(CaiGpu, lambda x, shape: CaiGpu(np.empty(shape, x.a.dtype)))
+    check_process_sets(g, rank, pair, solo)
     check_allreduce(g, rank, size)
     check_out_of_place_and_fused(g, rank, size)
     check_broadcast(g, rank, size)
     check_reducescatter(g, rank, size)
-    check_refusals(g, rank)
+    check_allgather(g, rank, size)
+    check_alltoall(g, rank, size)
+    check_refusals(g, rank, size)
+    if kind == "torch":
+        check_torch_low_precision(rank, size)
+    if kind == "emulated":
+        check_compression_emulated(rank, size)
     check_join(g, rank)
     rr.shutdown()
     say(f"OK rank {rank}")

@@ -9,6 +9,12 @@ every rank must call identically and in the same order (checked: ranks that disa
 counts a set's tensor ready when its members have submitted it and runs it on the members'
 own ring (csrc/transport/context_group.cc). A rank outside the set that calls into it gets an
 ``InvalidInputError`` naming the rank and the set.
+
+As in Horovod, a static set may also be given as an mpi4py communicator (under ``mpirun``,
+where ringreduce's ranks are ``MPI.COMM_WORLD``'s): each rank passes its own communicator
+(``COMM_WORLD.Split(color, key)`` gives every rank a different one), ``init`` gathers every
+rank's members and registers each distinct set, on every rank in the same order, and the
+rank's own object becomes the set it belongs to.
 """
 
 from __future__ import annotations
@@ -28,11 +34,17 @@ class ProcessSet:
 
     Parameters
     ----------
-    ranks : sequence of int
-        Global ranks of the members (any order; kept sorted, as Horovod does).
+    ranks : sequence of int, or mpi4py.MPI.Comm
+        Global ranks of the members (any order; kept sorted, as Horovod does), or an MPI
+        communicator this rank belongs to (for ``init(process_sets=...)`` only).
     """
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    mpi_comm: Any = None
+
+    def __init__(self, ranks: Union[Sequence[int], Any]) -> None:
+        if hasattr(ranks, "Get_group") and hasattr(ranks, "Get_size"):
+            self.mpi_comm = ranks
+            ranks = _world_ranks(ranks)
         if isinstance(ranks, (str, bytes)) or not all(
                 isinstance(r, int) and not isinstance(r, bool) for r in ranks):
             raise InvalidInputError(f"ProcessSet needs a sequence of int ranks, got {ranks!r}")
@@ -86,6 +98,21 @@ class _GlobalProcessSet(ProcessSet):
 
 global_process_set: ProcessSet = _GlobalProcessSet()
 
+
+def _world_ranks(comm: Any) -> list:
+    """The ``MPI.COMM_WORLD`` ranks of the members of mpi4py communicator ``comm``."""
+    from mpi4py import MPI
+
+    if comm == MPI.COMM_NULL:
+        raise InvalidInputError("ProcessSet(comm): this rank is not in the communicator "
+                                "(MPI.COMM_NULL); pass a communicator of which it is a member")
+    world = MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                              world))
+    finally:
+        world.Free()
+
 SetArg = Union[ProcessSet, Sequence[int]]
 
 
@@ -117,9 +144,21 @@ class ProcessSetRegistry:
             self.dynamic = True
             return
         sets = [self._checked(p) for p in process_sets]
-        self._agree([p.ranks for p in sets], "init(process_sets=...)")
-        for p in sets:
-            self._register(p)
+        from_comm = [p.mpi_comm is not None for p in sets]
+        self._agree([None if c else p.ranks for p, c in zip(sets, from_comm)],
+                    "init(process_sets=...)")
+        everyone = [[p.ranks for p in sets]]
+        if any(from_comm):
+            self._check_mpi_world()
+            everyone = self.comm.allgather_object(everyone[0], name="process_sets.members")
+        for i, p in enumerate(sets):
+            # From a communicator, each rank has its own: every distinct set, lowest first.
+            for ranks in sorted({tuple(theirs[i]) for theirs in everyone}):
+                mine = list(ranks) == p.ranks
+                if any(q.ranks == list(ranks) for q in self._sets.values()):
+                    raise InvalidInputError(f"init(process_sets=...): a process set with ranks "
+                                            f"{list(ranks)} is given twice")
+                self._register(p if mine else ProcessSet(ranks))
 
     def add(self, process_set: SetArg) -> ProcessSet:
         """``add_process_set``: collective over every rank of the job."""
@@ -127,6 +166,10 @@ class ProcessSetRegistry:
             raise InvalidInputError(
                 "add_process_set needs dynamic process sets: init(process_sets='dynamic') or "
                 "RINGREDUCE_DYNAMIC_PROCESS_SETS=1 (Horovod's HOROVOD_DYNAMIC_PROCESS_SETS)")
+        if getattr(process_set, "mpi_comm", None) is not None:
+            raise InvalidInputError("add_process_set: a set made from an MPI communicator can "
+                                    "be given to init(process_sets=...) only (as in Horovod); "
+                                    "build it from a list of ranks instead")
         p = self._checked(process_set)
         self._agree(p.ranks, f"add_process_set (id {self._next_id})")
         return self._register(p)
@@ -182,6 +225,17 @@ class ProcessSetRegistry:
         self._sets[self._next_id] = p
         self._next_id += 1
         return p
+
+    def _check_mpi_world(self) -> None:
+        """Sets from MPI communicators count ranks of MPI.COMM_WORLD: it must be this job."""
+        from mpi4py import MPI
+
+        world = (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+        if world != (self.comm.rank(), self.comm.size()):
+            raise InvalidInputError(
+                f"init(process_sets=...): a ProcessSet made from an MPI communicator needs "
+                f"ringreduce started by mpirun (rank {self.comm.rank()} of {self.comm.size()} "
+                f"here is rank {world[0]} of {world[1]} in MPI.COMM_WORLD)")
 
     def _agree(self, value: Any, what: str) -> None:
         """Every rank passed the same ``value`` (a collective over the whole job)."""

@@ -4,7 +4,8 @@
 
 Sets: ``tail`` = every rank but 0, ``solo`` = rank 0 alone (static, at init); then dynamic
 ``pair`` = ranks 0 and n-1 (added and removed at run time; on it, calls refused by one
-member and join(process_set=)). Each check raises on failure;
+member and join(process_set=)); under mpirun, then a fresh init with Horovod's sets from MPI
+communicators (each rank its half of ``COMM_WORLD.Split``). Each check raises on failure;
 at the end every rank logs ``OK rank <r>``.
 """
 
@@ -121,7 +122,22 @@ def main() -> None:
     check(rr.remove_process_set(pair), "remove_process_set")
     check(rr.allreduce(torch.ones(1), op=rr.Sum).item() == n, "global after the sets")
     rr.shutdown()
+    if "PMI_SIZE" in os.environ:  # under mpirun: Horovod's sets from MPI communicators
+        sets_from_mpi_comms(r, n)
     say(f"OK rank {r}")
+
+
+def sets_from_mpi_comms(r: int, n: int) -> None:
+    """Each rank passes its own half of COMM_WORLD.Split; every rank registers both."""
+    from mpi4py import MPI
+
+    half = rr.ProcessSet(MPI.COMM_WORLD.Split(color=r % 2, key=r))
+    rr.init(process_sets=[half])
+    check(half.ranks == list(range(r % 2, n, 2)), f"ranks from the communicator: {half}")
+    check(half.process_set_id == 1 + r % 2, f"ids in order of the lowest member: {half}")
+    got = rr.allreduce(torch.ones(1), op=rr.Sum, process_set=half).item()
+    check(got == len(half.ranks), f"allreduce on {half}: {got}")
+    rr.shutdown()
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ void Timeline::end(const std::string& tensor) {
 }
 
 void Timeline::set_current(const std::vector<std::string>& tensors) {
+  if (!active()) return;  // no trace open: no lock on the collectives' path
   std::lock_guard<std::mutex> lock(mutex_);
   if (!file_) return;
   phase_end_locked();
@@ -112,6 +113,7 @@ void Timeline::set_current(const std::vector<std::string>& tensors) {
 }
 
 void Timeline::phase(const char* name) {
+  if (!active()) return;  // no trace open: no lock on the collectives' path
   std::lock_guard<std::mutex> lock(mutex_);
   if (!file_) return;
   phase_end_locked();
@@ -120,6 +122,7 @@ void Timeline::phase(const char* name) {
 }
 
 void Timeline::phase_end() {
+  if (!active()) return;  // no trace open: no lock on the collectives' path
   std::lock_guard<std::mutex> lock(mutex_);
   phase_end_locked();
 }

@@ -8,6 +8,7 @@
 
 #include "bindings/engine_bindings.h"
 #include "common/error.h"
+#include "coordination/executor.h"
 #include "gpu/kernels_reference.h"
 #include "gpu/nccl_loader.h"
 #include "gpu/pack_plan.h"
@@ -26,10 +27,6 @@ namespace py = pybind11;
 namespace rr {
 namespace {
 
-constexpr const char* kNotBuilt =
-    "ringreduce was built without CUDA (no nvcc at build time, or RINGREDUCE_WITH_CUDA=0); "
-    "rebuild it with nvcc on PATH (RINGREDUCE_WITH_CUDA=1 makes a missing nvcc a build error)";
-
 #if RR_HAVE_CUDA
 int device_count() {
   return gpu::cuda_device_count().count;
@@ -46,10 +43,10 @@ int device_count() {
   return 0;
 }
 std::string unusable_reason() {
-  return kNotBuilt;
+  return kBuiltWithoutCuda;
 }
 std::string selftest(int) {
-  throw_error(ErrorKind::kInternal, kNotBuilt);
+  throw_error(ErrorKind::kInternal, kBuiltWithoutCuda);
 }
 #endif
 

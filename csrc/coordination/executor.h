@@ -60,6 +60,8 @@ std::unique_ptr<Executor> make_cpu_executor(Context& ctx, Timeline* timeline);
 // it arrives (gpu/gpu_executor_factory.cc). Throws rr::Error naming what is
 // missing (a CUDA build, a driver, a device, NCCL, a communicator).
 std::unique_ptr<Executor> make_device_executor(Context& ctx, int32_t device);
+// What a build without CUDA says wherever a GPU is asked of it.
+extern const char* const kBuiltWithoutCuda;
 
 // Fills `count` elements with the neutral element of `op` (0 for Sum and
 // Average, 1 for Product, the largest value for Min, the lowest for Max).

@@ -18,6 +18,11 @@
 #endif
 
 namespace rr {
+
+const char* const kBuiltWithoutCuda =
+    "ringreduce was built without CUDA (no nvcc at build time, or RINGREDUCE_WITH_CUDA=0); "
+    "rebuild it with nvcc on PATH (RINGREDUCE_WITH_CUDA=1 makes a missing nvcc a build error)";
+
 namespace {
 
 // This rank's CUDA + NCCL operations for `device`, or nullptr with `*why`.
@@ -41,9 +46,7 @@ std::shared_ptr<gpu::GpuOps> cuda_ops(int32_t device, std::string* why) {
   }
 #else
   (void)device;
-  *why =
-      "ringreduce was built without CUDA (no nvcc at build time, or RINGREDUCE_WITH_CUDA=0); "
-      "rebuild it with nvcc on PATH";
+  *why = kBuiltWithoutCuda;
   return nullptr;
 #endif
 }

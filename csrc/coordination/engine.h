@@ -126,7 +126,7 @@ class Engine : private DriveToken::Driver {
   // Caller-driven rounds (engine_drive.cc).
   void drive(HandleState& h) override;
   void drive_rounds(HandleState& h);
-  void hand_back();
+  void hand_back(bool caller_waits);
   void wake_engine();
   template <class F>
   void untokened(F&& f);

@@ -115,7 +115,7 @@ void Engine::drive(HandleState& h) {
       fail_engine(Error(ErrorKind::kInternal, cat("rank ", rank_, ": caller's round: ", e.what())));
     }
   }
-  hand_back();
+  hand_back(!h.done());
 }
 
 void Engine::drive_rounds(HandleState& h) {
@@ -146,9 +146,10 @@ void Engine::drive_rounds(HandleState& h) {
 // held: a message published before the announcement is seen here, a later
 // one rings the announced sleeper. A parked thread (park()) is left alone:
 // it looks for itself within kParkNs, and by then the caller of the next
-// blocking call has usually taken the token again.
-void Engine::hand_back() {
-  bool wake = stop_.load() || dead_.load() || async_busy();
+// blocking call has usually taken the token again; unless this caller goes
+// on to wait for the engine thread (`caller_waits`): that is woken at once.
+void Engine::hand_back(bool caller_waits) {
+  bool wake = caller_waits || stop_.load() || dead_.load() || async_busy();
   if (bell_withdrawn_) {
     ctx_->progress().doorbell->set_sleeping(true);
     engine_bell_ = true;

@@ -387,7 +387,6 @@ bool Engine::ready_to_start() {
 // a caller may drive meanwhile; returns holding it again (engine_drive.cc).
 template <class F>
 void Engine::untokened(F&& f) {
-  asleep_.store(true);
   token_.give_back();
   f();
   reclaim_token();

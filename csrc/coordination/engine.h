@@ -197,7 +197,6 @@ class Engine : private DriveToken::Driver {
   std::atomic<bool> dead_{false};      // failed_, readable without mu_
   std::atomic<bool> gpu_seen_{false};  // a GPU tensor was submitted: no caller drives
   DriveToken& token_;                  // in batch_'s WaitSignal, shared with the handles
-  std::atomic<bool> asleep_{false};    // the engine thread is without the token
   std::atomic<uint64_t> caller_rounds_{0};
   bool bell_only_ = false;       // the thread sleeps on the doorbell alone
   bool engine_bell_ = false;     // driver only: the thread's doorbell announcement stands

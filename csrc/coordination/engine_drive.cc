@@ -70,7 +70,6 @@ void Engine::withdraw_bell() {
 
 void Engine::reclaim_token() {
   while (!token_.try_take(DriveToken::kEngine)) park();
-  asleep_.store(false);
   withdraw_bell();
 }
 

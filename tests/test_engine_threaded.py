@@ -678,3 +678,50 @@ def test_two_host_coordinator_wakes_for_a_late_shm_worker():
     finally:
         for c in w:
             c.close()
+
+
+@pytest.mark.parametrize("fast", ["1", "0"], ids=["caller-driven", "engine-driven"])
+def test_blocking_calls_drive_their_own_rounds(fast):
+    """A blocking call on an idle engine runs its round on the caller's thread
+    (coordination/engine_drive.cc; counted in ``caller_rounds``), and
+    RINGREDUCE_FAST_PATH=0 leaves every round to the engine thread. On either path:
+    results, submission orders that differ between ranks, a mismatch and a call refused
+    on one rank raising on both and naming the rank, and join with uneven steps."""
+    w = world(2, RINGREDUCE_FAST_PATH=fast)
+
+    def body(c):
+        r = c.rank()
+        before = c._engine.stats()["caller_rounds"]
+        for i in range(40):
+            got = c.allreduce(np.full(3, r + i, np.float32), op=rr.Sum, name="loop")
+            np.testing.assert_array_equal(got, np.full(3, 2 * i + 1, np.float32))
+            c.barrier()
+        names = ["a", "b"] if r == 0 else ["b", "a"]
+        hs = {n: c.allreduce_async(np.full(2, r + 1, np.float32), op=rr.Sum, name=n)
+              for n in names}
+        assert all((rr.synchronize(hs[n]) == 3).all() for n in reversed(names))
+        errors = []
+        for call in (lambda: c.allreduce(np.ones(3 + r, np.float32), name="mm"),
+                     lambda: c.broadcast(np.ones(2), root_rank=5 if r else 0, name="bc")):
+            with pytest.raises(rr.RingReduceError) as err:
+                call()
+            errors.append(err.value)
+        extra = [c.allreduce(np.ones(2, np.float32), op=rr.Sum, name="extra")
+                 for _ in range(2 if r == 0 else 0)]
+        last = c.join()
+        return c._engine.stats()["caller_rounds"] - before, errors, extra, last
+
+    res = run_threaded(2, body, world=w, timeout=60)
+    driven = [d for d, *_ in res]
+    assert all(d > 0 for d in driven) if fast == "1" else driven == [0, 0], driven
+    for r, (_, (mm, refused), extra, last) in enumerate(res):
+        assert isinstance(mm, rr.MismatchError), mm
+        assert "rank 0 called allreduce float32[3]" in str(mm), mm
+        assert "rank 1 called allreduce float32[4]" in str(mm), mm
+        if r == 0:
+            assert isinstance(refused, rr.MismatchError), refused
+            assert "rank 1 refused this call locally" in str(refused), refused
+        else:
+            assert isinstance(refused, rr.InvalidInputError), refused
+        assert [e.tolist() for e in extra] == ([[1, 1]] * 2 if r == 0 else []), extra
+        assert last == 0, last

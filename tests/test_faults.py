@@ -142,6 +142,20 @@ def test_kill_during_shared_buffer_allreduce(tmp_path, record_property):
     assert not job.events("linger-timeout"), job.describe()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_kill_during_small_blocking_calls(transport, tmp_path, record_property):
+    """The callers drive their own rounds (coordination/engine_drive.cc): a loop of
+    4-byte blocking allreduces; the victim dies at a random point, and the survivor,
+    whose caller or engine thread may be the one waiting, raises promptly naming it."""
+    before = shm_entries()
+    job = launch("env", 2, "during", transport, tmp_path, extra=["--elements", 1])
+    check_no_traces(job, before)
+    assert job.procs[VICTIM].returncode == -9, job.describe()
+    record_property("raise_after_kill_s", check_survivors_noticed(job, 2))
+    completed = job.event(0, "completed")
+    assert completed and completed["caller_rounds"] > 0, job.describe()
+
+
 # Kills at random points of the engine's life, on 3 ranks: the victim is a
 # worker (rank 1; rank 2 only exchanges control messages with rank 0) or the
 # coordinator itself (rank 0).

@@ -30,6 +30,7 @@ EngineOptions engine_options_from_env() {
   o.stall_check_s = env_double("RINGREDUCE_STALL_CHECK_SECONDS", o.stall_check_s);
   o.stall_shutdown_s = env_double("RINGREDUCE_STALL_SHUTDOWN_SECONDS", o.stall_shutdown_s);
   o.timeline_path = env_str("RINGREDUCE_TIMELINE", "");
+  o.fast_path = env_int("RINGREDUCE_FAST_PATH", 1) != 0;
   if (fusion < 0 || cache < 0 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
       o.stall_shutdown_s < 0 || o.batch_gap_s < 0 || o.batch_max_s < 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_FUSION_THRESHOLD, ",
@@ -48,6 +49,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
       cache_(opt_.cache_capacity),
       ctrl_(*ctx_),
       batch_(opt_.batch_gap_s, opt_.batch_max_s),
+      token_(batch_.signal()->token()),
       t0_(std::chrono::steady_clock::now()) {
   ctx_->check_usable();
   if (rank_ == 0) {
@@ -63,6 +65,8 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   RR_CHECK(wake_fd_ >= 0, "rank ", rank_, ": eventfd: ", errno_string(errno));
   ctx_->set_phase_observer(timeline_.get());
+  bell_only_ = bell_only();
+  if (opt_.fast_path) token_.set_driver(this);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -216,6 +220,8 @@ static std::string set_name(const std::string& name, const std::vector<int32_t>&
 std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   RR_CHECK(!entries.empty(), "rank ", rank_, ": submit of no tensors");
   auto h = std::make_shared<HandleState>(entries.size(), batch_.signal());
+  for (const Entry& e : entries)
+    if (e.meta.device >= 0) gpu_seen_.store(true);
   // Named entries are checked before taking the lock, which submitting
   // threads and the engine contend for; unnamed ones need their name first.
   // A process set's names are its own (as in Horovod, where each set has its
@@ -312,8 +318,10 @@ void Engine::shutdown() {
     notify();
   }
   stop_.store(true);
+  wake_engine();             // a parked thread does not hear notify()
   batch_.signal()->close();  // a thread holding a batch back sleeps on it
   if (thread_.joinable()) thread_.join();
+  token_.retire();   // after a driving caller gives it back; fail_all needs it
   watcher_.reset();  // before the Context (and its doorbell) can go away
   fail_all(ErrorKind::kInternal,
            cat("rank ", rank_, ": ringreduce was shut down before this collective completed"));
@@ -341,6 +349,7 @@ EngineStats Engine::stats() const {
   s.tensors = executed_tensors_.load();
   s.shared_allreduces = ctx_->shared_allreduces();
   s.hierarchical_allreduces = ctx_->hierarchical_allreduces();
+  s.caller_rounds = caller_rounds_.load();
   return s;
 }
 
@@ -355,21 +364,25 @@ constexpr int64_t kBusySleepNs = 1'000'000;
 void Engine::loop() {
   try {
     agree_on_settings();
-    while (idle_wait() == Wake::kWork) {
-      last_round_ = now();
-      if (rank_ == 0)
-        coordinator_round();
-      else
-        worker_round();
-      rounds_done_.fetch_add(1, std::memory_order_relaxed);
-      if (async_) poll_executors();
-      if (timeline_) timeline_->flush();
-    }
+    while (idle_wait() == Wake::kWork) run_round();
   } catch (const Error& e) {
     fail_engine(e);
   } catch (const std::exception& e) {
     fail_engine(Error(ErrorKind::kInternal, cat("rank ", rank_, ": engine thread: ", e.what())));
   }
+  token_.give_back();  // held at every exit: shutdown() retires it
+}
+
+// The driver (engine thread or caller) runs one round and what it decided.
+void Engine::run_round() {
+  last_round_ = now();
+  if (rank_ == 0)
+    coordinator_round();
+  else
+    worker_round();
+  rounds_done_.fetch_add(1, std::memory_order_relaxed);
+  if (async_) poll_executors();
+  if (timeline_) timeline_->flush();
 }
 
 bool Engine::ready_to_start() {
@@ -380,15 +393,27 @@ bool Engine::ready_to_start() {
   return now() >= negotiator_->next_deadline();
 }
 
+// Runs `f` (a yield, a batch hold, a sleep) without the driver token, so that
+// a caller may drive meanwhile; returns holding it again (engine_drive.cc).
+template <class F>
+void Engine::untokened(F&& f) {
+  token_.give_back();
+  f();
+  reclaim_token();
+}
+
 Engine::Wake Engine::idle_wait() {
   const ProgressSettings& ps = ctx_->progress();
   const double start = now();
   double last_check = start;
-  for (;;) {
-    if (stop_.load()) return Wake::kStop;
+  for (;;) {  // holding the token at the top of every pass
+    if (stop_.load() || dead_.load()) return Wake::kStop;
     const bool busy = async_busy();
     if (busy) poll_executors();
-    if (has_work_.load() && batch_.hold(busy ? kBusySleepNs : BatchWindow::kMaxSleepNs)) {
+    bool held = false;
+    if (has_work_.load())  // without the token: the caller may come to drive
+      untokened([&] { held = batch_.hold(busy ? kBusySleepNs : BatchWindow::kMaxSleepNs); });
+    if (held) {
       check_peers(last_check);
       continue;
     }
@@ -402,7 +427,7 @@ Engine::Wake Engine::idle_wait() {
       // Always yield: the caller this round woke must get a core at once,
       // and with every rank's engine spinning on a small machine it would
       // otherwise wait for the scheduler to preempt one.
-      sched_yield();
+      untokened([] { sched_yield(); });
       continue;
     }
     check_peers(last_check);
@@ -458,8 +483,9 @@ void Engine::block(int64_t timeout_ns) {
   if (fds.size() == 1 && bell) {
     const uint32_t seen = bell->snapshot();
     bell->set_sleeping(true);
-    if (!stop_.load() && !ready_to_start()) bell->wait(seen, timeout_ns);
-    bell->set_sleeping(false);
+    engine_bell_ = true;  // withdrawn by reclaim_token(), or by a driving caller
+    if (!stop_.load() && !ready_to_start()) untokened([&] { bell->wait(seen, timeout_ns); });
+    withdraw_bell();
     return;
   }
   // Sockets, and doorbell peers too: the watcher turns a doorbell ring into
@@ -473,11 +499,14 @@ void Engine::block(int64_t timeout_ns) {
   }
   polling_.store(true);
   const int ms = static_cast<int>((timeout_ns + 999999) / 1000000);
-  if (!stop_.load() && !ready_to_start() && ::poll(fds.data(), fds.size(), ms) > 0 &&
-      (fds[0].revents & POLLIN)) {
-    uint64_t v;
-    ssize_t ignored = ::read(wake_fd_, &v, sizeof v);
-    (void)ignored;
+  if (!stop_.load() && !ready_to_start()) {
+    int ready = 0;
+    untokened([&] { ready = ::poll(fds.data(), fds.size(), ms); });
+    if (ready > 0 && (fds[0].revents & POLLIN)) {
+      uint64_t v;
+      ssize_t ignored = ::read(wake_fd_, &v, sizeof v);
+      (void)ignored;
+    }
   }
   polling_.store(false);
   if (watch) {
@@ -509,6 +538,7 @@ void Engine::fail_all(ErrorKind kind, const std::string& why) {
 
 void Engine::fail_engine(const Error& e) {
   ctx_->mark_broken(e.what());
+  dead_.store(true);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failed_) {

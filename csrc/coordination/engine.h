@@ -15,6 +15,10 @@
 // executors, while GPU work is in flight: handles of asynchronous executors
 // resolve, and their names are released, only once poll() reports them). Local work waits in IDLE
 // while the caller is still submitting (BatchWindow, batch_window.h).
+// While the thread is idle, a caller blocked on its handle may run the rounds
+// on its own thread instead (caller-driven rounds, engine_drive.cc): the
+// driver token (drive_token.h) says who runs the state machine; fields marked
+// "driver only" belong to whoever holds it.
 #pragma once
 
 #include <atomic>
@@ -51,6 +55,7 @@ struct EngineOptions {
   double stall_check_s = 60;                 // RINGREDUCE_STALL_CHECK_SECONDS
   double stall_shutdown_s = 0;               // RINGREDUCE_STALL_SHUTDOWN_SECONDS
   std::string timeline_path;                 // RINGREDUCE_TIMELINE (rank 0 writes it)
+  bool fast_path = true;                     // RINGREDUCE_FAST_PATH (engine_drive.cc)
 };
 
 EngineOptions engine_options_from_env();
@@ -63,9 +68,10 @@ struct EngineStats {
   uint64_t tensors = 0;
   uint64_t shared_allreduces = 0;        // over shared buffers (allreduce_shared.cc)
   uint64_t hierarchical_allreduces = 0;  // allreduce_hierarchical.cc
+  uint64_t caller_rounds = 0;            // of `rounds`, run by a waiting caller (engine_drive.cc)
 };
 
-class Engine {
+class Engine : private DriveToken::Driver {
  public:
   Engine(std::shared_ptr<Context> ctx, EngineOptions opt);
   ~Engine();
@@ -122,7 +128,19 @@ class Engine {
   void enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h);
   void notify();
   void loop();
+  void run_round();
   Wake idle_wait();
+  // Caller-driven rounds (engine_drive.cc).
+  void drive(HandleState& h) override;
+  void drive_rounds(HandleState& h);
+  void hand_back(bool caller_waits);
+  void wake_engine();
+  template <class F>
+  void untokened(F&& f);
+  void reclaim_token();
+  void park();
+  void withdraw_bell();
+  bool bell_only() const;
   bool ready_to_start();
   void check_peers(double& last_check);
   std::string idle_state() const;
@@ -184,9 +202,16 @@ class Engine {
   std::string fail_message_;
   std::atomic<bool> has_work_{false};
   std::atomic<bool> stop_{false};
-  std::atomic<bool> polling_{false};  // the thread may be asleep in poll()
+  std::atomic<bool> polling_{false};   // the thread may be asleep in poll()
+  std::atomic<bool> dead_{false};      // failed_, readable without mu_
+  std::atomic<bool> gpu_seen_{false};  // a GPU tensor was submitted: no caller drives
+  DriveToken& token_;                  // in batch_'s WaitSignal, shared with the handles
+  std::atomic<uint64_t> caller_rounds_{0};
+  bool bell_only_ = false;       // the thread sleeps on the doorbell alone
+  bool engine_bell_ = false;     // driver only: the thread's doorbell announcement stands
+  bool bell_withdrawn_ = false;  // driver only: a caller withdrew it (engine_drive.cc)
 
-  // Background thread only.
+  // Driver only (the engine thread, or a caller holding the token).
   std::unordered_map<std::string, Entry> pending_;  // submitted, awaiting a response
   std::vector<Rejection> rejections_;               // drained, for this round
   std::vector<Entry> joins_;

@@ -28,10 +28,14 @@ void expect(const CtrlMessage& m, CtrlType type, uint64_t round, int rank) {
 
 // The lock is held only for a swap: submitting threads contend for it, and a
 // contended mutex costs both sides a futex system call.
+// A driving caller leaves everything queued once a GPU tensor was submitted
+// (submit() says so before queueing it): GPU work runs on the engine thread
+// (engine_drive.cc), which takes the queue over.
 std::vector<Entry> Engine::drain() {
   std::deque<Entry> taken;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (gpu_seen_.load() && token_.held_by_caller()) return {};
     taken.swap(queue_);
     rejections_.swap(rejected_);
     rejected_.clear();

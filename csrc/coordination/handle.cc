@@ -101,6 +101,7 @@ class Waiting {
 }  // namespace
 
 void HandleState::wait() {
+  if (!done() && signal_) signal_->token().offer(*this);
   if (!done()) {
     Waiting waiting(signal_.get());
     std::unique_lock<std::mutex> lock(mu_);
@@ -110,6 +111,7 @@ void HandleState::wait() {
 }
 
 bool HandleState::wait_for(int64_t timeout_ns) {
+  if (!done() && signal_) signal_->token().offer(*this);
   if (done()) return true;
   Waiting waiting(signal_.get());
   std::unique_lock<std::mutex> lock(mu_);

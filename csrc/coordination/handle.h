@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "coordination/drive_token.h"
 #include "coordination/request.h"
 
 namespace rr {
@@ -35,8 +36,11 @@ class WaitSignal {
   // Ends the current sleep and every later one (the engine is stopping).
   void close();
   bool closed() const { return closed_.load() != 0; }
+  // Who runs the engine's rounds (drive_token.h); a waiting caller offers to.
+  DriveToken& token() { return token_; }
 
  private:
+  DriveToken token_;
   std::atomic<uint32_t> waiting_{0};
   std::atomic<uint32_t> seq_{0};
   std::atomic<uint32_t> sleeping_{0};
@@ -67,7 +71,8 @@ class HandleState {
   static void resolve_all(const std::vector<std::shared_ptr<HandleState>>& hs);
   bool done() const { return done_.load(std::memory_order_acquire); }
   // Blocks until done (telling the engine, through the WaitSignal, that
-  // this caller waits); throws the failure if any. It does not poll first:
+  // this caller waits); throws the failure if any. While the engine is idle
+  // the caller first runs the rounds itself (engine_drive.cc). It does not poll first:
   // measured, polling gained nothing here, and a polling caller competes for
   // a core with the engine threads doing the work (2 ranks x 2 threads on
   // 2 cores).

@@ -5,7 +5,9 @@
 Scenarios for the victim:
 
 * ``during``: SIGKILL itself from a thread while a ``--mb`` (64) MB allreduce
-  is running (the survivors loop on it, or make one call with ``--once``); with
+  is running (``--elements``: that many float32, a loop of small blocking calls
+  whose rounds the callers drive, coordination/engine_drive.cc; the survivors
+  loop on it, or make one call with ``--once``); with
   ``--shared`` the buffer is a shared one, so the allreduce reads the victim's
   memory directly;
 * ``idle``: sleep, then SIGKILL itself while the others wait in an allreduce;
@@ -168,9 +170,10 @@ def engine_idle(args: argparse.Namespace) -> None:
 
 def big_buffer(args: argparse.Namespace) -> np.ndarray:
     """The ``during`` scenario's buffer: ones, in a shared buffer with ``--shared``."""
+    count = args.elements or args.mb << 18
     if not args.shared:
-        return np.ones(args.mb << 18, np.float32)
-    buf = rr.shared_zeros(args.mb << 18, np.float32)
+        return np.ones(count, np.float32)
+    buf = rr.shared_zeros(count, np.float32)
     buf[:] = 1
     return buf
 
@@ -215,7 +218,8 @@ def survive(args: argparse.Namespace) -> None:
                 raise AssertionError(f"{done} allreduce(s) succeeded although a rank is gone")
     except rr.RingReduceError as err:
         error_event("raised", err)
-    event("completed", allreduces=done)
+    event("completed", allreduces=done,
+          caller_rounds=rr._comm()._engine.stats()["caller_rounds"])
     after_failure(args)
 
 
@@ -332,6 +336,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--linger", type=float, default=8.0)
     p.add_argument("--sizes", default="10,11")
     p.add_argument("--mb", type=int, default=64, help="allreduce size in 'during'")
+    p.add_argument("--elements", type=int, default=0,
+                   help="allreduce size in 'during' in float32 elements (instead of --mb)")
     p.add_argument("--once", action="store_true", help="survivors make a single call")
     p.add_argument("--shared", action="store_true",
                    help="'during': the buffer is a shared one (rr.shared_zeros)")

@@ -48,6 +48,7 @@
 
 #include "coordination/engine.h"
 #include "transport/shm/doorbell.h"
+#include "transport/transports.h"
 
 namespace rr {
 
@@ -57,7 +58,7 @@ bool Engine::bell_only() const {
   if (!ctx_->progress().doorbell) return false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || (rank_ != 0 && p != 0)) continue;
-    if (ctx_->link(p).wait_handle().fd >= 0) return false;
+    if (ctx_->link(p).transport().wait & kWaitFd) return false;
   }
   return true;
 }

@@ -15,14 +15,20 @@ so on, distance doubling; a group without a partner at some level (rank counts t
 not powers of two, which Horovod refuses) goes up unchanged. Each tensor is combined on
 its own (its own dot products), like Horovod's per-layer Adasum.
 
-How it runs here. Every rank gathers every rank's gradient of each tensor (one grouped
-allgather) and evaluates the same tree in float64, in the same order, so every rank gets
-bitwise the same result; it is then cast back to the tensor's dtype. That moves
-``size`` times the data of a ring allreduce per rank: Adasum pays off in few, large
-steps (its point is a larger usable batch), and for the 2-16 ranks of a host or a few the
-volume is that of gathering the gradients once. Invariants: ranks that have joined
-contribute no rows, so the tree spans the ranks that contributed; integer and boolean
-tensors are refused (the operator needs real division).
+How it runs here. When the set's size is a power of two (as Horovod requires), the call
+is one engine allreduce with op Adasum (a grouped call: one fused response, each tensor
+combined on its own): Horovod's vector-halving distance-doubling exchange in C++
+(``csrc/collectives/allreduce_adasum.cc``), which moves about what a ring allreduce moves;
+dot products in double, elements in float (float16/bfloat16/float32) or double. There a
+rank that has joined counts as a zero gradient, which Adasum passes through
+(``adasum(a, 0) == a``): the pairing keeps its shape, the joined rank's leaf empty.
+
+For other sizes (Horovod refuses them) every rank gathers every rank's gradient of each
+tensor (one grouped allgather) and evaluates the same tree in float64, in the same order,
+so every rank gets bitwise the same result; it is then cast back to the tensor's dtype.
+That moves ``size`` times the data of a ring allreduce per rank. There ranks that have
+joined contribute no rows, so the tree spans the ranks that contributed. Integer and
+boolean tensors are refused on both paths (the operator needs real division).
 """
 
 from __future__ import annotations
@@ -34,11 +40,18 @@ import numpy as np
 
 from .exceptions import InvalidInputError, call_label
 
-Adasum = 5  # after Sum, Average, Min, Max, Product (0-4); never reaches the engine
+Adasum = 5  # after Sum, Average, Min, Max, Product (0-4); ReduceOp::kAdasum in the engine
 
 _NORM_EPS = 1e-8
 
-__all__ = ["Adasum", "adasum_combine", "adasum_tree", "gather_and_combine"]
+__all__ = ["Adasum", "adasum_combine", "adasum_tree", "check_floating", "gather_and_combine",
+           "in_engine"]
+
+
+def in_engine(size: int) -> bool:
+    """Whether Adasum over ``size`` ranks runs in the engine (a power of two) rather than
+    as a gather and a float64 tree in Python."""
+    return size >= 1 and size & (size - 1) == 0
 
 
 def adasum_combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -59,7 +72,8 @@ def adasum_tree(vectors: Sequence[np.ndarray]) -> np.ndarray:
     return level[0]
 
 
-def _check(arrays: Sequence[np.ndarray], what: str) -> None:
+def check_floating(arrays: Sequence[np.ndarray], what: str) -> None:
+    """InvalidInputError unless every array has a floating-point dtype."""
     for a in arrays:
         if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
             raise InvalidInputError(f"{what}: Adasum needs floating-point tensors, got "
@@ -79,7 +93,7 @@ def gather_and_combine(comm: Any, arrays: Sequence[np.ndarray], name: Optional[s
     turns the gathered rows into the Adasum results (new arrays, shapes and dtypes kept).
     """
     label = call_label(what, name)
-    _check(arrays, label)
+    check_floating(arrays, label)
     rows = [np.ascontiguousarray(a).reshape(1, -1) for a in arrays]
     handle = comm.grouped_allgather_async(rows, None if name is None else f"{name}.adasum")
 

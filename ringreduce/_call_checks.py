@@ -14,7 +14,7 @@ from .exceptions import InvalidInputError, call_label
 
 Sum, Average, Min, Max, Product = 0, 1, 2, 3, 4
 _OP_NAMES = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
-# Adasum (5) is handled in Python (``_adasum``) by the allreduce calls that accept it.
+# Adasum (5) is routed by the allreduce calls that accept it (``_composite_calls._adasum``).
 
 
 def _check_op(op: Any, what: str) -> int:

@@ -225,7 +225,7 @@ class Communicator(GpuCalls, CompositeCalls):
                           prescale: float, postscale: float, what: str) -> Any:
         # The hot path of small messages: no string formatting unless it fails.
         try:  # not _refusing(): a plain try costs nothing when nothing fails
-            if type(op) is not int or op not in _OP_NAMES:
+            if op is not Adasum and (type(op) is not int or op not in _OP_NAMES):
                 op = _check_op(op, call_label(what, name))
             code = dtype_code(src.dtype, what, name)
             pre, post = check_scales(prescale, postscale, what, name)
@@ -298,7 +298,7 @@ class Communicator(GpuCalls, CompositeCalls):
     def _submit_group(self, srcs: list, outs: list, op: int, name: Optional[str],
                       prescale: float, postscale: float) -> Any:
         what = call_label("grouped_allreduce", name)
-        op = _check_op(op, what)
+        op = op if op is Adasum else _check_op(op, what)
         if not srcs:
             raise InvalidInputError(f"{what}: needs at least one array")
         codes = [dtype_code(s.dtype, what, None) for s in srcs]

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._adasum import adasum_part, gather_and_combine
+from ._adasum import Adasum, adasum_part, check_floating, gather_and_combine, in_engine
 from ._arrays import for_reading, for_writing
 from ._call_checks import Average, _members, _part, check_scales
 from ._cuda_arrays import is_gpu_array
@@ -22,9 +22,12 @@ class CompositeCalls:
 
     def _adasum(self, xs: Sequence[Any], name: Optional[str], prescale: Any, postscale: Any,
                 in_place: bool, grouped: bool) -> Handle:
-        """An allreduce with ``op=Adasum`` (see ``_adasum``): a grouped allgather, then the
-        same float64 combination on every rank; in place, the results are copied back."""
+        """An allreduce with ``op=Adasum`` (see ``_adasum``): in the engine when the set's size
+        is a power of two, else a grouped allgather, then the same float64 combination on
+        every rank; in place, the results are copied back."""
         what = ("grouped_allreduce" if grouped else "allreduce") + ("_" if in_place else "")
+        if in_engine(self.size()):
+            return self._adasum_engine(xs, name, prescale, postscale, in_place, grouped, what)
         try:
             pre, post = check_scales(prescale, postscale, what, name)
             srcs = [(for_writing if in_place else for_reading)(x, what, name)
@@ -45,6 +48,25 @@ class CompositeCalls:
             return out if grouped else out[0]
 
         return Handle(inner, lambda h: finish(h.wait()), (srcs,))
+
+    def _adasum_engine(self, xs: Sequence[Any], name: Optional[str], prescale: Any,
+                       postscale: Any, in_place: bool, grouped: bool, what: str) -> Handle:
+        """``_adasum`` as one engine allreduce (or one fused group) with op Adasum: the
+        engine's vector-halving exchange (csrc/collectives/allreduce_adasum.cc)."""
+        convert = for_writing if in_place else for_reading
+        if grouped:
+            with self._refusing_group(name, xs):
+                srcs = [convert(x, what, name) for x in _members(xs, call_label(what, name))]
+                check_floating(srcs, call_label(what, name))
+                outs = srcs if in_place else [self._outputs.empty_like(s) for s in srcs]
+                core = self._submit_group(srcs, outs, Adasum, name, prescale, postscale)
+            return self._track(core, lambda _: list(xs) if in_place else outs, (srcs, outs))
+        with self._refusing("allreduce", name):
+            src = convert(xs[0], what, name)
+            check_floating([src], call_label(what, name))
+        out = src if in_place else self._outputs.empty_like(src)
+        core = self._submit_allreduce(src, out, Adasum, name, prescale, postscale, what)
+        return self._track(core, lambda _: xs[0] if in_place else out, (src, out))
 
     def grouped_allgather_async(self, xs: Sequence[Any], name: Optional[str] = None) -> Handle:
         """Start an allgather of each of ``xs``, submitted together; the result is a list.

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import threading
 
+import ml_dtypes
 import numpy as np
 import pytest
+from procs import run_env_launch
 
 import ringreduce as rr
+from ringreduce._dtypes import dtype_code
 from ringreduce.testing import run_threaded
 
 
@@ -98,11 +101,12 @@ def test_adasum_refuses_integers_and_reducescatter():
     assert "rank 1 refused this call locally" in str(errs[0]), errs
 
 
-def test_torch_adasum_allreduce_and_optimizer():
+@pytest.mark.parametrize("n", [3, 4])  # gather path, engine path
+def test_torch_adasum_allreduce_and_optimizer(n):
     torch = pytest.importorskip("torch")
     import ringreduce.torch as rrt
 
-    n, lr = 3, 0.1
+    lr = 0.1
 
     lock = threading.Lock()  # the ranks are threads: torch's global RNG is shared
 
@@ -127,7 +131,9 @@ def test_torch_adasum_allreduce_and_optimizer():
             opt.step()
             t = rrt.allreduce(torch.tensor([1.0, 0.0]) if c.rank() == 0
                               else torch.tensor([0.0, 1.0]), op=rrt.Adasum)
-            return {k: v.detach().clone() for k, v in model.state_dict().items()}, t
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            assert (c._engine.stats()["adasum_allreduces"] == 2) == (n == 4)  # step + t
+            return state, t
 
     res = run_threaded(n, fn, timeout=60)
     # Reference: each rank's local SGD change, combined per parameter with Adasum.
@@ -146,3 +152,154 @@ def test_torch_adasum_allreduce_and_optimizer():
     want_t = reference([[1.0, 0.0]] + [[0.0, 1.0]] * (n - 1))  # [0.75, 1.25]
     for _, t in res:
         torch.testing.assert_close(t, torch.tensor(want_t, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- the engine's Adasum
+# Power-of-two sets run csrc/collectives/allreduce_adasum.cc (vector halving, distance
+# doubling); the stat adasum_allreduces counts its runs. Tolerances: the engine rounds
+# to the element type after each level, the reference is float64 throughout.
+
+TOL = {np.float16: 2e-2, ml_dtypes.bfloat16: 8e-2, np.float32: 1e-5, np.float64: 1e-12}
+BIG = (1 << 20) // 4 + 3  # float32 elements past one 1 MiB transport chunk, odd
+
+
+def tensors(rank, dtype, big):
+    """A fused call's tensors on ``rank``: empty, one element, odd and not divisible by 4
+    sizes, norms 1e3 apart, zero everywhere, zero on even ranks, and optionally more
+    than one transport chunk."""
+    rng = np.random.default_rng(100 + rank)
+    xs = [np.zeros(0), rng.standard_normal(1), rng.standard_normal(13) * 1000,
+          rng.standard_normal(7) * 0.001, np.zeros(6),
+          rng.standard_normal(5) * (rank % 2), rng.standard_normal(33)]
+    if big:
+        xs.append(rng.standard_normal(BIG))
+    return [x.astype(dtype) for x in xs]
+
+
+def adasum_runs(c):
+    return c._engine.stats()["adasum_allreduces"]
+
+
+def close_to(got, want, dtype):
+    """Within the dtype's tolerance of ``want``, relative to its largest element."""
+    got = np.asarray(got, np.float64).ravel()
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-30)
+    assert got.shape == want.shape
+    err = float(np.abs(got - want).max(initial=0.0))
+    assert err <= TOL[dtype] * scale, (err, scale, dtype)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64])
+def test_engine_adasum_matches_the_pairing_per_tensor(n, dtype):
+    big = dtype in (np.float16, np.float32)
+
+    def fn(c):
+        before = adasum_runs(c)
+        xs = tensors(c.rank(), dtype, big)
+        grouped = c.grouped_allreduce(xs, op=rr.Adasum, name="g", prescale_factor=2.0,
+                                      postscale_factor=0.25)
+        inplace = [x.copy() for x in xs]
+        c.grouped_allreduce_async_(inplace, op=rr.Adasum).wait()
+        one = c.allreduce(xs[2], op=rr.Adasum, name="one")
+        return grouped, inplace, one, adasum_runs(c) - before
+
+    res = run_threaded(n, fn, timeout=60)
+    every = [tensors(r, dtype, big) for r in range(n)]
+    for grouped, inplace, one, runs in res:
+        assert runs == 3  # each call one engine Adasum (a group is one fused response)
+        for i, got in enumerate(grouped):
+            assert got.dtype == np.dtype(dtype)
+            want = reference([2.0 * e[i].astype(np.float64) for e in every]) * 0.25
+            close_to(got, want, dtype)
+            close_to(inplace[i], reference([e[i].astype(np.float64) for e in every]), dtype)
+        close_to(one, reference([e[2].astype(np.float64) for e in every]), dtype)
+        for mine, first in zip(grouped + inplace + [one], res[0][0] + res[0][1] + [res[0][2]]):
+            assert mine.tobytes() == first.tobytes()  # bitwise the same on every rank
+
+
+def test_engine_adasum_dots_are_per_tensor():
+    """Two tensors fused in one buffer: combined as one vector, the large one would set the
+    coefficients of the small one. Equal vectors average, orthogonal ones add, per tensor."""
+
+    def fn(c):
+        big = np.array([1000.0, 0.0]) if c.rank() == 0 else np.array([0.0, 1000.0])
+        same = np.array([2.0, 4.0, 6.0])
+        return c.grouped_allreduce([big, same], op=rr.Adasum), adasum_runs(c)
+
+    for (big, same), runs in run_threaded(2, fn, timeout=60):
+        assert runs == 1
+        np.testing.assert_allclose(big, [1000.0, 1000.0])
+        np.testing.assert_allclose(same, [2.0, 4.0, 6.0])
+
+
+def test_three_ranks_gather_instead():
+    def fn(c):
+        x = contribution(c.rank(), (9,), np.float64)
+        return c.allreduce(x, op=rr.Adasum), adasum_runs(c)
+
+    want = reference([contribution(r, (9,), np.float64) for r in range(3)])
+    for out, runs in run_threaded(3, fn, timeout=60):
+        assert runs == 0
+        np.testing.assert_allclose(out, want, rtol=1e-12)
+
+
+def test_engine_adasum_mismatched_op_and_refused_dtypes():
+    def fn(c):
+        op = rr.Adasum if c.rank() == 0 else rr.Sum
+        with pytest.raises(rr.MismatchError, match="Adasum"):
+            c.allreduce(np.ones(4, np.float32), op=op, name="m")
+        # Straight to the engine (no Python check first): its own refusal names the tensor.
+        x = np.ones(3, np.int32)
+        code = dtype_code(x.dtype, "allreduce")
+        with pytest.raises(rr.InvalidInputError, match="'ints'.*floating-point"):
+            c._engine.allreduce(x, x, [3], code, rr.Adasum, 1.0, 1.0, "ints")
+        return float(c.allreduce(np.ones(2), op=rr.Adasum, name="after")[0])
+
+    assert run_threaded(2, fn, timeout=60) == [1.0, 1.0]
+
+
+def test_engine_adasum_on_process_sets():
+    from ringreduce import ProcessSet
+
+    def fn(c):
+        sets = [ProcessSet([0, 2]), ProcessSet([1, 3])]
+        c.process_sets.setup(sets)
+        mine = sets[c.rank() % 2]
+        with rr.use_communicator(c):
+            before = adasum_runs(c)
+            out = rr.allreduce(contribution(c.rank(), (11,), np.float64), op=rr.Adasum,
+                               name="ps", process_set=mine)
+            return out, adasum_runs(c) - before
+
+    res = run_threaded(4, fn, timeout=60)
+    for r, (out, runs) in enumerate(res):
+        assert runs == 1
+        pair = [r % 2, r % 2 + 2]
+        want = reference([contribution(p, (11,), np.float64) for p in pair])
+        np.testing.assert_allclose(out, want, rtol=1e-12)
+
+
+def test_engine_adasum_with_a_joined_rank_counts_it_as_zero():
+    """Rank 1 has joined: its leaf of the pairing is a zero vector, which Adasum passes
+    through, so the result is adasum(v0, adasum(v2, v3)) (documented in _adasum.py)."""
+
+    def fn(c):
+        if c.rank() == 1:
+            return c.join(), None
+        out = c.allreduce(contribution(c.rank(), (6,), np.float64), op=rr.Adasum, name="j")
+        return c.join(), out
+
+    res = run_threaded(4, fn, timeout=60)
+    vs = [contribution(r, (6,), np.float64) for r in range(4)]
+    want = reference([vs[0], np.zeros(6), vs[2], vs[3]])
+    for r, (_, out) in enumerate(res):
+        if r != 1:
+            np.testing.assert_allclose(out, want, rtol=1e-12)
+
+
+def test_engine_adasum_in_processes():
+    """Two processes (env-var launch): a large allreduce and a fused group run the engine's
+    Adasum (the worker checks results and the stat)."""
+    job = run_env_launch(2, "adasum_worker.py", timeout=120)
+    job.check_ok(expect_ranks=2)

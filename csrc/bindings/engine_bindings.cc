@@ -359,6 +359,7 @@ void bind_engine_class(py::module_& m) {
              d["tensors"] = s.tensors;
              d["shared_allreduces"] = s.shared_allreduces;
              d["hierarchical_allreduces"] = s.hierarchical_allreduces;
+             d["adasum_allreduces"] = s.adasum_allreduces;
              d["caller_rounds"] = s.caller_rounds;
              return d;
            })

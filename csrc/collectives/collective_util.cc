@@ -81,6 +81,22 @@ void check_reduce(const Context& ctx, const Tensor& t, ReduceOp op, const char* 
         bool(t.dtype == DType::kBool) ? " (use Sum/Max for 'any', Min/Product for 'all')" : "");
 }
 
+void check_adasum(int rank, const Tensor& t, int nranks, int device, const char* what) {
+  const bool is_float = dtype_is_valid(static_cast<int32_t>(t.dtype)) && !dtype_is_integer(t.dtype);
+  if (!is_float)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank, ": ", what, " '", t.name,
+                "': Adasum needs floating-point tensors (float16, bfloat16, float32, float64), ",
+                "got dtype ",
+                dtype_is_valid(static_cast<int32_t>(t.dtype)) ? dtype_name(t.dtype) : "<invalid>");
+  if (device >= 0)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank, ": ", what, " '", t.name,
+                "': Adasum runs on host memory only; got a tensor on GPU ", device);
+  if (nranks < 1 || (nranks & (nranks - 1)) != 0)
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank, ": ", what, " '", t.name,
+                "': Adasum in the engine needs a power-of-two number of ranks, got ", nranks,
+                " (ringreduce's Python calls gather the gradients instead for such sizes)");
+}
+
 size_t row_bytes(const Tensor& t) {
   size_t b = dtype_size(t.dtype);
   for (size_t i = 1; i < t.shape.size(); ++i) b *= static_cast<size_t>(t.shape[i]);

@@ -86,6 +86,9 @@ auto guarded(Context& ctx, Fn&& fn) -> decltype(fn()) {
 
 void check_shape(const Context& ctx, const Tensor& t, const char* op);
 void check_reduce(const Context& ctx, const Tensor& t, ReduceOp op, const char* what);
+// Adasum: floating-point dtypes, host memory (device < 0), and a power-of-two
+// number of ranks `nranks`; errors name the rank, the call and the tensor.
+void check_adasum(int rank, const Tensor& t, int nranks, int device, const char* what);
 // Scaling is undefined for bool: reject it before any byte moves.
 void check_scales(const Context& ctx, const Tensor& t, double prescale, double postscale,
                   const char* what);

@@ -1,10 +1,11 @@
-// Entry points of reducescatter, alltoall and barrier (see collective_util.h
+// Entry points of reducescatter, alltoall, barrier and Adasum (see collective_util.h
 // for the failure policy they share through guarded()).
 #include <cstring>
 
 #include "collectives/collective_util.h"
 #include "collectives/collectives.h"
 #include "collectives/op_header.h"
+#include "collectives/reduce_kernels.h"
 #include "common/error.h"
 
 namespace rr {
@@ -85,6 +86,39 @@ void barrier(Context& ctx, const std::string& name) {
   guarded(ctx, [&] {
     OpDesc d{CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, -1, {}, 1.0, 1.0, name};
     exchange_headers(ctx, d, ctx.next_seq(), nullptr, 0);
+  });
+}
+
+// The tensor boundaries ride in the header exchange: ranks that would split
+// the buffer differently raise a mismatch instead of combining the wrong parts.
+void adasum(Context& ctx, void* buf, const Tensor& desc, const std::vector<size_t>& counts,
+            double postscale) {
+  guarded(ctx, [&] {
+    check_shape(ctx, desc, "allreduce");
+    check_adasum(ctx.rank(), desc, ctx.size(), -1, "allreduce");
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    if (total != static_cast<size_t>(num_elements(desc.shape)))
+      throw_error(ErrorKind::kInvalidArgument, "rank ", ctx.rank(), ": allreduce '", desc.name,
+                  "' (Adasum): the tensors hold ", total, " elements, the buffer ",
+                  num_elements(desc.shape));
+    OpDesc d{CollKind::kAllreduce, desc.dtype, ReduceOp::kAdasum, -1,
+             desc.shape,           1.0,        postscale,         desc.name};
+    const uint64_t seq = ctx.next_seq();
+    const std::vector<uint64_t> mine(counts.begin(), counts.end());
+    HeaderExchange x = exchange_headers(ctx, d, seq, mine.data(), mine.size() * sizeof(uint64_t));
+    for (int p = 0; p < ctx.size(); ++p)
+      if (x.extras[p] != x.extras[ctx.rank()])
+        throw_error(ErrorKind::kMismatch, "rank ", ctx.rank(), ": ", describe_op(d, seq),
+                    " (Adasum): rank ", ctx.global_rank(p), " splits the buffer into ",
+                    x.extras[p].size() / sizeof(uint64_t), " tensors differently from rank ",
+                    ctx.global_rank(ctx.rank()), "'s ", counts.size());
+    auto* b = static_cast<uint8_t*>(buf);
+    if (ctx.size() == 1) {
+      if (postscale != 1.0) scale_inplace(b, total, desc.dtype, postscale);
+      return;
+    }
+    allreduce_adasum(ctx, b, counts, desc.dtype, postscale, describe_op(d, seq));
   });
 }
 

@@ -285,6 +285,83 @@ void scale_half(uint16_t* buf, size_t n, float factor) {
   }
 }
 
+// ---- Adasum (allreduce_adasum.cc). ----
+
+// Eight running sums per quantity, element i feeding lane i % 8, added up in
+// lane order at the end: the bits depend on the elements only, not on the
+// vector width (each lane is one chain of IEEE double operations).
+constexpr size_t kLanes = 8;
+struct DotLanes {
+  double ab[kLanes] = {}, aa[kLanes] = {}, bb[kLanes] = {};
+};
+
+template <class C>
+RR_KERNEL_CLONES void dot_lanes(const typename C::Storage* a, const typename C::Storage* b,
+                                size_t n, DotLanes* acc) {
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t j = 0; j < kLanes; ++j) {
+      const double x = static_cast<double>(C::load(a[i + j]));
+      const double y = static_cast<double>(C::load(b[i + j]));
+      acc->ab[j] += x * y;
+      acc->aa[j] += x * x;
+      acc->bb[j] += y * y;
+    }
+  }
+  for (size_t j = 0; i + j < n; ++j) {
+    const double x = static_cast<double>(C::load(a[i + j]));
+    const double y = static_cast<double>(C::load(b[i + j]));
+    acc->ab[j] += x * y;
+    acc->aa[j] += x * x;
+    acc->bb[j] += y * y;
+  }
+}
+
+// dst[i] = ca * a[i] + cb * b[i] in the compute type (float for float16 /
+// bfloat16 / float32, double for float64); no restrict: dst may be a or b.
+template <class C>
+RR_KERNEL_CLONES void scaled_add(typename C::Storage* dst, const typename C::Storage* a,
+                                 const typename C::Storage* b, size_t n, typename C::Compute ca,
+                                 typename C::Compute cb) {
+  for (size_t i = 0; i < n; ++i) dst[i] = C::store(ca * C::load(a[i]) + cb * C::load(b[i]));
+}
+
+template <class C>
+void adasum_dots_typed(const void* a, const void* b, size_t n, double out[3]) {
+  DotLanes acc;
+  using S = typename C::Storage;
+  if constexpr (std::is_same_v<C, Half>) {  // blocks converted in bulk; kHalfBlock % 8 == 0
+    alignas(64) float fa[kHalfBlock];
+    alignas(64) float fb[kHalfBlock];
+    for (size_t i = 0; i < n; i += kHalfBlock) {
+      const size_t m = std::min(kHalfBlock, n - i);
+      half_to_float(static_cast<const S*>(a) + i, fa, m);
+      half_to_float(static_cast<const S*>(b) + i, fb, m);
+      dot_lanes<Plain<float>>(fa, fb, m, &acc);
+    }
+  } else {
+    dot_lanes<C>(static_cast<const S*>(a), static_cast<const S*>(b), n, &acc);
+  }
+  for (size_t j = 0; j < kLanes; ++j) {
+    out[0] += acc.ab[j];
+    out[1] += acc.aa[j];
+    out[2] += acc.bb[j];
+  }
+}
+
+void scaled_add_half(uint16_t* dst, const uint16_t* a, const uint16_t* b, size_t n, float ca,
+                     float cb) {
+  alignas(64) float fa[kHalfBlock];
+  alignas(64) float fb[kHalfBlock];
+  for (size_t i = 0; i < n; i += kHalfBlock) {
+    const size_t m = std::min(kHalfBlock, n - i);
+    half_to_float(a + i, fa, m);
+    half_to_float(b + i, fb, m);
+    scaled_add<Plain<float>>(fa, fa, fb, m, ca, cb);
+    float_to_half(fa, dst + i, m);
+  }
+}
+
 // round_saturate for uint64, whose range no signed type holds.
 inline uint64_t round_saturate_u64(double y) {
   constexpr double kTop = 0x1.fffffffffffffp63;  // the largest double below 2^64
@@ -364,6 +441,7 @@ void combine_op(void* dst, const void* a, const void* b, size_t n, ReduceOp op) 
     case ReduceOp::kMin: return run_combine<C, OpMin>(d, x, y, n);
     case ReduceOp::kMax: return run_combine<C, OpMax>(d, x, y, n);
     case ReduceOp::kProduct: return run_combine<C, OpProduct>(d, x, y, n);
+    case ReduceOp::kAdasum: break;  // not element-wise: check_supported refused it
   }
 }
 
@@ -462,9 +540,42 @@ void divide_integers(void* buf, size_t count, DType dtype, int64_t divisor) {
   throw_bad_dtype("divide_integers", dtype);
 }
 
+void adasum_dots(const void* a, const void* b, size_t count, DType dtype, double out[3]) {
+  switch (dtype) {
+    case DType::kFloat16: return adasum_dots_typed<Half>(a, b, count, out);
+    case DType::kBFloat16: return adasum_dots_typed<BHalf>(a, b, count, out);
+    case DType::kFloat32: return adasum_dots_typed<Plain<float>>(a, b, count, out);
+    case DType::kFloat64: return adasum_dots_typed<Plain<double>>(a, b, count, out);
+    default: break;
+  }
+  throw_bad_dtype("Adasum", dtype);
+}
+
+void adasum_scaled_add(void* dst, const void* a, const void* b, size_t count, DType dtype,
+                       double ca, double cb) {
+  using H = uint16_t;
+  const auto fa = static_cast<float>(ca), fb = static_cast<float>(cb);
+  switch (dtype) {
+    case DType::kFloat16:
+      return scaled_add_half(static_cast<H*>(dst), static_cast<const H*>(a),
+                             static_cast<const H*>(b), count, fa, fb);
+    case DType::kBFloat16:
+      return scaled_add<BHalf>(static_cast<H*>(dst), static_cast<const H*>(a),
+                               static_cast<const H*>(b), count, fa, fb);
+    case DType::kFloat32:
+      return scaled_add<Plain<float>>(static_cast<float*>(dst), static_cast<const float*>(a),
+                                      static_cast<const float*>(b), count, fa, fb);
+    case DType::kFloat64:
+      return scaled_add<Plain<double>>(static_cast<double*>(dst), static_cast<const double*>(a),
+                                       static_cast<const double*>(b), count, ca, cb);
+    default: break;
+  }
+  throw_bad_dtype("Adasum", dtype);
+}
+
 bool reduce_supported(DType dtype, ReduceOp op) {
   if (!dtype_is_valid(static_cast<int32_t>(dtype))) return false;
-  if (!reduce_op_is_valid(static_cast<int32_t>(op))) return false;
+  if (!reduce_op_is_valid(static_cast<int32_t>(op)) || op == ReduceOp::kAdasum) return false;
   return !(dtype == DType::kBool && op == ReduceOp::kAverage);
 }
 

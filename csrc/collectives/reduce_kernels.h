@@ -26,7 +26,17 @@ void scale_inplace(void* buf, size_t count, DType dtype, double factor);
 // buf[i] /= divisor for integer dtypes, truncating toward zero (as C does).
 void divide_integers(void* buf, size_t count, DType dtype, int64_t divisor);
 
-// True if the kernel set supports (dtype, op); used to reject input early.
+// Adasum's kernels (allreduce_adasum.cc), floating-point dtypes only.
+// out[0] += a.b, out[1] += a.a, out[2] += b.b over `count` elements, in double
+// (elements widened exactly), in an order fixed by the count alone.
+void adasum_dots(const void* a, const void* b, size_t count, DType dtype, double out[3]);
+// dst[i] = ca * a[i] + cb * b[i]: float64 in double, the others in float (the
+// coefficients rounded to float), one rounding to the dtype. dst may be a or b.
+void adasum_scaled_add(void* dst, const void* a, const void* b, size_t count, DType dtype,
+                       double ca, double cb);
+
+// True if the element-wise kernels support (dtype, op); used to reject input
+// early. Adasum is not element-wise: false (see check_adasum).
 bool reduce_supported(DType dtype, ReduceOp op);
 
 // Name of the instruction set the kernels run with here ("avx512", "avx2", "baseline").

@@ -47,6 +47,7 @@ const char* reduce_op_name(ReduceOp op) {
     case ReduceOp::kMin: return "Min";
     case ReduceOp::kMax: return "Max";
     case ReduceOp::kProduct: return "Product";
+    case ReduceOp::kAdasum: return "Adasum";
   }
   return "unknown";
 }
@@ -56,7 +57,7 @@ bool dtype_is_valid(int32_t code) {
 }
 
 bool reduce_op_is_valid(int32_t code) {
-  return code >= 0 && code <= static_cast<int32_t>(ReduceOp::kProduct);
+  return code >= 0 && code <= static_cast<int32_t>(ReduceOp::kAdasum);
 }
 
 bool dtype_is_integer(DType t) {

@@ -25,13 +25,16 @@ enum class DType : int32_t {
   kUInt64 = 12,
 };
 
-// Average is not a kernel: collectives run Sum and then divide.
+// Average is not a kernel: collectives run Sum and then divide. Adasum is not
+// element-wise either: only allreduce runs it (allreduce_adasum.cc), on
+// floating-point dtypes.
 enum class ReduceOp : int32_t {
   kSum = 0,
   kAverage = 1,
   kMin = 2,
   kMax = 3,
   kProduct = 4,
+  kAdasum = 5,
 };
 
 size_t dtype_size(DType t);

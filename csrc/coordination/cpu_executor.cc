@@ -9,7 +9,8 @@
 // elements must stay neutral (2 x 1 is no identity for Product), and the
 // collectives' header check still sees equal arguments everywhere.
 // With joined ranks, Average runs as Sum and is divided by the number of
-// contributors afterwards, identically on every rank.
+// contributors afterwards, identically on every rank. Adasum packs its
+// tensors and their boundaries for its own algorithm (allreduce_adasum).
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -44,7 +45,9 @@ class CpuExecutor : public Executor {
     if (traced) start_activity(r, cat(coll_name(m.kind)));
     switch (m.kind) {
       case CollKind::kAllreduce:
-        if (r.tensors.size() == 1)
+        if (m.op == ReduceOp::kAdasum)
+          allreduce_adasum(r, local);
+        else if (r.tensors.size() == 1)
           allreduce_one(r, local[0]);
         else if (in_place_ok(r, local))
           allreduce_segmented(r, local);
@@ -167,6 +170,43 @@ class CpuExecutor : public Executor {
       segs.for_each(0, segs.bytes(), [&](uint8_t* q, size_t, size_t len) {
         finish(r, p, q, len / dtype_size(m.dtype));
       });
+  }
+
+  // Adasum combines each tensor on its own: the tensors are packed (prescaled;
+  // a joined rank's as zeros, which Adasum passes through: adasum(a, 0) = a)
+  // and their element counts go with them (collectives/allreduce_adasum.cc).
+  // One tensor present here runs in its output, without the fusion buffer.
+  void allreduce_adasum(const Response& r, const std::vector<Entry*>& local) {
+    const RequestMeta& m = r.tensors.front();
+    const size_t es = dtype_size(m.dtype);
+    std::vector<size_t> counts;
+    size_t total = 0;
+    for (const auto& t : r.tensors) {
+      counts.push_back(t.bytes() / es);
+      total += t.bytes();
+    }
+    const bool direct = r.tensors.size() == 1 && local[0];
+    auto* buf = direct ? static_cast<uint8_t*>(local[0]->out) : fusion(total);
+    if (!direct) phase("MEMCPY_IN_FUSION_BUFFER");
+    for (size_t i = 0, off = 0; i < r.tensors.size(); off += r.tensors[i].bytes(), ++i) {
+      const size_t n = r.tensors[i].bytes();
+      if (!local[i]) {
+        std::memset(buf + off, 0, n);
+        continue;
+      }
+      if (n && buf + off != local[i]->in) std::memcpy(buf + off, local[i]->in, n);
+      apply_prescale(buf + off, n / es, m.dtype, m.prescale);
+    }
+    // Not `direct`: a joined rank packs even a single tensor, and names must agree.
+    const std::string name =
+        r.tensors.size() == 1 ? m.name : cat(m.name, "+", r.tensors.size() - 1, " fused");
+    adasum(*ctx_, buf, Tensor{buf, {static_cast<int64_t>(total / es)}, m.dtype, name}, counts,
+           m.postscale);
+    if (direct) return;
+    phase("MEMCPY_OUT_FUSION_BUFFER");
+    for (size_t i = 0, off = 0; i < r.tensors.size(); off += r.tensors[i].bytes(), ++i)
+      if (local[i] && r.tensors[i].bytes())
+        std::memcpy(local[i]->out, buf + off, r.tensors[i].bytes());
   }
 
   void gather(const RequestMeta& m, Entry* e) {

@@ -127,7 +127,10 @@ void Engine::validate(Entry& e) {
   switch (m.kind) {
     case CollKind::kAllreduce:
     case CollKind::kReducescatter:
-      check_reduce(*ctx_, t, m.op, what);
+      if (m.op == ReduceOp::kAdasum && m.kind == CollKind::kAllreduce)
+        check_adasum(rank_, t, n, m.device, what);
+      else
+        check_reduce(*ctx_, t, m.op, what);
       check_scales(*ctx_, t, m.prescale, m.postscale, what);
       if (m.kind == CollKind::kReducescatter) check_has_rows(*ctx_, t, what);
       break;
@@ -349,6 +352,7 @@ EngineStats Engine::stats() const {
   s.tensors = executed_tensors_.load();
   s.shared_allreduces = ctx_->shared_allreduces();
   s.hierarchical_allreduces = ctx_->hierarchical_allreduces();
+  s.adasum_allreduces = ctx_->adasum_allreduces();
   s.caller_rounds = caller_rounds_.load();
   return s;
 }

@@ -68,6 +68,7 @@ struct EngineStats {
   uint64_t tensors = 0;
   uint64_t shared_allreduces = 0;        // over shared buffers (allreduce_shared.cc)
   uint64_t hierarchical_allreduces = 0;  // allreduce_hierarchical.cc
+  uint64_t adasum_allreduces = 0;        // allreduce_adasum.cc
   uint64_t caller_rounds = 0;            // of `rounds`, run by a waiting caller (engine_drive.cc)
 };
 

@@ -75,6 +75,7 @@ GpuExecutor::ReducePlan GpuExecutor::plan_reduce(const Response& r) const {
     case ReduceOp::kMax: return {DeviceOp::kMax, m.postscale};
     case ReduceOp::kProduct: return {DeviceOp::kProd, m.postscale};
     case ReduceOp::kAverage: break;
+    case ReduceOp::kAdasum: break;  // host memory only: Engine::validate refuses it
   }
   if (contributors == size && is_floating(m.dtype) && cur_->ops->nccl_version() >= kNcclAvgVersion)
     return {DeviceOp::kAvg, m.postscale};

@@ -134,6 +134,14 @@ class Context {
   void count_shared_allreduce() { shared_allreduces_.fetch_add(1); }
   uint64_t hierarchical_allreduces() const { return hierarchical_allreduces_.load(); }
   void count_hierarchical_allreduce() { hierarchical_allreduces_.fetch_add(1); }
+  // Adasum allreduces (allreduce_adasum.cc), counted on the job's context.
+  uint64_t adasum_allreduces() const { return adasum_allreduces_.load(); }
+  void count_adasum_allreduce() {
+    if (parent_)
+      parent_->count_adasum_allreduce();
+    else
+      adasum_allreduces_.fetch_add(1);
+  }
 
   // A view of some of this job's ranks as a job of its own (context_group.cc):
   // rank() and size() are positions in `members` (global ranks, in ring
@@ -192,6 +200,7 @@ class Context {
   SharedRegistry shared_;
   std::atomic<uint64_t> shared_allreduces_{0};
   std::atomic<uint64_t> hierarchical_allreduces_{0};
+  std::atomic<uint64_t> adasum_allreduces_{0};
   std::vector<std::vector<int>> hosts_;
   Context* parent_ = nullptr;  // set on group views only
   std::vector<int> members_;   // a view's ranks in parent_

@@ -108,29 +108,32 @@ void combine(uint8_t* dst, const uint8_t* a, const uint8_t* b, const Range& r,
   }
 }
 
-// Levels 0 .. L-1; returns the range held before each level.
-std::vector<Range> halve(Context& ctx, uint8_t* buf, const std::vector<size_t>& toff, DType dtype,
-                         const std::string& what) {
+// Levels 0 .. L-1; returns the range held before each level, and the last.
+// Level 0 reads this rank's vector from `own` (the input, out of place);
+// every level writes only the range it keeps, so later ones read buf.
+std::vector<Range> halve(Context& ctx, uint8_t* buf, const uint8_t* own,
+                         const std::vector<size_t>& toff, DType dtype, const std::string& what) {
   const size_t es = dtype_size(dtype);
   const int n = ctx.size(), rank = ctx.rank();
   std::vector<Range> held;
   Range cur{0, toff.back()};
   uint8_t* recv = ctx.scratch(5, (cur.count() + 1) / 2 * es);
-  for (int d = 1; d < n; d <<= 1) {
+  const uint8_t* src = own ? own : buf;
+  for (int d = 1; d < n; d <<= 1, src = buf) {
     const int peer = rank ^ d;
     const bool lower = (rank & d) == 0;
     const size_t mid = mid_of(cur);
     const Range keep = lower ? Range{cur.lo, mid} : Range{mid, cur.hi};
     const Range give = lower ? Range{mid, cur.hi} : Range{cur.lo, mid};
     CopySink sink(recv);
-    send_recv(ctx, peer, buf + give.lo * es, give.count() * es, peer, &sink, keep.count() * es,
+    send_recv(ctx, peer, src + give.lo * es, give.count() * es, peer, &sink, keep.count() * es,
               what);
-    uint8_t* own = buf + keep.lo * es;
-    const uint8_t* a = lower ? own : recv;
-    const uint8_t* b = lower ? recv : own;
+    const uint8_t* mine = src + keep.lo * es;
+    const uint8_t* a = lower ? mine : recv;
+    const uint8_t* b = lower ? recv : mine;
     std::vector<double> sums = partial_dots(a, b, keep, toff, dtype);
     group_sum(ctx, &sums, d, what);
-    combine(own, a, b, keep, toff, sums, dtype);
+    combine(buf + keep.lo * es, a, b, keep, toff, sums, dtype);
     held.push_back(cur);
     cur = keep;
   }
@@ -141,13 +144,13 @@ std::vector<Range> halve(Context& ctx, uint8_t* buf, const std::vector<size_t>& 
 }  // namespace
 
 void allreduce_adasum(Context& ctx, uint8_t* buf, const std::vector<size_t>& counts, DType dtype,
-                      double postscale, const std::string& what) {
+                      double postscale, const std::string& what, const uint8_t* own) {
   const size_t es = dtype_size(dtype);
   std::vector<size_t> toff(counts.size() + 1, 0);
   for (size_t t = 0; t < counts.size(); ++t) toff[t + 1] = toff[t] + counts[t];
   const int n = ctx.size(), rank = ctx.rank();
   ctx.phase("ADASUM_VECTOR_HALVING");
-  std::vector<Range> held = halve(ctx, buf, toff, dtype, what);
+  std::vector<Range> held = halve(ctx, buf, own, toff, dtype, what);
   Range cur = held.back();
   if (postscale != 1.0) scale_inplace(buf + cur.lo * es, cur.count(), dtype, postscale);
   ctx.phase("ADASUM_ALLGATHER");

@@ -42,10 +42,10 @@ void reducescatter(Context& ctx, const Tensor& in, ReduceOp op, double prescale,
 std::vector<int64_t> alltoall(Context& ctx, const Tensor& in, const std::vector<int64_t>& splits,
                               const Allocator& alloc);
 void barrier(Context& ctx, const std::string& name);
-// Adasum of the tensors packed in `buf` (desc: the whole buffer, 1-d; `counts`:
-// each tensor's elements, in order, the same on every rank), in place, then
-// times postscale (callers apply prescale). Floating-point dtypes only, and a
-// power-of-two ctx.size() (allreduce_adasum.cc).
+// Adasum of the tensors packed in desc.data (1-d; `counts`: each tensor's
+// elements, in order, the same on every rank) into `buf` (may be desc.data),
+// then times postscale (callers apply prescale). Floating-point dtypes only,
+// and a power-of-two ctx.size() (allreduce_adasum.cc).
 void adasum(Context& ctx, void* buf, const Tensor& desc, const std::vector<size_t>& counts,
             double postscale);
 
@@ -95,7 +95,7 @@ void allreduce_hierarchical_segments(Context& ctx, const Segments& segs, DType d
 void allreduce_shared_hierarchical(Context& ctx, const Segments& segs, DType dtype, ReduceOp op,
                                    double postscale, const std::string& what);
 void allreduce_adasum(Context& ctx, uint8_t* buf, const std::vector<size_t>& counts, DType dtype,
-                      double postscale, const std::string& what);
+                      double postscale, const std::string& what, const uint8_t* own = nullptr);
 void allreduce_direct(Context& ctx, uint8_t* buf, size_t count, DType dtype, ReduceOp op,
                       double postscale, const std::vector<std::vector<uint8_t>>& contributions);
 // Leaves segment r (byte offsets seg_off) fully reduced and finalized on rank r

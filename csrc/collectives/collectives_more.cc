@@ -114,11 +114,14 @@ void adasum(Context& ctx, void* buf, const Tensor& desc, const std::vector<size_
                     x.extras[p].size() / sizeof(uint64_t), " tensors differently from rank ",
                     ctx.global_rank(ctx.rank()), "'s ", counts.size());
     auto* b = static_cast<uint8_t*>(buf);
+    const auto* own = static_cast<const uint8_t*>(desc.data);
     if (ctx.size() == 1) {
+      if (own != b && total) std::memcpy(b, own, total * dtype_size(desc.dtype));
       if (postscale != 1.0) scale_inplace(b, total, desc.dtype, postscale);
       return;
     }
-    allreduce_adasum(ctx, b, counts, desc.dtype, postscale, describe_op(d, seq));
+    allreduce_adasum(ctx, b, counts, desc.dtype, postscale, describe_op(d, seq),
+                     own == b ? nullptr : own);
   });
 }
 

@@ -187,8 +187,13 @@ class CpuExecutor : public Executor {
     }
     const bool direct = r.tensors.size() == 1 && local[0];
     auto* buf = direct ? static_cast<uint8_t*>(local[0]->out) : fusion(total);
+    // Without prescale a lone tensor is read where it lies (out of place, the
+    // first level reads the input and writes only the output).
+    const bool read_input = direct && m.prescale == 1.0;
+    const void* in = read_input ? local[0]->in : buf;
     if (!direct) phase("MEMCPY_IN_FUSION_BUFFER");
-    for (size_t i = 0, off = 0; i < r.tensors.size(); off += r.tensors[i].bytes(), ++i) {
+    for (size_t i = 0, off = 0; !read_input && i < r.tensors.size();
+         off += r.tensors[i].bytes(), ++i) {
       const size_t n = r.tensors[i].bytes();
       if (!local[i]) {
         std::memset(buf + off, 0, n);
@@ -200,7 +205,7 @@ class CpuExecutor : public Executor {
     // Not `direct`: a joined rank packs even a single tensor, and names must agree.
     const std::string name =
         r.tensors.size() == 1 ? m.name : cat(m.name, "+", r.tensors.size() - 1, " fused");
-    adasum(*ctx_, buf, Tensor{buf, {static_cast<int64_t>(total / es)}, m.dtype, name}, counts,
+    adasum(*ctx_, buf, Tensor{in, {static_cast<int64_t>(total / es)}, m.dtype, name}, counts,
            m.postscale);
     if (direct) return;
     phase("MEMCPY_OUT_FUSION_BUFFER");

@@ -12,7 +12,7 @@ from procs import run_env_launch
 
 import ringreduce as rr
 from ringreduce._dtypes import dtype_code
-from ringreduce.testing import run_threaded
+from ringreduce.testing import make_world, run_threaded
 
 
 def reference(vectors):
@@ -159,7 +159,7 @@ def test_torch_adasum_allreduce_and_optimizer(n):
 # doubling); the stat adasum_allreduces counts its runs. Tolerances: the engine rounds
 # to the element type after each level, the reference is float64 throughout.
 
-TOL = {np.float16: 2e-2, ml_dtypes.bfloat16: 8e-2, np.float32: 1e-5, np.float64: 1e-12}
+TOL = {np.float16: 5e-3, ml_dtypes.bfloat16: 2e-2, np.float32: 2e-6, np.float64: 1e-12}
 BIG = (1 << 20) // 4 + 3  # float32 elements past one 1 MiB transport chunk, odd
 
 
@@ -303,3 +303,23 @@ def test_engine_adasum_in_processes():
     Adasum (the worker checks results and the stat)."""
     job = run_env_launch(2, "adasum_worker.py", timeout=120)
     job.check_ok(expect_ranks=2)
+
+
+def test_engine_adasum_over_tcp_and_shm():
+    """Two "hosts" of two ranks: level 0 pairs over shm, level 1 over TCP."""
+    w = make_world(4, host_ids=["a", "a", "b", "b"])
+    count = 70_001
+
+    def fn(c):
+        x = contribution(c.rank(), (count,), np.float64)
+        return c.allreduce(x, op=rr.Adasum, name="x"), adasum_runs(c)
+
+    try:
+        res = run_threaded(4, fn, world=w, timeout=60)
+    finally:
+        for c in w:
+            c.close()
+    want = reference([contribution(r, (count,), np.float64) for r in range(4)])
+    for out, runs in res:
+        assert runs == 1 and out.tobytes() == res[0][0].tobytes()
+        np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-12)

@@ -360,6 +360,7 @@ void bind_engine_class(py::module_& m) {
              d["shared_allreduces"] = s.shared_allreduces;
              d["hierarchical_allreduces"] = s.hierarchical_allreduces;
              d["caller_rounds"] = s.caller_rounds;
+             d["folded"] = s.folded;
              return d;
            })
       .def("create_shared",

@@ -70,6 +70,10 @@ struct Response {
   int32_t last_joined = -1;
   ErrorKind error_kind = ErrorKind::kMismatch;
   std::string message;
+  // Folded (engine_fold.cc): rank 0 reduced it within the round; `result`
+  // holds the reduced bytes and no collective runs.
+  bool folded = false;
+  std::vector<uint8_t> result;
 };
 
 const char* resp_type_name(RespType t);

@@ -134,3 +134,20 @@ def test_fused_grouped_sets_and_joins_take_the_ordinary_path():
         assert n_joined == 0, "a call while a rank has joined must not fold"
         assert [e.tolist() for e in extra] == ([[5.0, 5.0]] * 2 if r == 0 else []), extra
         assert last == 0, last
+
+
+def test_barriers_fold_and_still_wait_for_the_last_rank():
+    def body(c):
+        r, before, waited = c.rank(), folded(c), []
+        for i in range(4):
+            if r == i % 2:
+                time.sleep(0.1)
+            t0 = time.perf_counter()
+            c.barrier()
+            waited.append(time.perf_counter() - t0)
+        return folded(c) - before, waited
+
+    for r, (n, waited) in enumerate(run(2, body, 1024)):
+        assert n == 4, f"rank {r} folded {n} of 4 barriers"
+        early = [w for i, w in enumerate(waited) if r != i % 2]
+        assert min(early) > 0.05, f"rank {r} left barriers early: {waited}"

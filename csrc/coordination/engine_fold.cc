@@ -17,6 +17,8 @@
 //     rank 0 reduces the contributions exactly as allreduce_direct does (rank
 //     order 0..N-1, then finalize_reduction), writes its own result, and the
 //     RESPONSES carry the result bytes with the response.
+//   barriers: a barrier of the job is folded without contributions: rank 0
+//     answers it only once every rank has entered it, which is all it asks.
 //   everyone: a folded response is processed like an executed one (counted,
 //     cached, handles resolved) except that it runs no collective: a worker
 //     copies the result out of the RESPONSES. No rank touches the context's
@@ -95,7 +97,6 @@ void Engine::decode_folds(int rank, ByteReader& r) {
 // Rank 0, after decide(): folds what can be folded, forgets folds of every
 // tensor a response settled.
 void Engine::fold_responses(std::vector<Response>& rs) {
-  if (folds_.empty()) return;
   for (Response& r : rs) {
     if (r.type != RespType::kExec && r.type != RespType::kError) continue;
     if (r.type == RespType::kExec && r.tensors.size() == 1) fold_one(r);
@@ -105,6 +106,12 @@ void Engine::fold_responses(std::vector<Response>& rs) {
 
 void Engine::fold_one(Response& r) {
   const RequestMeta& m = r.tensors.front();
+  if (m.kind == CollKind::kBarrier) {
+    // Rank 0 answers only once every rank has entered: that is the barrier.
+    r.folded = opt_.fold_bytes > 0 && m.members.empty() && r.contributors == size_ &&
+               pending_.count(m.name) > 0;
+    return;
+  }
   auto f = folds_.find(m.name);
   auto mine = pending_.find(m.name);
   if (f == folds_.end() || f->second.count != size_ - 1 || mine == pending_.end() ||
@@ -130,6 +137,10 @@ void Engine::finish_folded(const Response& r) {
   if (it == pending_.end())
     throw_error(ErrorKind::kInternal, "rank ", rank_, ": told that allreduce '", m.name,
                 "' was folded, which this rank never submitted");
+  if (m.kind == CollKind::kBarrier) {
+    folded_.fetch_add(1, std::memory_order_relaxed);
+    return resolve_names({m.name});
+  }
   if (r.result.size() != m.bytes())
     throw_error(ErrorKind::kInternal, "rank ", rank_, ": folded allreduce '", m.name,
                 "' came with ", r.result.size(), " bytes where ", m.bytes(), " were due");

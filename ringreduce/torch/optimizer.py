@@ -255,6 +255,8 @@ class _DistributedMixin:
 
     # ------------------------------------------------------------ per gradient
     def _rr_hook(self, s: _Slot) -> None:
+        if self._rr_buckets is not None:
+            self._rr_buckets.adopt(s.param)
         if s.handle is not None:
             raise InvalidInputError(
                 f"DistributedOptimizer: the gradient of {s.name!r} was computed "

@@ -220,8 +220,13 @@ def test_joined_rank_zero_fills_the_tensors_it_lacks():
 
 def test_refusals_come_before_any_work():
     ops, ex = executor()
-    with pytest.raises(rr.InvalidInputError, match="joined"):
-        ex.execute([tensor("a", 8, 0, op=MIN), {**tensor("b", 8, 1, op=MIN), "in": None}])
+    with pytest.raises(rr.InvalidInputError, match="cannot run while a rank has joined"):
+        ex.execute([tensor("a2a", 8, kind="alltoall", shape=[2, 4], splits=[1, 1],
+                           peer_rows=[1, 1])], contributors=1)
+    with pytest.raises(rr.InvalidInputError, match="compression to float16 of a int32"):
+        ex.execute([tensor("i", 8, dtype=I32, wire=F16)])
+    with pytest.raises(rr.InvalidInputError, match="only allreduces"):
+        ex.execute([tensor("b", 8, kind="broadcast", root=0, wire=BF16)])
     assert ops.calls() == []
 
 
@@ -313,13 +318,14 @@ def test_allgather_of_ragged_rows_pads_then_compacts_in_one_launch(rank):
                                                f"{FUSION + 36:#x}->0x8000018:36"]
 
 
-def test_allgather_and_alltoall_refuse_a_joined_rank_on_every_rank():
+def test_a_joined_allgather_agrees_on_rows_over_the_host_links():
+    # While a rank has joined, every rank learns the row counts from a host allgather in
+    # the response's turn (run end to end in test_gpu_arrays.py); an executor without the
+    # job's links cannot, and says so. Alltoall is refused (test_refusals_...).
     ops, ex = executor(size=2)
-    for kind in ("allgather", "alltoall"):
-        with pytest.raises(rr.InvalidInputError, match="a rank that joined takes part on GPU"):
-            ex.execute([tensor("x", 4, kind=kind, peer_rows=[4, 0], splits=[2, 2])],
-                       contributors=1)
-    assert ops.calls() == []
+    with pytest.raises(rr.InvalidInputError, match="no host links to agree on the row counts"):
+        ex.execute([tensor("x", 4, kind="allgather", peer_rows=[4, 0])], contributors=1)
+    assert "nccl_allgather" not in verbs(ops)
 
 
 def test_alltoall_is_one_nccl_group_of_sends_and_receives_and_a_local_copy():

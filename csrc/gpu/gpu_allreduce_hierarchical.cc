@@ -61,12 +61,12 @@ uint64_t GpuExecutor::hierarchical_bytes(uint64_t bytes, uint64_t item) const {
   return (count + L - 1) / L * L * item;
 }
 
-void GpuExecutor::allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uint64_t count,
-                                         DeviceOp op) {
+void GpuExecutor::allreduce_hierarchical(const RequestMeta& m, DType dtype, uint64_t buf,
+                                         uint64_t count, DeviceOp op) {
   int l = 0;
   const std::vector<int>& host = my_host(&l);
   const int L = static_cast<int>(host.size());
-  const uint64_t item = dtype_size(m.dtype);
+  const uint64_t item = dtype_size(dtype);
   const uint64_t shard = (count + static_cast<uint64_t>(L) - 1) / static_cast<uint64_t>(L);
   const uint64_t sb = shard * item, mine = buf + static_cast<uint64_t>(l) * sb;
   if (shard * static_cast<uint64_t>(L) > count)
@@ -75,7 +75,7 @@ void GpuExecutor::allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uin
   RequestMeta local_meta = m;
   local_meta.members.assign(host.begin(), host.end());
   Comm& local = comm_of(local_meta);
-  local.ops->nccl_reducescatter(buf, mine, shard, m.dtype, op, stream_);
+  local.ops->nccl_reducescatter(buf, mine, shard, dtype, op, stream_);
   staging_.resize(sb);
   ops_->memcpy_async(addr_of(staging_.data()), mine, sb, stream_);
   wait_here(local);
@@ -84,11 +84,11 @@ void GpuExecutor::allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uin
   Tensor t;
   t.data = staging_.data();
   t.shape = {static_cast<int64_t>(shard)};
-  t.dtype = m.dtype;
+  t.dtype = dtype;
   t.name = cat(m.name, " (across hosts)");
   allreduce(ctx_->group(ring), t, staging_.data(), host_op(op), 1.0, 1.0);
   ops_->memcpy_async(mine, addr_of(staging_.data()), sb, stream_);
-  local.ops->nccl_allgather(mine, buf, shard, m.dtype, stream_);
+  local.ops->nccl_allgather(mine, buf, shard, dtype, stream_);
   ctx_->count_hierarchical_allreduce();
 }
 

@@ -46,7 +46,7 @@ void GpuExecutor::allreduce_compressed(const Response& r, const std::vector<Entr
   std::vector<PackEntry> entries;
   for (const RequestMeta& t : r.tensors) entries.push_back(PackEntry{0, t.bytes() / item * wi});
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
-  const uint64_t buf = fusion(hier ? hierarchical_bytes(layout.bytes, wi) : layout.bytes);
+  const uint64_t buf = fusion(hier ? hierarchical_bytes(m, layout.bytes, wi) : layout.bytes);
   std::vector<CopyDesc> pack, unpack;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!local[i]) continue;

@@ -163,7 +163,7 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   // entries this rank has (pack from the inputs, unpack to the outputs).
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
   const uint64_t item = dtype_size(m.dtype);
-  const uint64_t buf = fusion(hier ? hierarchical_bytes(layout.bytes, item) : layout.bytes);
+  const uint64_t buf = fusion(hier ? hierarchical_bytes(m, layout.bytes, item) : layout.bytes);
   std::vector<CopyDesc> pack, unpack;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!local[i]) continue;

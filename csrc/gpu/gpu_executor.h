@@ -31,8 +31,9 @@
 // allreduce in that dtype, prescale folded into the pack and postscale (and
 // Average's 1 / contributors) into the unpack. Even one tensor takes it.
 //
-// With RINGREDUCE_HIERARCHICAL_ALLREDUCE=1 on several hosts, allreduces take
-// the fused path with a hierarchical reduction in step 4
+// With RINGREDUCE_HIERARCHICAL_ALLREDUCE=1 on several hosts (of any rank
+// counts; a process set's members on several hosts too), allreduces take the
+// fused path with a hierarchical reduction in step 4
 // (gpu_allreduce_hierarchical.cc).
 //
 // Communicators: one per set of ranks, the job's for ordinary responses and
@@ -118,11 +119,18 @@ class GpuExecutor : public Executor {
   Comm& comm_for(const Response& r) { return comm_of(r.tensors.front()); }
   Comm& comm_of(const RequestMeta& m);  // m.members' communicator (gpu_comms.cc)
   // gpu_allreduce_hierarchical.cc
+  struct HostSplit {
+    std::vector<std::vector<int>> hosts;  // global ranks per host, the set's members only
+    int host = -1, local = 0;             // this rank's host and place there
+    uint64_t units = 1;                   // lcm of the hosts' rank counts
+  };
+  HostSplit split_hosts(const RequestMeta& m) const;
   bool hierarchical(const Response& r, const std::vector<Entry*>& local) const;
-  uint64_t hierarchical_bytes(uint64_t bytes, uint64_t item) const;
-  const std::vector<int>& my_host(int* index) const;
+  uint64_t hierarchical_bytes(const RequestMeta& m, uint64_t bytes, uint64_t item) const;
   void allreduce_hierarchical(const RequestMeta& m, DType dtype, uint64_t buf, uint64_t count,
                               DeviceOp op);
+  void cross_host_rings(const HostSplit& s, const RequestMeta& m, DType dtype, uint64_t unit,
+                        DeviceOp op);
   void wait_here(Comm& c);
   void abort_comms();
   GpuOps& nccl() { return *cur_->ops; }  // the current response's communicator

@@ -242,8 +242,8 @@ class Communicator(GpuCalls, CompositeCalls):
                     prescale: Any, postscale: Any, what: str, result: Callable[[list], Any],
                     compression: str, grouped: bool = False) -> Handle:
         """An allreduce with ``compression``: GPU arrays through the executor's casts;
-        host arrays refuse it."""
-        if xs and all(is_gpu_array(x) for x in xs):
+        host arrays refuse it, and so does Adasum."""
+        if xs and all(is_gpu_array(x) for x in xs) and op is not Adasum:
             return self._gpu_allreduce(xs, in_place, op, name, prescale, postscale, what,
                                        result, grouped, compression)
         refusing = self._refusing_group(name, xs) if grouped else self._refusing(
@@ -251,7 +251,8 @@ class Communicator(GpuCalls, CompositeCalls):
         with refusing:
             raise InvalidInputError(
                 f"{call_label(what, name)}: compression= applies to GPU arrays (cast on the "
-                "device); host arrays are compressed by a framework layer's Compression")
+                "device) and not to Adasum; host arrays are compressed by a framework "
+                "layer's Compression")
 
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float, what: str) -> Any:

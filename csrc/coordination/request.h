@@ -32,6 +32,9 @@ struct RequestMeta {
   // a group view of the Context (Context::group); rank numbers in the
   // meta (root) are positions in this list, as in Horovod.
   std::vector<int32_t> members;
+  // Compression of a GPU allreduce: the DType the data travels as (float16 or
+  // bfloat16, cast by the GPU executor's kernels); -1: its own dtype.
+  int32_t wire = -1;
 
   size_t bytes() const;
   void write(ByteWriter& w) const;

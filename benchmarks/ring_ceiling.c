@@ -15,13 +15,19 @@
  * is 3.0 everywhere. Compare with shared_ceiling.c (the same sum when the buffers are
  * shared, no slots): the difference is what moving data through slots costs on this VM.
  *
+ * With "oop" (out of place, as rr.allreduce(x) returning a new array), each rank reads its
+ * input from one private buffer and writes the result into another (allocated once, so
+ * warm, as the engine's output pool hands it out): the same bytes move, over twice the
+ * memory, which is what an out-of-place call cannot avoid.
+ *
  * With "stream", both ranks write the slots with streaming (non-temporal) stores, so the
  * peer reads them from memory rather than from this core's cache: the other store kind
  * the engine's chooser (csrc/transport/stream_choice.h) picks between. Which is faster
  * depends on how fast a cache line moves between the two cores at the time.
  *
  *     gcc -O3 -march=native -o /tmp/ring_ceiling benchmarks/ring_ceiling.c
- *     /tmp/ring_ceiling [floats] [chunk bytes] [stream]   # default: 25,557,032 floats, 256 KiB
+ *     /tmp/ring_ceiling [floats] [chunk bytes] [stream|ordinary] [oop]
+ *     # default: 25,557,032 floats, 256 KiB chunks, ordinary stores, in place
  */
 #define _GNU_SOURCE
 #include <sched.h>
@@ -99,23 +105,26 @@ static void put(float* dst, const float* src, size_t n, int stream) {
   memcpy(dst, src, n * sizeof(float));
 }
 
-/* mine += in, in rank order (as the engine's reductions), the sums also into `out`. */
-static void reduce_into(float* mine, const float* in, float* out, size_t m, int rank, int stream) {
+/* dst = own + in, in rank order (as the engine's reductions), the sums also into `out`;
+ * dst == own in place. */
+static void reduce_into(float* dst, const float* own, const float* in, float* out, size_t m,
+                        int rank, int stream) {
   if (stream) { /* the sums go to `out` from L1, a block at a time */
     for (size_t b = 0; b < m; b += BLOCK) {
       const size_t len = m - b < BLOCK ? m - b : BLOCK;
-      reduce_into(mine + b, in + b, mine + b, len, rank, 0);
-      put(out + b, mine + b, len, 1);
+      reduce_into(dst + b, own + b, in + b, dst + b, len, rank, 0);
+      put(out + b, dst + b, len, 1);
     }
   } else if (rank == 0) {
-    for (size_t i = 0; i < m; i++) mine[i] = out[i] = mine[i] + in[i];
+    for (size_t i = 0; i < m; i++) dst[i] = out[i] = own[i] + in[i];
   } else {
-    for (size_t i = 0; i < m; i++) mine[i] = out[i] = in[i] + mine[i];
+    for (size_t i = 0; i < m; i++) dst[i] = out[i] = in[i] + own[i];
   }
 }
 
-/* One allreduce: `base` is the number of chunks each FIFO carried in earlier iterations. */
-static void ring_allreduce(float* buf, Share own, Share peer, Channel raw_out, Channel raw_in,
+/* One allreduce of `src` into `buf` (the same buffer in place): `base` is the number of
+ * chunks each FIFO carried in earlier iterations. */
+static void ring_allreduce(const float* src, float* buf, Share own, Share peer, Channel raw_out, Channel raw_in,
                            Channel red_out, Channel red_in, long base_own, long base_peer, int rank,
                            int stream) {
   const size_t k_own = chunks(own), k_peer = chunks(peer), per = own.per;
@@ -123,15 +132,16 @@ static void ring_allreduce(float* buf, Share own, Share peer, Channel raw_out, C
   while (sent < k_peer || reduced < k_own || copied < k_peer) {
     if (sent < k_peer && has_space(raw_out, base_peer + sent)) {
       long h = base_peer + sent;
-      put(slot(raw_out, h, per), buf + peer.lo + sent * per, chunk_len(peer, sent), stream);
+      put(slot(raw_out, h, per), src + peer.lo + sent * per, chunk_len(peer, sent), stream);
       publish(raw_out, h);
       sent++;
     }
     if (reduced < k_own && has_data(raw_in, base_own + reduced) &&
         has_space(red_out, base_own + reduced)) {
       long h = base_own + reduced;
-      float *mine = buf + own.lo + reduced * per, *in = slot(raw_in, h, per);
-      reduce_into(mine, in, slot(red_out, h, per), chunk_len(own, reduced), rank, stream);
+      const size_t at = own.lo + reduced * per;
+      reduce_into(buf + at, src + at, slot(raw_in, h, per), slot(red_out, h, per),
+                  chunk_len(own, reduced), rank, stream);
       release(raw_in, h);
       publish(red_out, h);
       reduced++;
@@ -150,6 +160,7 @@ int main(int argc, char** argv) {
   const size_t n = argc > 1 ? strtoull(argv[1], NULL, 10) : 25557032;
   const size_t chunk = argc > 2 ? strtoull(argv[2], NULL, 10) : 262144;
   const int stream = argc > 3 && strcmp(argv[3], "stream") == 0;
+  const int oop = argc > 4 && strcmp(argv[4], "oop") == 0;
   const size_t per = chunk / sizeof(float), fifo_floats = SLOTS * per;
   if (per == 0 || chunk % sizeof(float) != 0)
     return fprintf(stderr, "chunk must be a positive multiple of 4 bytes\n"), 1;
@@ -161,8 +172,10 @@ int main(int argc, char** argv) {
   arrivals = (_Atomic long*)shared;
   Fifo* fifos = (Fifo*)(shared + 4096);
   float* slots = (float*)(fifos + 4);
-  float* buf = malloc(n * sizeof(float)); /* before the fork: both ranks have one, or none */
-  if (buf == NULL) return perror("malloc"), 1;
+  /* before the fork: both ranks have them, or none */
+  float* buf = malloc(n * sizeof(float));
+  float* in = oop ? malloc(n * sizeof(float)) : buf;
+  if (buf == NULL || in == NULL) return perror("malloc"), 1;
   const int rank = fork_pinned();
   Channel ch[4];
   for (int i = 0; i < 4; i++) ch[i] = (Channel){fifos + i, slots + i * fifo_floats};
@@ -172,10 +185,10 @@ int main(int argc, char** argv) {
   double best = 1e9, total = 0;
   const int warmup = 3, iters = 30;
   for (int it = 0; it < warmup + iters; it++) {
-    for (size_t i = 0; i < n; i++) buf[i] = (float)(rank + 1);
+    for (size_t i = 0; i < n; i++) in[i] = (float)(rank + 1);
     barrier(&generation);
     const double t0 = now();
-    ring_allreduce(buf, shares[rank], shares[peer_rank], ch[rank * 2], ch[peer_rank * 2],
+    ring_allreduce(in, buf, shares[rank], shares[peer_rank], ch[rank * 2], ch[peer_rank * 2],
                    ch[rank * 2 + 1], ch[peer_rank * 2 + 1], base_own, base_peer, rank, stream);
     barrier(&generation);
     const double dt = now() - t0;
@@ -194,10 +207,10 @@ int main(int argc, char** argv) {
   }
   if (rank == 0) {
     printf(
-        "%zu floats (%.1f MiB), private ring, %zu-byte chunks, %s stores: best %.2f ms, "
+        "%zu floats (%.1f MiB), private ring, %s, %zu-byte chunks, %s stores: best %.2f ms, "
         "mean %.2f ms\n",
-        n, n * sizeof(float) / 1048576.0, chunk, stream ? "streaming" : "ordinary", best * 1e3,
-        total / iters * 1e3);
+        n, n * sizeof(float) / 1048576.0, oop ? "out of place" : "in place", chunk,
+        stream ? "streaming" : "ordinary", best * 1e3, total / iters * 1e3);
     return reap_child();
   }
   return 0;

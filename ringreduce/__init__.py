@@ -205,18 +205,22 @@ def cross_size() -> int:
 
 def allreduce(x: Any, op: int = Average, name: Optional[str] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> np.ndarray:
+              process_set: ProcessSet = global_process_set, *,
+              compression: Optional[str] = None) -> np.ndarray:
     """Reduce ``x`` across ranks; new array. See ``Communicator.allreduce``."""
     c = _on(process_set, "allreduce")
-    return c.allreduce(x, op, name, prescale_factor, postscale_factor)
+    return c.allreduce(x, op, name, prescale_factor, postscale_factor,
+                       compression=compression)
 
 
 def allreduce_(x: Any, op: int = Average, name: Optional[str] = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> Any:
+               process_set: ProcessSet = global_process_set, *,
+               compression: Optional[str] = None) -> Any:
     """Reduce ``x`` across ranks in place and return it."""
     c = _on(process_set, "allreduce_")
-    return c.allreduce_(x, op, name, prescale_factor, postscale_factor)
+    return c.allreduce_(x, op, name, prescale_factor, postscale_factor,
+                        compression=compression)
 
 
 def allgather(x: Any, name: Optional[str] = None,
@@ -283,27 +287,33 @@ def allgather_object(obj: Any, name: Optional[str] = None,
 # ------------------------------------------------------------------ async forms
 def allreduce_async(x: Any, op: int = Average, name: Optional[str] = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+                    process_set: ProcessSet = global_process_set, *,
+                    compression: Optional[str] = None) -> Handle:
     """Start an allreduce and return at once; ``synchronize(h)`` returns the new array."""
     c = _on(process_set, "allreduce_async")
-    return c.allreduce_async(x, op, name, prescale_factor, postscale_factor)
+    return c.allreduce_async(x, op, name, prescale_factor, postscale_factor,
+                             compression=compression)
 
 
 def allreduce_async_(x: Any, op: int = Average, name: Optional[str] = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Handle:
+                     process_set: ProcessSet = global_process_set, *,
+                     compression: Optional[str] = None) -> Handle:
     """Start an in-place allreduce of ``x``; ``synchronize(h)`` returns ``x``."""
     c = _on(process_set, "allreduce_async_")
-    return c.allreduce_async_(x, op, name, prescale_factor, postscale_factor)
+    return c.allreduce_async_(x, op, name, prescale_factor, postscale_factor,
+                              compression=compression)
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
                             prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> Handle:
+                            process_set: ProcessSet = global_process_set, *,
+                            compression: Optional[str] = None) -> Handle:
     """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
     c = _on(process_set, "grouped_allreduce_async")
-    return c.grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor)
+    return c.grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor,
+                                     compression=compression)
 
 
 def grouped_allreduce_async_(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
@@ -317,10 +327,12 @@ def grouped_allreduce_async_(xs: Sequence[Any], op: int = Average, name: Optiona
 
 def grouped_allreduce(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list:
+                      process_set: ProcessSet = global_process_set, *,
+                      compression: Optional[str] = None) -> list:
     """Allreduce all of ``xs`` as one fused unit; returns a list of new arrays."""
     return synchronize(grouped_allreduce_async(xs, op, name, prescale_factor, postscale_factor,
-                                               process_set=process_set))
+                                               process_set=process_set,
+                                               compression=compression))
 
 
 def grouped_allreduce_(xs: Sequence[Any], op: int = Average, name: Optional[str] = None,

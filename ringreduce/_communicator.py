@@ -153,8 +153,12 @@ class Communicator(GpuCalls, CompositeCalls):
 
     # -------------------------------------------------------------- allreduce
     def allreduce_async_(self, x: Any, op: int = Average, name: Optional[str] = None,
-                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                         compression: Optional[str] = None) -> Handle:
         """Start an in-place allreduce of ``x``; ``synchronize(handle)`` returns ``x``."""
+        if compression not in (None, "none"):
+            return self._compressed([x], True, op, name, prescale_factor, postscale_factor,
+                                    "allreduce_", lambda outs: x, compression)
         # The per-gradient hot path: a plain numpy array is checked in C++ and
         # its handle (a _core.ArrayHandle: wait() returns x) made there too.
         if op is Adasum:
@@ -179,8 +183,12 @@ class Communicator(GpuCalls, CompositeCalls):
         return self._track(core, lambda _: x, (arr,))
 
     def allreduce_async(self, x: Any, op: int = Average, name: Optional[str] = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                        compression: Optional[str] = None) -> Handle:
         """Start an allreduce; ``synchronize(handle)`` returns the result as a new array."""
+        if compression not in (None, "none"):
+            return self._compressed([x], False, op, name, prescale_factor, postscale_factor,
+                                    "allreduce", lambda outs: outs[0], compression)
         if op is Adasum:
             return self._adasum([x], name, prescale_factor, postscale_factor, False, False)
         if is_gpu_array(x):
@@ -194,12 +202,15 @@ class Communicator(GpuCalls, CompositeCalls):
         return self._track(core, lambda _: out, (src, out))
 
     def allreduce_(self, x: Any, op: int = Average, name: Optional[str] = None,
-                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                   compression: Optional[str] = None) -> Any:
         """Reduce ``x`` across ranks in place and return it (see ``allreduce``)."""
-        return self._wait(self.allreduce_async_(x, op, name, prescale_factor, postscale_factor))
+        return self._wait(self.allreduce_async_(x, op, name, prescale_factor, postscale_factor,
+                                                compression=compression))
 
     def allreduce(self, x: Any, op: int = Average, name: Optional[str] = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                  compression: Optional[str] = None) -> np.ndarray:
         """Reduce ``x`` element-wise across ranks; return the result as a new array.
 
         Parameters
@@ -213,13 +224,35 @@ class Communicator(GpuCalls, CompositeCalls):
             orders); unnamed calls are matched by their order.
         prescale_factor, postscale_factor : float
             Multiply each input before, and the result after, the reduction.
+        compression : {None, 'fp16', 'bf16'}, optional
+            GPU arrays only: float32 / float64 arrays travel as float16 / bfloat16, cast
+            by the GPU executor's kernels (scales folded into the casts); other dtypes
+            travel as they are. Ranks must agree. Host arrays refuse it (the framework
+            layers' ``Compression`` casts them).
 
         Returns
         -------
         numpy.ndarray
             Bitwise identical on every rank.
         """
-        return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor))
+        return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor,
+                                               compression=compression))
+
+    def _compressed(self, xs: Sequence[Any], in_place: bool, op: Any, name: Optional[str],
+                    prescale: Any, postscale: Any, what: str, result: Callable[[list], Any],
+                    compression: str, grouped: bool = False) -> Handle:
+        """An allreduce with ``compression``: GPU arrays through the executor's casts;
+        host arrays refuse it, and so does Adasum."""
+        if xs and all(is_gpu_array(x) for x in xs) and op is not Adasum:
+            return self._gpu_allreduce(xs, in_place, op, name, prescale, postscale, what,
+                                       result, grouped, compression)
+        refusing = self._refusing_group(name, xs) if grouped else self._refusing(
+            "allreduce", name)
+        with refusing:
+            raise InvalidInputError(
+                f"{call_label(what, name)}: compression= applies to GPU arrays (cast on the "
+                "device) and not to Adasum; host arrays are compressed by a framework "
+                "layer's Compression")
 
     def _submit_allreduce(self, src: np.ndarray, out: np.ndarray, op: int, name: Optional[str],
                           prescale: float, postscale: float, what: str) -> Any:
@@ -237,8 +270,12 @@ class Communicator(GpuCalls, CompositeCalls):
 
     def grouped_allreduce_async(self, xs: Sequence[Any], op: int = Average,
                                 name: Optional[str] = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
+                                postscale_factor: float = 1.0, *,
+                                compression: Optional[str] = None) -> Handle:
         """Start one fused allreduce of all of ``xs``; the result is a list of new arrays."""
+        if compression not in (None, "none"):
+            return self._compressed(xs, False, op, name, prescale_factor, postscale_factor,
+                                    "grouped_allreduce", list, compression, grouped=True)
         if op is Adasum:
             return self._adasum(xs, name, prescale_factor, postscale_factor, False, True)
         if any(is_gpu_array(x) for x in xs):
@@ -252,10 +289,12 @@ class Communicator(GpuCalls, CompositeCalls):
 
     def grouped_allreduce(self, xs: Sequence[Any], op: int = Average,
                           name: Optional[str] = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list:
+                          postscale_factor: float = 1.0, *,
+                          compression: Optional[str] = None) -> list:
         """Allreduce all of ``xs`` as one fused unit; returns a list of new arrays."""
         return self._wait(self.grouped_allreduce_async(xs, op, name, prescale_factor,
-                                                       postscale_factor))
+                                                       postscale_factor,
+                                                       compression=compression))
 
     def grouped_allreduce_async_(self, xs: Sequence[Any], op: int = Average,
                                  name: Optional[str] = None, prescale_factor: float = 1.0,

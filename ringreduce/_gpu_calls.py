@@ -6,7 +6,8 @@ count must be known when the call is submitted: the call first exchanges the row
 (allgather) or the splits (alltoall) with a small host allgather of int64s named
 ``<name>.rows`` / ``<name>.splits`` (unnamed calls: the next unnamed names, in order), then
 submits the GPU collective with every rank's counts. The ``_async`` forms therefore return
-after that exchange, i.e. once every rank has made the call."""
+after that exchange, i.e. once every rank has made the call. A rank that has joined gives
+no rows to the allgather's exchange (its count is 0); an alltoall cannot run while one has."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import numpy as np
 
 from ._call_checks import _check_op, _part, check_scales
 from ._cuda_arrays import is_gpu_array
-from ._gpu_collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
+from ._gpu_collectives import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BROADCAST,
+    REDUCESCATTER,
+    wire_code,
+)
 from ._handles import Handle, _HandleGroup
 from .exceptions import InvalidInputError, call_label
 
@@ -27,19 +35,24 @@ class GpuCalls:
 
     def _gpu_allreduce(self, xs: Sequence[Any], in_place: bool, op: Any, name: Optional[str],
                        prescale: Any, postscale: Any, what: str,
-                       result: Callable[[list], Any], grouped: bool = False) -> Handle:
-        """An allreduce of GPU arrays (one, or a fused group) through the GPU executor."""
+                       result: Callable[[list], Any], grouped: bool = False,
+                       compression: Optional[str] = None) -> Handle:
+        """An allreduce of GPU arrays (one, or a fused group) through the GPU executor;
+        ``compression`` ('fp16' / 'bf16'): float32 / float64 arrays travel as float16 /
+        bfloat16, cast by the executor's pack and unpack kernels."""
         op = _check_op(op, call_label(what, name))
         pre, post = check_scales(prescale, postscale, what, name)
         if not all(is_gpu_array(x) for x in xs) or not xs:
             raise InvalidInputError(f"{call_label(what, name)}: a group is either all GPU "
                                     "arrays or all host arrays, and not empty")
         ins = self._gpu.views(xs, what, name)
+        wire = wire_code(compression, ins, call_label(what, name))
         outs = None if in_place else self._gpu.results(ins, what, name)
         with self._lock:  # the unnamed-group counter advances only when the engine took it
             group = self._group_name(name) if grouped else ""
             names = [f"{group}.{i}" for i in range(len(ins))] if grouped else [self._name(name)]
-            core = self._gpu.submit(ALLREDUCE, ins, outs, names, group, op, pre, post)
+            core = self._gpu.submit(ALLREDUCE, ins, outs, names, group, op, pre, post,
+                                    wire=wire)
             self._groups += grouped and name is None
         results = [o.obj for o in outs] if outs else list(xs)
         return self._track(core, lambda _: result(results), (ins, outs))
@@ -83,11 +96,12 @@ class GpuCalls:
             ins = [self._gpu.views([x], op, name)[0] for x in xs]
             if not all(v.shape for v in ins):
                 raise InvalidInputError(f"{what}: needs arrays of at least one dimension")
-        table = self.allgather(np.array([v.shape[0] for v in ins], np.int64), rows_name)
-        if table.size != self.size() * len(ins):
-            raise InvalidInputError(f"{what}: a rank that joined takes part on GPU only in "
-                                    "allreduce, broadcast and reducescatter so far")
-        table = table.reshape(self.size(), len(ins))
+        # Each rank sends its rank and its counts: a rank that has joined sends no row,
+        # and its arrays count 0 rows (the executor agrees on that with it).
+        sent = self.allgather(np.array([self.rank(), *(v.shape[0] for v in ins)], np.int64),
+                              rows_name).reshape(-1, 1 + len(ins))
+        table = np.zeros((self.size(), len(ins)), np.int64)
+        table[sent[:, 0]] = sent[:, 1:]
         handles = []
         for i, (v, member) in enumerate(zip(ins, names)):
             rows = [int(k) for k in table[:, i]]
@@ -116,9 +130,9 @@ class GpuCalls:
                 raise InvalidInputError(f"{what}: splits must have one entry per rank ({n}) "
                                         f"summing to dim 0 ({rows}); got {send}")
         table = self.allgather(np.asarray(send, np.int64), splits_name)
-        if table.size != n * n:
-            raise InvalidInputError(f"{what}: a rank that joined takes part on GPU only in "
-                                    "allreduce, broadcast and reducescatter so far")
+        if table.size != n * n:  # as on the host, where the negotiator refuses it
+            raise InvalidInputError(f"{what}: cannot run while a rank has joined (only "
+                                    "allreduce, allgather and broadcast can)")
         received = table.reshape(n, n)[:, self.rank()]
         outs = self._gpu.results(ins, "alltoall", name, [(int(received.sum()),
                                                           *ins[0].shape[1:])])

@@ -14,6 +14,22 @@ from ._cuda_arrays import CudaArray, cuda_view
 from .exceptions import InvalidInputError, call_label
 
 ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL = 1, 2, 3, 4, 5  # CollKind (op_header.h)
+FLOAT16, BFLOAT16, FLOAT32, FLOAT64 = 4, 5, 6, 7  # DType (dtype.h)
+# compression= -> the wire dtype's code (None / "none": no compression)
+WIRES = {"fp16": FLOAT16, "float16": FLOAT16, "bf16": BFLOAT16, "bfloat16": BFLOAT16}
+
+
+def wire_code(compression: Optional[str], views: Sequence[CudaArray], what: str) -> int:
+    """The dtype code an allreduce of ``views`` travels as with ``compression``: -1 (none)
+    for None / "none", and for arrays that are not float32 / float64 (Horovod's policy:
+    only floats wider than the wire type are cast)."""
+    if compression is None or compression == "none":
+        return -1
+    code = WIRES.get(compression) if isinstance(compression, str) else None
+    if code is None:
+        raise InvalidInputError(f"{what}: compression must be None, 'fp16' or 'bf16'; got "
+                                f"{compression!r}")
+    return code if views and views[0].code in (FLOAT32, FLOAT64) else -1
 
 
 class GpuCollectives:
@@ -72,12 +88,13 @@ class GpuCollectives:
     def submit(self, kind: int, ins: list[CudaArray], outs: Optional[list[CudaArray]],
                names: list[str], group: str = "", op: int = 0, pre: float = 1.0,
                post: float = 1.0, root: int = -1, splits: Sequence[int] = (),
-               peer_rows: Sequence[int] = ()) -> Any:
+               peer_rows: Sequence[int] = (), wire: int = -1) -> Any:
         """One engine submission of ``ins`` (``outs`` None: in place); its core handle.
         Allgather / alltoall: ``peer_rows`` are the rows coming from each rank, ``splits``
-        alltoall's rows going to each."""
+        alltoall's rows going to each. Allreduce: ``wire`` is the dtype code the data
+        travels as (compression; -1: its own)."""
         return _core.gpu.submit(
             self._engine, kind, [v.ptr for v in ins], [v.ptr for v in outs] if outs else
             [0] * len(ins), [list(v.shape) for v in ins], ins[0].code, names, group,
             ins[0].device, ins[0].stream, op, pre, post, root, list(splits), list(peer_rows),
-            self._members)
+            self._members, wire)

@@ -6,11 +6,18 @@ floating-point tensors wider than the wire type are cast; integers and floats th
 are already narrow pass through unchanged. A framework layer subclasses
 ``CastCompressor`` with four one-line hooks (its dtype, cast and type queries) and
 exposes ``Compression.none / .fp16 / .bf16``.
+
+On GPU arrays the cast need not be a framework op: a compressor that keeps
+``CastCompressor``'s ``compress`` / ``decompress`` and names its wire type in
+``wire_name`` (``'fp16'`` / ``'bf16'``) lets the framework layer pass the float32 /
+float64 tensor itself with ``compression=wire_name``; the GPU executor then casts in its
+fusion pack and unpack kernels and NCCL reduces the half-precision buffer
+(``device_compression``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["CastCompressor", "Compressor", "NoneCompressor"]
 
@@ -50,6 +57,7 @@ class CastCompressor(Compressor):
     """
 
     wire: Any = None
+    wire_name: str = ""  # "fp16" / "bf16": the GPU executor can cast to ``wire`` itself
 
     @staticmethod
     def dtype_of(tensor: Any) -> Any:
@@ -83,3 +91,11 @@ class CastCompressor(Compressor):
     def decompress(cls, tensor: Any, ctx: Any) -> Any:
         """Cast back to the dtype ``compress`` saw (if it cast at all)."""
         return tensor if ctx is None else cls.cast(tensor, ctx)
+
+    @classmethod
+    def device_compression(cls) -> Optional[str]:
+        """``wire_name`` when the GPU executor may do this compressor's casts (its
+        ``compress`` / ``decompress`` are ``CastCompressor``'s own), else None."""
+        own = (cls.compress.__func__ is CastCompressor.compress.__func__
+               and cls.decompress.__func__ is CastCompressor.decompress.__func__)
+        return (cls.wire_name or None) if own else None

@@ -65,32 +65,80 @@ class _DlpackOnGpu:
         return self.a.__dlpack__()
 
 
-def test_hierarchical_gpu_allreduce_on_emulated_gpus_and_fake_hosts():
-    # 2 fake hosts x 2 ranks: NCCL reduce-scatter in the host, the CPU ring across hosts,
-    # NCCL allgather in the host; a fused group and a single tensor, Sum and Average.
+@pytest.mark.parametrize("hosts", [
+    ["a", "a", "b", "b"],  # equal hosts: one ring per local rank
+    ["a", "a", "b"],  # 2 + 1: rank 2 carries both shards across
+    ["a", "b", "b", "a", "b"],  # 2 + 3, interleaved: 6 units, 4 cross-host pieces
+])
+def test_hierarchical_gpu_allreduce_on_emulated_gpus_and_fake_hosts(hosts):
+    # NCCL reduce-scatter in the host, the CPU ring(s) across hosts, NCCL allgather in the
+    # host; a fused group and a single tensor, Sum and Average; hosts of any rank count.
     from conftest import env
+
+    n = len(hosts)
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1", RINGREDUCE_GPU_EMULATE="1"):
+        world = make_world(n, hosts)
+
+    def data(r, k):
+        return (np.arange(k) % 5 + r).astype(np.float32)
+
+    def fn(c):
+        r = c.rank()
+        xs = [_DlpackOnGpu(data(r, k), r) for k in (7, 1000)]
+        c.grouped_allreduce_async_(xs, op=rr.Sum).wait()
+        one = _DlpackOnGpu(data(r, 13), r)
+        c.allreduce_(one, op=rr.Average, name="one")
+        tiny = _DlpackOnGpu(data(r, 1), r)  # fewer elements than units: zero padding
+        c.allreduce_(tiny, op=rr.Max, name="tiny")
+        return [x.a for x in xs], one.a, tiny.a, c._engine.stats()["hierarchical_allreduces"]
+
+    try:
+        out = run_threaded(n, fn, world=world, timeout=60)
+    finally:
+        for c in world:
+            c.close()
+    for xs, one, tiny, ran in out:
+        assert ran == 3
+        for x, k in zip(xs, (7, 1000)):
+            np.testing.assert_array_equal(x, sum(data(r, k) for r in range(n)))
+        np.testing.assert_allclose(one, np.mean([data(r, 13) for r in range(n)], axis=0))
+        np.testing.assert_array_equal(tiny, [n - 1])
+
+
+def test_hierarchical_gpu_allreduce_within_a_process_set():
+    # 4 ranks on hosts a a b b; the set {0, 1, 2} sits on both hosts unevenly (2 + 1) and
+    # runs hierarchically among its members (rank 3 takes no part); compressed too.
+    from conftest import env
+
+    from ringreduce import ProcessSet
 
     with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1", RINGREDUCE_GPU_EMULATE="1"):
         world = make_world(4, ["a", "a", "b", "b"])
 
-    def data(r, n):
-        return (np.arange(n) % 5 + r).astype(np.float32)
+    def data(r, k):
+        return (np.arange(k) % 5 + r).astype(np.float32)
 
     def fn(c):
+        (ps,) = mine = [ProcessSet([0, 1, 2])]
+        c.process_sets.setup(mine)
         r = c.rank()
-        xs = [_DlpackOnGpu(data(r, n), r) for n in (7, 1000)]
-        c.grouped_allreduce_async_(xs, op=rr.Sum).wait()
-        one = _DlpackOnGpu(data(r, 13), r)
-        c.allreduce_(one, op=rr.Average, name="one")
-        return [x.a for x in xs], one.a, c._engine.stats()["hierarchical_allreduces"]
+        if r == 3:
+            return None
+        with rr.use_communicator(c):
+            x = _DlpackOnGpu(data(r, 1001), r)
+            rr.allreduce_(x, op=rr.Average, name="ps.h", process_set=ps)
+            y = _DlpackOnGpu(data(r, 9) + 2.0 ** -12, r)
+            rr.allreduce_(y, op=rr.Sum, name="ps.hc", process_set=ps, compression="fp16")
+        return x.a, y.a, c._engine.stats()["hierarchical_allreduces"]
 
     try:
         out = run_threaded(4, fn, world=world, timeout=60)
     finally:
         for c in world:
             c.close()
-    for xs, one, ran in out:
+    assert out[3] is None
+    for x, y, ran in out[:3]:
         assert ran == 2
-        for x, n in zip(xs, (7, 1000)):
-            np.testing.assert_array_equal(x, sum(data(r, n) for r in range(4)))
-        np.testing.assert_allclose(one, np.mean([data(r, 13) for r in range(4)], axis=0))
+        np.testing.assert_allclose(x, np.mean([data(r, 1001) for r in range(3)], axis=0),
+                                   rtol=1e-6)
+        np.testing.assert_array_equal(y, sum(data(r, 9) for r in range(3)))  # fp16-rounded

@@ -220,8 +220,13 @@ def test_joined_rank_zero_fills_the_tensors_it_lacks():
 
 def test_refusals_come_before_any_work():
     ops, ex = executor()
-    with pytest.raises(rr.InvalidInputError, match="joined"):
-        ex.execute([tensor("a", 8, 0, op=MIN), {**tensor("b", 8, 1, op=MIN), "in": None}])
+    with pytest.raises(rr.InvalidInputError, match="cannot run while a rank has joined"):
+        ex.execute([tensor("a2a", 8, kind="alltoall", shape=[2, 4], splits=[1, 1],
+                           peer_rows=[1, 1])], contributors=1)
+    with pytest.raises(rr.InvalidInputError, match="compression to float16 of a int32"):
+        ex.execute([tensor("i", 8, dtype=I32, wire=F16)])
+    with pytest.raises(rr.InvalidInputError, match="only allreduces"):
+        ex.execute([tensor("b", 8, kind="broadcast", root=0, wire=BF16)])
     assert ops.calls() == []
 
 
@@ -313,13 +318,14 @@ def test_allgather_of_ragged_rows_pads_then_compacts_in_one_launch(rank):
                                                f"{FUSION + 36:#x}->0x8000018:36"]
 
 
-def test_allgather_and_alltoall_refuse_a_joined_rank_on_every_rank():
+def test_a_joined_allgather_agrees_on_rows_over_the_host_links():
+    # While a rank has joined, every rank learns the row counts from a host allgather in
+    # the response's turn (run end to end in test_gpu_arrays.py); an executor without the
+    # job's links cannot, and says so. Alltoall is refused (test_refusals_...).
     ops, ex = executor(size=2)
-    for kind in ("allgather", "alltoall"):
-        with pytest.raises(rr.InvalidInputError, match="a rank that joined takes part on GPU"):
-            ex.execute([tensor("x", 4, kind=kind, peer_rows=[4, 0], splits=[2, 2])],
-                       contributors=1)
-    assert ops.calls() == []
+    with pytest.raises(rr.InvalidInputError, match="no host links to agree on the row counts"):
+        ex.execute([tensor("x", 4, kind="allgather", peer_rows=[4, 0])], contributors=1)
+    assert "nccl_allgather" not in verbs(ops)
 
 
 def test_alltoall_is_one_nccl_group_of_sends_and_receives_and_a_local_copy():
@@ -504,3 +510,46 @@ def test_hierarchical_allreduce_splits_reduce_scatter_host_ring_allgather():
         assert work[5].split()[1] == f"{mine:#x}"  # back
         assert work[6].split()[1:4] == [f"{mine:#x}", f"{FUSION:#x}", "6"]
         assert work[7].split()[1:5] == [f"{FUSION:#x}", "11", "float32", "0.25"]
+
+
+def test_hierarchical_allreduce_on_hosts_of_unequal_rank_counts():
+    # 5 ranks, hosts of 2 and 3: 6 units (lcm) of 2 floats, 11 floats padded to 12. Host a's
+    # ranks own 3 units (6 floats), host b's 2 units (4 floats); the NCCL counts differ per
+    # host, each host's ranks agree. Across hosts, rank 0's units 0-3 meet two owners on
+    # host b (units 0-2: rank 2, unit 2: rank 3): two CPU rings, in unit order.
+    from conftest import env
+
+    fakes = [gt.FakeGpuOps(id_seed=0x50 + r) for r in range(5)]
+    for f in fakes:
+        f.complete_all(sticky=True)
+    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1"):
+        world = make_world(5, ["a", "a", "b", "b", "b"])
+    for r, c in enumerate(world):
+        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
+
+    def fn(c):
+        gt.submit(c._engine, {**tensor("h", 11), "op": AVG}, c.rank()).wait()
+        return c._engine.stats()["hierarchical_allreduces"]
+
+    try:
+        assert run_threaded(5, fn, world=world, timeout=60) == [1] * 5
+    finally:
+        for c in world:
+            c.close()
+    for r, f in enumerate(fakes):
+        shard, local = (6, r) if r < 2 else (4, r - 2)
+        mine = FUSION + 4 * shard * local
+        work = [c for c in f.calls() if c.split()[0] in (
+            "memset_async", "nccl_reducescatter", "memcpy_async", "nccl_allgather",
+            "launch_scale")]
+        assert [w.split()[0] for w in work] == [
+            "memset_async", "nccl_reducescatter", "memcpy_async", "memcpy_async",
+            "nccl_allgather", "launch_scale"]
+        assert work[0].split()[1:3] == [f"{FUSION + 44:#x}", "4"]  # 1 float of padding
+        assert work[1].split()[1:6] == [f"{FUSION:#x}", f"{mine:#x}", str(shard), "float32",
+                                        "sum"]
+        assert work[2].split()[2:4] == [f"{mine:#x}", str(4 * shard)]
+        assert work[4].split()[1:4] == [f"{mine:#x}", f"{FUSION:#x}", str(shard)]
+        assert work[5].split()[1:4] == [f"{FUSION:#x}", "11", "float32"]  # then 1 / 5
+        inits = [c for c in f.calls() if c.startswith("nccl_comm_init")]
+        assert inits[1].endswith(f"size={2 if r < 2 else 3} rank={local}")  # the host's

@@ -384,3 +384,42 @@ def test_call_refused_by_the_torch_layer_on_one_rank_fails_the_others(case):
     assert "rank 1 refused this call locally" in str(errs[0]), errs[0]
     after = run(2, lambda rank: rrt.allreduce(torch.full((2,), float(rank)), op=rrt.Sum))
     assert all(torch.equal(a, torch.ones(2)) for a in after), after
+
+
+def test_only_builtin_casts_of_cuda_tensors_are_left_to_the_gpu_executor():
+    # CUDA tensors with Compression.fp16 / .bf16 go to the GPU executor uncast (its fusion
+    # kernels cast them; tests/workers/gpu_worker.py checks the bits on GPUs); CPU tensors
+    # and compressors with their own casts keep the framework's cast.
+    from ringreduce.torch.compression import FP16Compressor, device_compression
+
+    class CudaLike:
+        is_cuda = True
+
+    class Custom(FP16Compressor):
+        @classmethod
+        def compress(cls, tensor):
+            return super().compress(tensor)
+
+    assert device_compression(rrt.Compression.fp16, CudaLike()) == "fp16"
+    assert device_compression(rrt.Compression.bf16, CudaLike()) == "bf16"
+    assert device_compression(rrt.Compression.fp16, torch.ones(2)) is None
+    assert device_compression(rrt.Compression.none, CudaLike()) is None
+    assert device_compression(Custom, CudaLike()) is None
+
+
+def test_compression_keyword_is_refused_for_host_arrays_on_every_rank():
+    def fn(c):
+        with pytest.raises(rr.InvalidInputError, match="compression= applies to GPU arrays"):
+            c.allreduce(np.ones(3, np.float32), name="h", compression="fp16")
+        with pytest.raises(rr.InvalidInputError, match="compression must be None"):
+            c.allreduce(_Cuda(), name="g", compression="fp8")
+        return c.allreduce(np.ones(2), op=rr.Sum, name="after", compression="none").tolist()
+
+    assert run_threaded(2, fn, timeout=60) == [[2.0, 2.0]] * 2
+
+
+class _Cuda:
+    """An array claiming CUDA device 0 (refused before any device work)."""
+
+    __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (0x1000, False),
+                                "version": 3}

@@ -34,6 +34,7 @@ RequestMeta request_meta_from(const py::dict& d) {
   m.group = d.contains("group") ? d["group"].cast<std::string>() : "";
   m.device = d.contains("device") ? d["device"].cast<int32_t>() : -1;
   if (d.contains("members")) m.members = d["members"].cast<std::vector<int32_t>>();
+  m.wire = d.contains("wire") ? d["wire"].cast<int32_t>() : -1;
   return m;
 }
 

@@ -361,6 +361,7 @@ void bind_engine_class(py::module_& m) {
              d["hierarchical_allreduces"] = s.hierarchical_allreduces;
              d["adasum_allreduces"] = s.adasum_allreduces;
              d["caller_rounds"] = s.caller_rounds;
+             d["folded"] = s.folded;
              return d;
            })
       .def("create_shared",

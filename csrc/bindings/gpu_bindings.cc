@@ -194,6 +194,25 @@ void bind_gpu(py::module_& parent) {
         gpu::reference_cast(s.ptr, f, d.ptr, t, n);
       },
       py::arg("src"), py::arg("from_dtype"), py::arg("dst"), py::arg("to_dtype"));
+  m.def(
+      "reference_cast_copy",
+      [](const U64Array& descs, bool pack, int tensor, int wire, double factor) {
+        gpu::reference_cast_copy(descs_from(descs), pack, dtype_from(tensor), dtype_from(wire),
+                                 factor);
+      },
+      py::arg("descs"), py::arg("pack"), py::arg("tensor_dtype"), py::arg("wire_dtype"),
+      py::arg("factor") = 1.0);
+  m.def(
+      "reference_fill",
+      [](py::buffer data, uint32_t item_bytes, uint64_t pattern) {
+        const py::buffer_info b = data.request(true);
+        const auto bytes = static_cast<uint64_t>(b.size * b.itemsize);
+        if (item_bytes == 0 || bytes % item_bytes)
+          throw_error(ErrorKind::kInvalidArgument, "reference_fill: ", bytes,
+                      " bytes are not whole elements of ", item_bytes);
+        gpu::reference_fill(b.ptr, bytes / item_bytes, item_bytes, pattern);
+      },
+      py::arg("data"), py::arg("item_bytes"), py::arg("pattern"));
   bind_gpu_engine(m);
   bind_gpu_testing(m);
 }

@@ -22,6 +22,7 @@ void* as_ptr(uint64_t a) {
 // with a `group` run as one fused unit (grouped_allreduce). Allgather and
 // alltoall: `peer_rows` are the rows coming from each rank (and `splits`
 // alltoall's rows going to each). `members`: a process set's ranks (empty: the job).
+// `wire`: an allreduce's compression, the dtype it travels as (-1: none).
 std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::vector<uint64_t>& ins,
                                         const std::vector<uint64_t>& outs,
                                         const std::vector<std::vector<int64_t>>& shapes,
@@ -30,11 +31,13 @@ std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::ve
                                         int32_t op, double pre, double post, int32_t root,
                                         const std::vector<int64_t>& splits,
                                         const std::vector<int64_t>& peer_rows,
-                                        const std::vector<int32_t>& members) {
+                                        const std::vector<int32_t>& members, int32_t wire) {
   if (kind < 1 || kind > static_cast<int32_t>(CollKind::kAlltoall))
     throw_error(ErrorKind::kInvalidArgument, "unknown collective code ", kind);
   if (!dtype_is_valid(dtype)) throw_error(ErrorKind::kInvalidArgument, "unknown dtype ", dtype);
   if (!reduce_op_is_valid(op)) throw_error(ErrorKind::kInvalidArgument, "unknown op ", op);
+  if (wire != -1 && !dtype_is_valid(wire))
+    throw_error(ErrorKind::kInvalidArgument, "unknown wire dtype ", wire);
   if (outs.size() != ins.size() || shapes.size() != ins.size() || names.size() != ins.size())
     throw_error(ErrorKind::kInvalidArgument,
                 "submit_gpu: ins, outs, shapes, names differ in length");
@@ -57,6 +60,7 @@ std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::ve
     e.splits = splits;
     e.peer_rows = peer_rows;
     e.meta.members = members;
+    e.meta.wire = wire;
   }
   py::gil_scoped_release nogil;  // submit may wait for the engine's queue lock
   return eng.submit(std::move(es));
@@ -69,7 +73,8 @@ void bind_gpu_engine(py::module_& m) {
         py::arg("shapes"), py::arg("dtype"), py::arg("names"), py::arg("group"), py::arg("device"),
         py::arg("stream"), py::arg("op") = 0, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
         py::arg("root") = -1, py::arg("splits") = std::vector<int64_t>{},
-        py::arg("peer_rows") = std::vector<int64_t>{}, py::arg("members") = std::vector<int32_t>{});
+        py::arg("peer_rows") = std::vector<int64_t>{}, py::arg("members") = std::vector<int32_t>{},
+        py::arg("wire") = -1);
   // Testing aid: this engine's GPUs become emulated ones (emulated_gpu_ops.h),
   // their communicator bootstrapped like a real one.
   m.def(

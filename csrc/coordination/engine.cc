@@ -31,13 +31,16 @@ EngineOptions engine_options_from_env() {
   o.stall_shutdown_s = env_double("RINGREDUCE_STALL_SHUTDOWN_SECONDS", o.stall_shutdown_s);
   o.timeline_path = env_str("RINGREDUCE_TIMELINE", "");
   o.fast_path = env_int("RINGREDUCE_FAST_PATH", 1) != 0;
-  if (fusion < 0 || cache < 0 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
+  const int64_t fold = env_int("RINGREDUCE_FOLD_BYTES", static_cast<int64_t>(o.fold_bytes));
+  if (fusion < 0 || cache < 0 || fold < 0 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
       o.stall_shutdown_s < 0 || o.batch_gap_s < 0 || o.batch_max_s < 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_FUSION_THRESHOLD, ",
-                "RINGREDUCE_CACHE_CAPACITY, RINGREDUCE_CYCLE_TIME_MS, RINGREDUCE_BATCH_*_US ",
+                "RINGREDUCE_CACHE_CAPACITY, RINGREDUCE_FOLD_BYTES, RINGREDUCE_CYCLE_TIME_MS, "
+                "RINGREDUCE_BATCH_*_US ",
                 "and RINGREDUCE_STALL_*_SECONDS must not be negative");
   o.fusion_threshold = static_cast<uint64_t>(fusion);
   o.cache_capacity = static_cast<size_t>(cache);
+  o.fold_bytes = static_cast<size_t>(fold);
   return o;
 }
 
@@ -354,6 +357,7 @@ EngineStats Engine::stats() const {
   s.hierarchical_allreduces = ctx_->hierarchical_allreduces();
   s.adasum_allreduces = ctx_->adasum_allreduces();
   s.caller_rounds = caller_rounds_.load();
+  s.folded = folded_.load();
   return s;
 }
 

@@ -56,6 +56,7 @@ struct EngineOptions {
   double stall_shutdown_s = 0;               // RINGREDUCE_STALL_SHUTDOWN_SECONDS
   std::string timeline_path;                 // RINGREDUCE_TIMELINE (rank 0 writes it)
   bool fast_path = true;                     // RINGREDUCE_FAST_PATH (engine_drive.cc)
+  size_t fold_bytes = 1024;                  // RINGREDUCE_FOLD_BYTES (engine_fold.cc)
 };
 
 EngineOptions engine_options_from_env();
@@ -70,6 +71,7 @@ struct EngineStats {
   uint64_t hierarchical_allreduces = 0;  // allreduce_hierarchical.cc
   uint64_t adasum_allreduces = 0;        // allreduce_adasum.cc
   uint64_t caller_rounds = 0;            // of `rounds`, run by a waiting caller (engine_drive.cc)
+  uint64_t folded = 0;                   // of `responses`, finished in their round (engine_fold.cc)
 };
 
 class Engine : private DriveToken::Driver {
@@ -160,6 +162,12 @@ class Engine : private DriveToken::Driver {
   std::vector<uint8_t> encode_responses(const std::vector<Response>& rs) const;
   std::vector<Response> decode_responses(const std::vector<uint8_t>& payload) const;
   void process(const std::vector<Response>& rs);
+  // Folded rounds (engine_fold.cc).
+  void encode_folds(const std::vector<Entry>& fresh, ByteWriter& w) const;
+  void decode_folds(int rank, ByteReader& r);
+  void fold_responses(std::vector<Response>& rs);
+  void fold_one(Response& r);
+  void finish_folded(const Response& r);
   void execute(const Response& r);
   Executor& executor_for(const Response& r, int32_t device);
   bool async_busy() const;
@@ -208,6 +216,7 @@ class Engine : private DriveToken::Driver {
   std::atomic<bool> gpu_seen_{false};  // a GPU tensor was submitted: no caller drives
   DriveToken& token_;                  // in batch_'s WaitSignal, shared with the handles
   std::atomic<uint64_t> caller_rounds_{0};
+  std::atomic<uint64_t> folded_{0};
   bool bell_only_ = false;       // the thread sleeps on the doorbell alone
   bool engine_bell_ = false;     // driver only: the thread's doorbell announcement stands
   bool bell_withdrawn_ = false;  // driver only: a caller withdrew it (engine_drive.cc)
@@ -218,6 +227,13 @@ class Engine : private DriveToken::Driver {
   std::vector<Entry> joins_;
   bool joined_ = false;
   std::vector<std::vector<int32_t>> joined_sets_;  // join(process_set=)s not done yet
+  // Rank 0: the workers' folded contributions, by tensor name (engine_fold.cc).
+  struct Folds {
+    std::vector<std::vector<uint8_t>> by_rank;
+    std::vector<char> have;
+    int count = 0;
+  };
+  std::unordered_map<std::string, Folds> folds_;
   uint64_t round_ = 0;
   std::atomic<uint64_t> executed_responses_{0};
   std::atomic<uint64_t> executed_tensors_{0};

@@ -93,6 +93,7 @@ void Engine::coordinator_round() {
       decode_requests(m.from, m.payload, t);
     }
   std::vector<Response> rs = negotiator_->decide(now());
+  fold_responses(rs);
   if (size_ > 1) {
     std::vector<uint8_t> payload = encode_responses(rs);
     for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kResponses, k, payload);
@@ -153,6 +154,7 @@ std::vector<uint8_t> Engine::encode_requests(const std::vector<Entry>& fresh, bo
     w.put<uint32_t>(static_cast<uint32_t>(ms->size()));
     for (int32_t m : *ms) w.put<int32_t>(m);
   }
+  encode_folds(fresh, w);
   rejections_.clear();
   return std::move(w.bytes());
 }
@@ -190,6 +192,7 @@ void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload,
     for (int32_t& m : members) m = r.get<int32_t>();
     negotiator_->join(rank, t, members);
   }
+  decode_folds(rank, r);
   if (join) negotiator_->join(rank, t);
 }
 
@@ -210,6 +213,8 @@ std::vector<uint8_t> Engine::encode_responses(const std::vector<Response>& rs) c
       w.put<int64_t>(id);
       if (id < 0) m.write(w);
     }
+    w.put<uint8_t>(r.folded ? 1 : 0);
+    if (r.folded) w.put_bytes(r.result);
   }
   return std::move(w.bytes());
 }
@@ -237,6 +242,8 @@ std::vector<Response> Engine::decode_responses_from(const std::vector<uint8_t>& 
       const int64_t id = rd.get<int64_t>();
       m = id >= 0 ? cache_.at(static_cast<uint32_t>(id)) : RequestMeta::read(rd);
     }
+    r.folded = rd.get<uint8_t>() != 0;
+    if (r.folded) r.result = rd.get_bytes();
   }
   return rs;
 }
@@ -250,7 +257,10 @@ void Engine::process(const std::vector<Response>& rs) {
         // Counted first: a caller woken by the handles may read the stats.
         executed_responses_.fetch_add(1, std::memory_order_relaxed);
         executed_tensors_.fetch_add(r.tensors.size(), std::memory_order_relaxed);
-        execute(r);
+        if (r.folded)
+          finish_folded(r);
+        else
+          execute(r);
         for (const RequestMeta& m : r.tensors) cache_.put(m);
         break;
       case RespType::kError: fail_entries(r, r.error_kind, r.message); break;

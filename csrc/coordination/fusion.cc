@@ -8,7 +8,8 @@ namespace rr {
 
 namespace {
 
-using FuseKey = std::tuple<int, int, double, double, int, int, std::string, std::vector<int32_t>>;
+using FuseKey =
+    std::tuple<int, int, double, double, int, int, std::string, std::vector<int32_t>, int>;
 
 FuseKey key_of(const Response& r) {
   const RequestMeta& m = r.tensors.front();
@@ -19,7 +20,8 @@ FuseKey key_of(const Response& r) {
           m.device,
           r.contributors,
           m.group,
-          m.members};
+          m.members,
+          m.wire};
 }
 
 bool fusable(const Response& r) {

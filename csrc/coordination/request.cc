@@ -23,6 +23,7 @@ void RequestMeta::write(ByteWriter& w) const {
   w.put_str(group);
   w.put<uint32_t>(static_cast<uint32_t>(members.size()));
   for (int32_t r : members) w.put<int32_t>(r);
+  w.put<int8_t>(static_cast<int8_t>(wire));
 }
 
 RequestMeta RequestMeta::read(ByteReader& r) {
@@ -39,6 +40,7 @@ RequestMeta RequestMeta::read(ByteReader& r) {
   m.group = r.get_str();
   m.members.resize(r.get<uint32_t>());
   for (int32_t& x : m.members) x = r.get<int32_t>();
+  m.wire = r.get<int8_t>();
   return m;
 }
 
@@ -68,6 +70,8 @@ std::string RequestMeta::describe() const {
     s += cat(" op=", reduce_op_name(op));
     if (prescale != 1.0) s += cat(" prescale=", prescale);
     if (postscale != 1.0) s += cat(" postscale=", postscale);
+    if (wire >= 0)
+      s += cat(" compression=", dtype_is_valid(wire) ? dtype_name(static_cast<DType>(wire)) : "?");
   }
   if (kind == CollKind::kBroadcast) s += cat(" root=", root);
   if (device >= 0) s += cat(" device=", device);
@@ -89,12 +93,13 @@ std::string ranks_text(const std::vector<int32_t>& ranks) {
 bool operator==(const RequestMeta& a, const RequestMeta& b) {
   return a.kind == b.kind && a.dtype == b.dtype && a.op == b.op && a.root == b.root &&
          same_place(a, b) && a.prescale == b.prescale && a.postscale == b.postscale &&
-         a.shape == b.shape && a.name == b.name && a.group == b.group && a.members == b.members;
+         a.shape == b.shape && a.name == b.name && a.group == b.group && a.members == b.members &&
+         a.wire == b.wire;
 }
 
 bool compatible(const RequestMeta& a, const RequestMeta& b) {
   if (a.kind != b.kind || a.dtype != b.dtype || !same_place(a, b) || a.group != b.group ||
-      a.members != b.members || a.shape.size() != b.shape.size())
+      a.members != b.members || a.wire != b.wire || a.shape.size() != b.shape.size())
     return false;
   const bool rows_free = a.kind == CollKind::kAllgather || a.kind == CollKind::kAlltoall;
   for (size_t i = rows_free ? 1 : 0; i < a.shape.size(); ++i)

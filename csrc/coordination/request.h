@@ -32,6 +32,9 @@ struct RequestMeta {
   // a group view of the Context (Context::group); rank numbers in the
   // meta (root) are positions in this list, as in Horovod.
   std::vector<int32_t> members;
+  // Compression of a GPU allreduce: the DType the data travels as (float16 or
+  // bfloat16, cast by the GPU executor's kernels); -1: its own dtype.
+  int32_t wire = -1;
 
   size_t bytes() const;
   void write(ByteWriter& w) const;
@@ -70,6 +73,10 @@ struct Response {
   int32_t last_joined = -1;
   ErrorKind error_kind = ErrorKind::kMismatch;
   std::string message;
+  // Folded (engine_fold.cc): rank 0 reduced it within the round; `result`
+  // holds the reduced bytes and no collective runs.
+  bool folded = false;
+  std::vector<uint8_t> result;
 };
 
 const char* resp_type_name(RespType t);

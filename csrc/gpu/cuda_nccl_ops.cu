@@ -131,15 +131,33 @@ class CudaNcclOps : public GpuOps {
         "cudaMemcpyAsync");
   }
   void launch_pack(const std::vector<CopyDesc>& descs, LaunchArgs launch, GpuStream s) override {
-    copy(descs, launch, s, true);
+    copy(descs, s, [&](const CopyDesc* dd) { gpu::launch_pack(dd, descs.size(), launch, s); });
   }
   void launch_unpack(const std::vector<CopyDesc>& descs, LaunchArgs launch, GpuStream s) override {
-    copy(descs, launch, s, false);
+    copy(descs, s, [&](const CopyDesc* dd) { gpu::launch_unpack(dd, descs.size(), launch, s); });
   }
   void launch_scale(uint64_t addr, uint64_t count, DType dtype, double factor,
                     GpuStream s) override {
     guard();
     gpu::launch_scale(ptr(addr), count, dtype, factor, s);
+  }
+
+  void launch_pack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire, double factor,
+                        LaunchArgs launch, GpuStream s) override {
+    copy(descs, s, [&](const CopyDesc* dd) {
+      gpu::launch_cast_copy(dd, descs.size(), true, tensor, wire, factor, launch, s);
+    });
+  }
+  void launch_unpack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire,
+                          double factor, LaunchArgs launch, GpuStream s) override {
+    copy(descs, s, [&](const CopyDesc* dd) {
+      gpu::launch_cast_copy(dd, descs.size(), false, tensor, wire, factor, launch, s);
+    });
+  }
+  void launch_fill(uint64_t addr, uint64_t count, uint32_t item_bytes, uint64_t pattern,
+                   GpuStream s) override {
+    guard();
+    gpu::launch_fill(ptr(addr), count, item_bytes, pattern, s);
   }
 
   int nccl_version() const override { return nccl_->version(); }
@@ -220,7 +238,8 @@ class CudaNcclOps : public GpuOps {
   }
   // The descriptors go to the device in stream order (a pageable source is
   // staged before cudaMemcpyAsync returns) and are freed behind the kernel.
-  void copy(const std::vector<CopyDesc>& descs, LaunchArgs launch, GpuStream s, bool pack) {
+  template <class Launch>
+  void copy(const std::vector<CopyDesc>& descs, GpuStream s, Launch&& launch_on) {
     if (descs.empty()) return;
     guard();
     auto stream = static_cast<cudaStream_t>(s);
@@ -229,11 +248,7 @@ class CudaNcclOps : public GpuOps {
     check(cudaMallocAsync(&d, bytes, stream), "cudaMallocAsync");
     check(cudaMemcpyAsync(d, descs.data(), bytes, cudaMemcpyHostToDevice, stream),
           "cudaMemcpyAsync");
-    const auto* dd = static_cast<const CopyDesc*>(d);
-    if (pack)
-      gpu::launch_pack(dd, descs.size(), launch, s);
-    else
-      gpu::launch_unpack(dd, descs.size(), launch, s);
+    launch_on(static_cast<const CopyDesc*>(d));
     check(cudaFreeAsync(d, stream), "cudaFreeAsync");
   }
 

@@ -223,6 +223,73 @@ void with_cast_op(DType from, DType to, F&& f) {
               " is not supported (float32/float64 to and from float16/bfloat16 are)");
 }
 
+// ---- Compression: a cast with a scale folded in (the executor's fused
+// fp16 / bf16 allreduce packs with a prescale and unpacks with a postscale).
+// The scale runs in the wider type (float32, or float64 for float64
+// tensors), before the narrowing or after the widening, so there is one
+// rounding to the wire type; a factor of 1 gives the plain cast's bits.
+
+template <class From, class To>  // float32 <-> float16 / bfloat16, computed in float32
+struct ScaledCast {
+  using Src = typename From::Storage;
+  using Dst = typename To::Storage;
+  using Factor = float;
+  RR_HD static Dst apply(Src s, float f) {
+    const float x = From::load(s);
+    return To::store(x != x ? x : x * f);
+  }
+};
+
+template <class To>  // float64 -> float16 / bfloat16
+struct ScaledCastFromDouble {
+  using Src = double;
+  using Dst = typename To::Storage;
+  using Factor = double;
+  RR_HD static Dst apply(double x, double f) {
+    return CastFromDouble<To>::apply(x != x ? x : x * f);
+  }
+};
+
+template <class From>  // float16 / bfloat16 -> float64
+struct ScaledCastToDouble {
+  using Src = typename From::Storage;
+  using Dst = double;
+  using Factor = double;
+  RR_HD static double apply(Src s, double f) {
+    const double x = CastToDouble<From>::apply(s);
+    return x != x ? x : x * f;
+  }
+};
+
+// Calls f(Op{}) with the scaled cast from `from` to `to` (the pairs of with_cast_op).
+template <class F>
+void with_scaled_cast_op(DType from, DType to, F&& f) {
+  using D = DType;
+  if (from == D::kFloat32 && to == D::kFloat16) return f(ScaledCast<Plain<float>, Half>{});
+  if (from == D::kFloat16 && to == D::kFloat32) return f(ScaledCast<Half, Plain<float>>{});
+  if (from == D::kFloat32 && to == D::kBFloat16) return f(ScaledCast<Plain<float>, BHalf>{});
+  if (from == D::kBFloat16 && to == D::kFloat32) return f(ScaledCast<BHalf, Plain<float>>{});
+  if (from == D::kFloat64 && to == D::kFloat16) return f(ScaledCastFromDouble<Half>{});
+  if (from == D::kFloat16 && to == D::kFloat64) return f(ScaledCastToDouble<Half>{});
+  if (from == D::kFloat64 && to == D::kBFloat16) return f(ScaledCastFromDouble<BHalf>{});
+  if (from == D::kBFloat16 && to == D::kFloat64) return f(ScaledCastToDouble<BHalf>{});
+  with_cast_op(from, to, [](auto) {});  // throws the cast's message
+}
+
+// The share of lane `lane` of `lanes` in one descriptor of a batched cast:
+// elements lane, lane + lanes, ... of `count`.
+template <class Op>
+RR_HD void cast_lane(const typename Op::Src* src, typename Op::Dst* dst, uint64_t count,
+                     typename Op::Factor f, unsigned lane, unsigned lanes) {
+  for (uint64_t i = lane; i < count; i += lanes) dst[i] = Op::apply(src[i], f);
+}
+
+// One element's bits repeated: the fill of a joined rank's neutral elements.
+template <class T>
+RR_HD void fill_lane(T* dst, uint64_t count, T value, uint64_t first, uint64_t stride) {
+  for (uint64_t i = first; i < count; i += stride) dst[i] = value;
+}
+
 // ---- Batched copy: the share of one lane of a warp in one descriptor. ----
 
 // Lane `lane` of `lanes` copies elements lane, lane + lanes, ... in units of

@@ -71,6 +71,19 @@ class EmulatedGpuOps : public GpuOps {
     reference_scale(ptr(a), count, dtype, factor);
   }
 
+  void launch_pack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire, double factor,
+                        LaunchArgs, GpuStream) override {
+    reference_cast_copy(descs, true, tensor, wire, factor);
+  }
+  void launch_unpack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire,
+                          double factor, LaunchArgs, GpuStream) override {
+    reference_cast_copy(descs, false, tensor, wire, factor);
+  }
+  void launch_fill(uint64_t a, uint64_t count, uint32_t item_bytes, uint64_t pattern,
+                   GpuStream) override {
+    reference_fill(ptr(a), count, item_bytes, pattern);
+  }
+
   int nccl_version() const override { return nccl_version_; }
   std::string nccl_unique_id() override { return std::string(128, 'E'); }
   void nccl_comm_init(const std::string& id, int size, int rank) override {

@@ -205,6 +205,34 @@ void FakeGpuOps::launch_scale(uint64_t addr, uint64_t count, DType dtype, double
                           factor_str(factor), " ", stream_name(s)));
 }
 
+// "launch_pack_cast float32->float16 x0.5 2 descs 1x256 stream#1 0x..->0x..:8 ..."
+void FakeGpuOps::launch_pack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire,
+                                  double factor, LaunchArgs launch, GpuStream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string d;
+  for (const CopyDesc& c : descs) d += cat(" ", hex(c.tensor), "->", hex(c.fused), ":", c.bytes);
+  log("launch_pack_cast", cat("launch_pack_cast ", dtype_name(tensor), "->", dtype_name(wire), " x",
+                              factor_str(factor), " ", descs.size(), " descs ", launch.blocks, "x",
+                              launch.threads, " ", stream_name(s), d));
+}
+
+void FakeGpuOps::launch_unpack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire,
+                                    double factor, LaunchArgs launch, GpuStream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string d;
+  for (const CopyDesc& c : descs) d += cat(" ", hex(c.fused), "->", hex(c.tensor), ":", c.bytes);
+  log("launch_unpack_cast", cat("launch_unpack_cast ", dtype_name(wire), "->", dtype_name(tensor),
+                                " x", factor_str(factor), " ", descs.size(), " descs ",
+                                launch.blocks, "x", launch.threads, " ", stream_name(s), d));
+}
+
+void FakeGpuOps::launch_fill(uint64_t addr, uint64_t count, uint32_t item_bytes, uint64_t pattern,
+                             GpuStream s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  log("launch_fill", cat("launch_fill ", hex(addr), " ", count, " x", item_bytes, "B ",
+                         hex(pattern), " ", stream_name(s)));
+}
+
 // 128 bytes: the seed, then the count of ids made so far, then zeros.
 std::string FakeGpuOps::nccl_unique_id() {
   std::lock_guard<std::mutex> lock(mu_);

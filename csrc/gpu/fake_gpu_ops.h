@@ -52,6 +52,12 @@ class FakeGpuOps : public GpuOps {
   void launch_unpack(const std::vector<CopyDesc>& descs, LaunchArgs launch, GpuStream s) override;
   void launch_scale(uint64_t addr, uint64_t count, DType dtype, double factor,
                     GpuStream s) override;
+  void launch_pack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire, double factor,
+                        LaunchArgs launch, GpuStream s) override;
+  void launch_unpack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire,
+                          double factor, LaunchArgs launch, GpuStream s) override;
+  void launch_fill(uint64_t addr, uint64_t count, uint32_t item_bytes, uint64_t pattern,
+                   GpuStream s) override;
   int nccl_version() const override { return nccl_version_; }
   std::string nccl_unique_id() override;
   void nccl_comm_init(const std::string& unique_id, int size, int rank) override;

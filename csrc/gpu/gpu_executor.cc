@@ -91,14 +91,11 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
                 opt_.device, " (barriers run on the host)");
   const bool absent = std::any_of(local.begin(), local.end(), [](Entry* e) { return !e; });
   const bool joined = absent || (r.contributors > 0 && r.contributors < m.set_size(opt_.size));
-  if (joined && (m.kind == CollKind::kAllgather || m.kind == CollKind::kAlltoall))
+  if (joined && m.kind == CollKind::kAlltoall)  // as on the host (the negotiator refuses it)
     throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
-                ": a rank that joined takes part on GPU only in allreduce, broadcast and "
-                "reducescatter so far");
-  if (absent && m.kind == CollKind::kAllreduce && m.op != ReduceOp::kSum &&
-      m.op != ReduceOp::kAverage)
-    throw_error(ErrorKind::kInvalidArgument, what, " '", m.name, "': tensors on GPU ", opt_.device,
-                ": a rank that joined contributes on GPU only to Sum and Average so far");
+                ": an alltoall cannot run while a rank has joined (only allreduce, allgather "
+                "and broadcast can)");
+  check_wire(m);
   if (!broken_.empty()) {
     Completion c;
     c.names = present_names(r, local);
@@ -118,9 +115,11 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
     else if (m.kind == CollKind::kReducescatter)
       reducescatter_one(r, local[0]);
     else if (m.kind == CollKind::kAllgather)
-      allgather_one(local[0]);
+      allgather_one(r, local[0], joined);
     else if (m.kind == CollKind::kAlltoall)
       alltoall_one(local[0]);
+    else if (m.wire >= 0)
+      allreduce_compressed(r, local, hierarchical(r, local));
     else if (r.tensors.size() == 1 && !hierarchical(r, local))
       allreduce_one(r, local[0]);
     else
@@ -165,7 +164,7 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   // entries this rank has (pack from the inputs, unpack to the outputs).
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
   const uint64_t item = dtype_size(m.dtype);
-  const uint64_t buf = fusion(hier ? hierarchical_bytes(layout.bytes, item) : layout.bytes);
+  const uint64_t buf = fusion(hier ? hierarchical_bytes(m, layout.bytes, item) : layout.bytes);
   std::vector<CopyDesc> pack, unpack;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!local[i]) continue;
@@ -179,15 +178,13 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
     }
   }
   if (!pack.empty()) ops_->launch_pack(pack, layout.launch, stream_);
-  for (size_t i = 0; i < entries.size(); ++i)
-    if (!local[i] && entries[i].bytes)
-      ops_->memset_async(buf + layout.offsets[i], entries[i].bytes, stream_);
   const uint64_t count = layout.bytes / item;
   ReducePlan p = plan_reduce(r);
   if (hier && p.op == DeviceOp::kAvg) p = {DeviceOp::kSum, p.postscale / cur_->size};
   if (m.prescale != 1.0) ops_->launch_scale(buf, count, m.dtype, m.prescale, stream_);
+  fill_absent(r, local, buf, layout.offsets, m.dtype);  // after the prescale: stays neutral
   if (hier)
-    allreduce_hierarchical(m, buf, count, p.op);
+    allreduce_hierarchical(m, m.dtype, buf, count, p.op);
   else
     nccl().nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
   if (p.postscale != 1.0) ops_->launch_scale(buf, count, m.dtype, p.postscale, stream_);
@@ -210,9 +207,9 @@ void GpuExecutor::allreduce_one(const Response& r, Entry* e) {
     }
     nccl().nccl_allreduce(in, out, count, m.dtype, p.op, stream_);
     data = out;
-  } else {  // joined: zeros from scratch space
+  } else {  // joined: the op's neutral elements from scratch space
     data = fusion(bytes);
-    ops_->memset_async(data, bytes, stream_);
+    fill_neutral(data, count, m.dtype, m.op);
     nccl().nccl_allreduce(data, data, count, m.dtype, p.op, stream_);
   }
   if (p.postscale != 1.0) ops_->launch_scale(data, count, m.dtype, p.postscale, stream_);

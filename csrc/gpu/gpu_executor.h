@@ -8,7 +8,8 @@
 //      gpu_ready_event, or an event recorded now on its gpu_stream; one wait
 //      per distinct event / stream)
 //   2. one pack launch into the fusion buffer (layout from plan_pack; a
-//      joined rank's absent tensors are zero-filled instead: Sum / Average only)
+//      joined rank's absent tensors get the op's neutral elements instead,
+//      after the prescale: zeros, or one fill launch for Min / Max / Product)
 //   3. prescale launch (skipped when 1.0)
 //   4. the NCCL allreduce in place on the fusion buffer
 //   5. postscale launch (skipped when 1.0); for Average without ncclAvg
@@ -20,12 +21,19 @@
 // -> out first only when a prescale must not touch the input).
 // Broadcast runs NCCL's broadcast in -> out; reducescatter, NCCL's
 // reducescatter (gpu_reducescatter.cc); allgather, NCCL's allgather, padded
-// when the row counts differ (gpu_allgather.cc); alltoall, grouped NCCL sends
-// and receives (gpu_alltoall.cc). Allgather and alltoall need every rank's
-// tensor (no rank joined): refused otherwise, on every rank alike.
+// when the row counts differ (gpu_allgather.cc; a joined rank gives 0 rows);
+// alltoall, grouped NCCL sends and receives (gpu_alltoall.cc), refused while
+// a rank has joined, as on the host.
 //
-// With RINGREDUCE_HIERARCHICAL_ALLREDUCE=1 on several hosts, allreduces take
-// the fused path with a hierarchical reduction in step 4
+// Compression (RequestMeta::wire, float32 / float64 tensors as float16 /
+// bfloat16; gpu_allreduce_compressed.cc): the fused path with casting pack
+// and unpack launches into a fusion buffer of the wire dtype, the NCCL
+// allreduce in that dtype, prescale folded into the pack and postscale (and
+// Average's 1 / contributors) into the unpack. Even one tensor takes it.
+//
+// With RINGREDUCE_HIERARCHICAL_ALLREDUCE=1 on several hosts (of any rank
+// counts; a process set's members on several hosts too), allreduces take the
+// fused path with a hierarchical reduction in step 4
 // (gpu_allreduce_hierarchical.cc).
 //
 // Communicators: one per set of ranks, the job's for ordinary responses and
@@ -111,10 +119,18 @@ class GpuExecutor : public Executor {
   Comm& comm_for(const Response& r) { return comm_of(r.tensors.front()); }
   Comm& comm_of(const RequestMeta& m);  // m.members' communicator (gpu_comms.cc)
   // gpu_allreduce_hierarchical.cc
+  struct HostSplit {
+    std::vector<std::vector<int>> hosts;  // global ranks per host, the set's members only
+    int host = -1, local = 0;             // this rank's host and place there
+    uint64_t units = 1;                   // lcm of the hosts' rank counts
+  };
+  HostSplit split_hosts(const RequestMeta& m) const;
   bool hierarchical(const Response& r, const std::vector<Entry*>& local) const;
-  uint64_t hierarchical_bytes(uint64_t bytes, uint64_t item) const;
-  const std::vector<int>& my_host(int* index) const;
-  void allreduce_hierarchical(const RequestMeta& m, uint64_t buf, uint64_t count, DeviceOp op);
+  uint64_t hierarchical_bytes(const RequestMeta& m, uint64_t bytes, uint64_t item) const;
+  void allreduce_hierarchical(const RequestMeta& m, DType dtype, uint64_t buf, uint64_t count,
+                              DeviceOp op);
+  void cross_host_rings(const HostSplit& s, const RequestMeta& m, DType dtype, uint64_t unit,
+                        DeviceOp op);
   void wait_here(Comm& c);
   void abort_comms();
   GpuOps& nccl() { return *cur_->ops; }  // the current response's communicator
@@ -130,8 +146,16 @@ class GpuExecutor : public Executor {
   void allreduce_one(const Response& r, Entry* e);
   void broadcast_one(const Response& r, Entry* e);
   void reducescatter_one(const Response& r, Entry* e);  // gpu_reducescatter.cc
-  void allgather_one(Entry* e);                         // gpu_allgather.cc
-  void alltoall_one(Entry* e);                          // gpu_alltoall.cc
+  // gpu_allreduce_compressed.cc: float16 / bfloat16 compression, joined ranks
+  static void check_wire(const RequestMeta& m);
+  void allreduce_compressed(const Response& r, const std::vector<Entry*>& local, bool hier);
+  void fill_neutral(uint64_t addr, uint64_t count, DType dtype, ReduceOp op);
+  void fill_absent(const Response& r, const std::vector<Entry*>& local, uint64_t buf,
+                   const std::vector<uint64_t>& offsets, DType dtype);
+  // gpu_allgather.cc; `joined`: a rank has joined (e is null on that rank)
+  void allgather_one(const Response& r, Entry* e, bool joined);
+  std::vector<int64_t> agree_rows(const RequestMeta& m, Entry* e);
+  void alltoall_one(Entry* e);  // gpu_alltoall.cc
   uint64_t fusion(uint64_t bytes);
   GpuEvent take_event();
   void release(InFlight& f);

@@ -60,6 +60,18 @@ class GpuOps {
   virtual void launch_scale(uint64_t addr, uint64_t count, DType dtype, double factor,
                             GpuStream s) = 0;
 
+  // Compression (kernels.h's launch_cast_copy): pack casts each tensor
+  // (`tensor` dtype) times `factor` into the fusion buffer as `wire`; unpack
+  // casts back, times `factor`. A descriptor's bytes count its wire side.
+  virtual void launch_pack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire,
+                                double factor, LaunchArgs launch, GpuStream s) = 0;
+  virtual void launch_unpack_cast(const std::vector<CopyDesc>& descs, DType tensor, DType wire,
+                                  double factor, LaunchArgs launch, GpuStream s) = 0;
+  // `count` elements of `item_bytes` (1, 2, 4, 8) set to `pattern`'s low
+  // bytes: a joined rank's neutral elements for Min, Max and Product.
+  virtual void launch_fill(uint64_t addr, uint64_t count, uint32_t item_bytes, uint64_t pattern,
+                           GpuStream s) = 0;
+
   // ------------------------------------------------------------ NCCL
   virtual int nccl_version() const = 0;  // e.g. 22703; 0: no NCCL
   // ncclGetUniqueId: the 128 bytes one rank makes and every rank passes to

@@ -69,6 +69,41 @@ __global__ void rr_cast_kernel(const typename Op::Src* __restrict__ src,
   }
 }
 
+// batched_copy's warps and descriptors, each element cast (Op: tensor ->
+// wire for pack, wire -> tensor for unpack); d.bytes counts the wire side.
+template <class Op, bool kPack>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock)
+    rr_cast_copy_kernel(const CopyDesc* descs, uint64_t count, typename Op::Factor f) {
+  using Src = typename Op::Src;
+  using Dst = typename Op::Dst;
+  const uint64_t thread = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  const unsigned lane = threadIdx.x % kWarpSize;
+  for (uint64_t i = thread / kWarpSize; i < count; i += warps) {
+    const CopyDesc d = descs[i];
+    const uint64_t n = d.bytes / (kPack ? sizeof(Dst) : sizeof(Src));
+    const auto* src = reinterpret_cast<const Src*>(kPack ? d.tensor : d.fused);
+    auto* dst = reinterpret_cast<Dst*>(kPack ? d.fused : d.tensor);
+    cast_lane<Op>(src, dst, n, f, lane, kWarpSize);
+  }
+}
+
+template <class T>
+__global__ void rr_fill_kernel(T* data, uint64_t count, T value) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  fill_lane<T>(data, count, value, static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+               stride);
+}
+
+template <class T>
+void fill_as(void* data, uint64_t count, uint64_t pattern, void* stream) {
+  const LaunchArgs a = elementwise_launch(count);
+  if (a.blocks == 0) return;
+  rr_fill_kernel<T><<<a.blocks, a.threads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<T*>(data), count, static_cast<T>(pattern));
+  check_launch("fill");
+}
+
 void check_copy_launch(uint64_t count, LaunchArgs launch) {
   if (count != 0 && (launch.blocks == 0 || launch.threads == 0)) {
     throw_error(ErrorKind::kInvalidArgument, "GPU pack: ", count,
@@ -114,6 +149,36 @@ void launch_cast(const void* src, DType from, void* dst, DType to, uint64_t coun
         static_cast<const typename Op::Src*>(src), static_cast<typename Op::Dst*>(dst), count);
     check_launch("cast");
   });
+}
+
+void launch_cast_copy(const CopyDesc* device_descs, uint64_t count, bool pack, DType tensor,
+                      DType wire, double factor, LaunchArgs launch, void* stream) {
+  check_copy_launch(count, launch);
+  with_scaled_cast_op(pack ? tensor : wire, pack ? wire : tensor, [&](auto op) {
+    using Op = decltype(op);
+    if (count == 0) return;
+    const auto f = static_cast<typename Op::Factor>(factor);
+    auto s = static_cast<cudaStream_t>(stream);
+    if (pack)
+      rr_cast_copy_kernel<Op, true>
+          <<<launch.blocks, launch.threads, 0, s>>>(device_descs, count, f);
+    else
+      rr_cast_copy_kernel<Op, false>
+          <<<launch.blocks, launch.threads, 0, s>>>(device_descs, count, f);
+    check_launch(pack ? "pack (cast)" : "unpack (cast)");
+  });
+}
+
+void launch_fill(void* data, uint64_t count, uint32_t item_bytes, uint64_t pattern, void* stream) {
+  switch (item_bytes) {
+    case 1: return fill_as<uint8_t>(data, count, pattern, stream);
+    case 2: return fill_as<uint16_t>(data, count, pattern, stream);
+    case 4: return fill_as<uint32_t>(data, count, pattern, stream);
+    case 8: return fill_as<uint64_t>(data, count, pattern, stream);
+    default: break;
+  }
+  throw_error(ErrorKind::kInvalidArgument, "GPU fill: elements of ", item_bytes,
+              " bytes (1, 2, 4 or 8 are supported)");
 }
 
 }  // namespace gpu

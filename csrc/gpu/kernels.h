@@ -28,5 +28,17 @@ void launch_scale(void* data, uint64_t count, DType dtype, double factor, void* 
 // (round to nearest even). src and dst must not overlap.
 void launch_cast(const void* src, DType from, void* dst, DType to, uint64_t count, void* stream);
 
+// Compression in one launch: the batched copy's descriptors, each element
+// cast and multiplied by `factor` (gpu/elementwise.h's ScaledCast). Pack
+// casts tensor (`tensor` dtype) -> fused (`wire`), unpack fused -> tensor; a
+// descriptor's bytes count its fused (wire) side. float32/float64 tensors,
+// float16/bfloat16 wire.
+void launch_cast_copy(const CopyDesc* device_descs, uint64_t count, bool pack, DType tensor,
+                      DType wire, double factor, LaunchArgs launch, void* stream);
+
+// `count` elements of `item_bytes` (1, 2, 4 or 8) set to the low bytes of
+// `pattern` (a joined rank's neutral elements).
+void launch_fill(void* data, uint64_t count, uint32_t item_bytes, uint64_t pattern, void* stream);
+
 }  // namespace gpu
 }  // namespace rr

@@ -22,5 +22,11 @@ void reference_scale(void* data, uint64_t count, DType dtype, double factor);
 
 void reference_cast(const void* src, DType from, void* dst, DType to, uint64_t count);
 
+// launch_cast_copy's work, descriptor by descriptor and lane by lane.
+void reference_cast_copy(const std::vector<CopyDesc>& descs, bool pack, DType tensor, DType wire,
+                         double factor);
+
+void reference_fill(void* data, uint64_t count, uint32_t item_bytes, uint64_t pattern);
+
 }  // namespace gpu
 }  // namespace rr

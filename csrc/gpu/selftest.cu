@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -145,12 +146,73 @@ std::string check_cast(std::mt19937_64& rng) {
   return "";
 }
 
+uint64_t host_addr(const void* p) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+// Compression's batched casts: pack (tensor -> wire, times 0.75) and unpack
+// (wire -> tensor, times -3) in chunks of 4 KiB of wire bytes, on random
+// bytes, against the CPU reference of the same descriptors.
+std::string check_cast_copy(std::mt19937_64& rng) {
+  const uint64_t count = 50001, chunk = 4096;
+  const std::pair<DType, DType> pairs[] = {{DType::kFloat32, DType::kFloat16},
+                                           {DType::kFloat32, DType::kBFloat16},
+                                           {DType::kFloat64, DType::kFloat16},
+                                           {DType::kFloat64, DType::kBFloat16}};
+  for (const auto& [tensor, wire] : pairs) {
+    const uint64_t ti = dtype_size(tensor), wi = dtype_size(wire);
+    const std::vector<unsigned char> t = random_bytes(count * ti, rng);
+    std::vector<unsigned char> w_want(count * wi), t_want(count * ti);
+    std::vector<unsigned char> w_got(count * wi), t_got(count * ti);
+    DeviceBuffer d_t(count * ti), d_w(count * wi), d_back(count * ti);
+    to_device(d_t.get(), t.data(), t.size());
+    std::vector<CopyDesc> dev, host, dev_back, host_back;
+    for (uint64_t done = 0; done < count * wi; done += chunk) {
+      const uint64_t n = std::min(chunk, count * wi - done), at = done / wi * ti;
+      dev.push_back({d_t.addr() + at, d_w.addr() + done, n});
+      dev_back.push_back({d_back.addr() + at, d_w.addr() + done, n});
+      host.push_back({host_addr(t.data()) + at, host_addr(w_want.data()) + done, n});
+      host_back.push_back({host_addr(t_want.data()) + at, host_addr(w_want.data()) + done, n});
+    }
+    DeviceBuffer descs(2 * dev.size() * sizeof(CopyDesc));
+    auto* d_pack = reinterpret_cast<CopyDesc*>(descs.get());
+    to_device(d_pack, dev.data(), dev.size() * sizeof(CopyDesc));
+    to_device(d_pack + dev.size(), dev_back.data(), dev.size() * sizeof(CopyDesc));
+    const LaunchArgs launch{3, 64};
+    launch_cast_copy(d_pack, dev.size(), true, tensor, wire, 0.75, launch, nullptr);
+    launch_cast_copy(d_pack + dev.size(), dev.size(), false, tensor, wire, -3.0, launch, nullptr);
+    check(cudaDeviceSynchronize(), "cast copy");
+    to_host(w_got.data(), d_w.get(), w_got.size());
+    to_host(t_got.data(), d_back.get(), t_got.size());
+    reference_cast_copy(host, true, tensor, wire, 0.75);
+    reference_cast_copy(host_back, false, tensor, wire, -3.0);
+    if (w_got != w_want || t_got != t_want)
+      return cat(w_got != w_want ? "pack" : "unpack", " with a cast ", dtype_name(tensor), " / ",
+                 dtype_name(wire), " differs from the CPU reference");
+  }
+  return "";
+}
+
+std::string check_fill(std::mt19937_64& rng) {
+  const uint64_t count = 10007, pattern = rng();
+  for (uint32_t item : {1u, 2u, 4u, 8u}) {
+    std::vector<unsigned char> want(count * item), got(count * item);
+    DeviceBuffer dev(count * item);
+    launch_fill(dev.get(), count, item, pattern, nullptr);
+    check(cudaDeviceSynchronize(), "fill");
+    to_host(got.data(), dev.get(), got.size());
+    reference_fill(want.data(), count, item, pattern);
+    if (got != want) return cat("fill of ", item, "-byte elements differs from the CPU reference");
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string kernel_selftest(int device) {
   check(cudaSetDevice(device), "cudaSetDevice");
   std::mt19937_64 rng(12345);
-  for (auto* step : {&check_pack, &check_scale, &check_cast}) {
+  for (auto* step : {&check_pack, &check_scale, &check_cast, &check_cast_copy, &check_fill}) {
     std::string err = step(rng);
     if (!err.empty()) return err;
   }

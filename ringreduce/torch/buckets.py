@@ -11,10 +11,14 @@ memory and the ring runs as before.
 
 Protocol per parameter: a tensor hook runs when backward has computed the parameter's
 gradient, just before autograd accumulates it. If ``p.grad`` is ``None`` (the state
-after ``zero_grad()``), the hook zeroes the parameter's view and makes it ``p.grad``,
-so autograd accumulates into the bucket in place; otherwise it leaves ``p.grad`` alone
-(a view already, or a tensor the user put there, which then takes the ordinary path
-and is counted in ``fallbacks``). Sparse gradients are never put in a bucket.
+after ``zero_grad()``), the hook marks the parameter for adoption and autograd keeps
+its fresh gradient as ``p.grad`` (no copy); the optimizer's post-accumulate hook then
+copies it into the parameter's view and makes the view ``p.grad`` (``adopt``): one
+read and one write of the gradient, where zeroing the view and letting autograd add
+into it cost a write, two reads and a write. A gradient that already is the view
+(``zero_grad(set_to_none=False)``) is accumulated into in place; a tensor the user put
+there is left alone, takes the ordinary path and is counted in ``fallbacks``. Sparse
+gradients are never put in a bucket.
 
 Invariants: a parameter that gets no gradient in a step keeps ``grad = None`` (as in
 one process, so e.g. Adam leaves it alone); a view is only ever ``p.grad`` of its own
@@ -58,6 +62,7 @@ class GradientBuckets:
         self.views: dict = {}  # parameter -> its view
         self.storages: set = set()  # data_ptr of each bucket's storage
         self.fallbacks = 0  # gradients averaged outside the buckets (the user moved them)
+        self.marked: set = set()  # id() of parameters whose fresh gradient adopt() moves
         by_dtype: dict = {}
         for p in reversed(params):
             if p.layout == torch.strided:
@@ -83,15 +88,28 @@ class GradientBuckets:
 
         It holds ``p`` weakly: ``p`` holds the hook in torch's C++ storage, where
         Python's garbage collector cannot see a cycle."""
-        view, pref = self.views[p], weakref.ref(p)
+        pref = weakref.ref(p)
+
+        marked = self.marked
 
         def hook(grad: torch.Tensor) -> None:
             param = pref()
             if param is not None and param.grad is None and not grad.is_sparse and owned():
-                view.zero_()
-                param.grad = view
+                marked.add(id(param))
 
         return hook
+
+    def adopt(self, p: torch.Tensor) -> None:
+        """After autograd accumulated: move a gradient marked by the pre-hook into the
+        parameter's view and make the view ``p.grad``."""
+        if id(p) not in self.marked:
+            return
+        self.marked.discard(id(p))
+        grad, view = p.grad, self.views.get(p)
+        if view is None or grad is None or grad.is_sparse or grad.shape != view.shape:
+            return
+        view.copy_(grad)
+        p.grad = view
 
     def holds(self, grad: torch.Tensor) -> bool:
         return grad.untyped_storage().data_ptr() in self.storages

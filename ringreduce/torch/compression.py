@@ -8,13 +8,24 @@ allreduce and ``decompress(tensor, ctx)`` after it. Custom compressors subclass
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ringreduce.compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
+
+
+def device_compression(compression: Any, tensor: torch.Tensor) -> Optional[str]:
+    """``'fp16'`` / ``'bf16'`` when ``tensor`` is on CUDA and ``compression`` is a built-in
+    cast (or a subclass keeping its casts): the GPU executor then casts float32 / float64
+    in its fusion kernels (other dtypes travel as they are, the same policy). None: cast
+    with ``compression.compress`` / ``decompress`` as on the CPU."""
+    if not tensor.is_cuda or not isinstance(compression, type) or not issubclass(
+            compression, CastCompressor):
+        return None
+    return compression.device_compression()
 
 
 class _TorchCast(CastCompressor):
@@ -43,12 +54,14 @@ class FP16Compressor(_TorchCast):
     """Send float32/float64 tensors as float16 (halves the bytes; 11-bit mantissa, max 65504)."""
 
     wire = torch.float16
+    wire_name = "fp16"
 
 
 class BF16Compressor(_TorchCast):
     """Send float32/float64 tensors as bfloat16 (float32's range, 8-bit mantissa)."""
 
     wire = torch.bfloat16
+    wire_name = "bf16"
 
 
 class Compression:

@@ -21,7 +21,7 @@ from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import binder, check_tensor, comm, label, refusals, to_numpy, to_torch
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, device_compression
 from .ops import Handle, resolve_op
 
 
@@ -46,7 +46,13 @@ def _grouped_allreduce_now(c: Communicator, tensors: Sequence[torch.Tensor], op:
                            name: Optional[str], compression: type[Compressor], pre: float,
                            post: float) -> list:
     what = label("grouped_allreduce", name)
-    packed = [compression.compress(check_tensor(t, what).detach()) for t in tensors]
+    tensors = [check_tensor(t, what).detach() for t in tensors]
+    wire = device_compression(compression, tensors[0]) if tensors else None
+    if wire and all(t.is_cuda for t in tensors):  # cast by the GPU executor's kernels
+        out = c.grouped_allreduce([to_numpy(t, what) for t in tensors], op, name, pre, post,
+                                  compression=wire)
+        return [to_torch(o) for o in out]
+    packed = [compression.compress(t) for t in tensors]
     out = c.grouped_allreduce([to_numpy(b, what) for b, _ in packed], op, name, pre, post)
     return [compression.decompress(to_torch(o), ctx) for o, (_, ctx) in zip(out, packed)]
 

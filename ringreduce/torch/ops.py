@@ -27,7 +27,7 @@ from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._tensors import binder, check_tensor, comm, label, refusals, to_numpy, to_torch
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, device_compression
 
 _OPS = {Sum: "Sum", Average: "Average", Min: "Min", Max: "Max", Product: "Product"}
 Splits = Optional[Union[Sequence[int], torch.Tensor]]
@@ -103,7 +103,12 @@ def _new_tensor(result: Any) -> torch.Tensor:
 def _allreduce_now(c: Communicator, tensor: torch.Tensor, op: int, name: Optional[str],
                    compression: type[Compressor], pre: float, post: float) -> torch.Tensor:
     what = label("allreduce", name)
-    compressed, ctx = compression.compress(check_tensor(tensor, what).detach())
+    tensor = check_tensor(tensor, what).detach()
+    wire = device_compression(compression, tensor)
+    if wire:  # a CUDA tensor: the GPU executor casts in its fusion kernels
+        return to_torch(c.allreduce(to_numpy(tensor, what), op, name, pre, post,
+                                    compression=wire))
+    compressed, ctx = compression.compress(tensor)
     out = c.allreduce(to_numpy(compressed, what), op, name, pre, post)
     return compression.decompress(to_torch(out), ctx)
 

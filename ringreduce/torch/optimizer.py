@@ -42,7 +42,7 @@ from .broadcast import agree
 from .buckets import GradientBuckets, bucket_slots
 from .buckets import describe as describe_buckets
 from .buckets import enabled as buckets_enabled
-from .compression import Compression, Compressor
+from .compression import Compression, Compressor, device_compression
 from .sparse import SparseAllreduce
 
 __all__ = ["DistributedOptimizer"]
@@ -255,6 +255,8 @@ class _DistributedMixin:
 
     # ------------------------------------------------------------ per gradient
     def _rr_hook(self, s: _Slot) -> None:
+        if self._rr_buckets is not None:
+            self._rr_buckets.adopt(s.param)
         if s.handle is not None:
             raise InvalidInputError(
                 f"DistributedOptimizer: the gradient of {s.name!r} was computed "
@@ -283,11 +285,14 @@ class _DistributedMixin:
                                        *self._rr_scale)
             s.grad, s.buf, s.ctx = grad, None, None
         else:
-            buf, ctx = self._rr_compression.compress(grad)
+            # CUDA gradients with fp16 / bf16: the GPU executor casts in its fusion kernels.
+            wire = device_compression(self._rr_compression, grad)
+            buf, ctx = (grad, None) if wire else self._rr_compression.compress(grad)
             if not buf.is_contiguous() or (buf is grad and not grad.is_contiguous()):
                 buf = buf.contiguous()
             s.handle = self._rr_comm().allreduce_async_(to_numpy(buf, s.label), self._rr_op,
-                                                        s.name, *self._rr_scale)
+                                                        s.name, *self._rr_scale,
+                                                        compression=wire)
             s.grad, s.buf, s.ctx, s.version = grad, buf, ctx, grad._version
         self._rr_inflight.append(s)
 

@@ -5,8 +5,11 @@ arrays and on torch CUDA tensors, one process per GPU (np = the visible GPUs, at
 and a dead-rank test: a rank killed during GPU collectives must not hang the other.
 
 The worker covers allreduce (every dtype and op, fused, grouped), broadcast, reducescatter,
-allgather (equal and ragged rows), alltoall (with and without splits), and with torch
-float16 / bfloat16 tensors and Compression.fp16 / .bf16 cast on the device.
+allgather (equal and ragged rows), alltoall (with and without splits), compression='fp16' /
+'bf16' through the executor's casting kernels (bits against a numpy reference), a joined
+rank (neutral elements for every op, allgather with 0 rows, alltoall refused), and with
+torch float16 / bfloat16 tensors and Compression.fp16 / .bf16 (the executor's casts).
+With 3 GPUs: the hierarchical allreduce on fake hosts of 2 and 1 ranks, and in a process set.
 Also ringreduce.torch's recipe on a CUDA model against one process on the whole batch."""
 
 from __future__ import annotations
@@ -101,3 +104,38 @@ def test_hierarchical_allreduce_on_real_gpus_and_fake_hosts(tmp_path):
                          timeout=120)
     job.check_ok()
     assert job.describe().count("HIERARCHICAL OK") == 2, job.describe()
+
+
+def test_hierarchical_allreduce_on_uneven_fake_hosts_and_a_process_set(tmp_path):
+    # 3 GPUs: ranks 0, 1 on one fake host, rank 2 on another (hosts of 2 and 1 ranks: the
+    # lcm layout, rank 2 in two cross-host rings); then the set {0, 2} (one rank per host),
+    # compressed to float16. Each rank on its own GPU.
+    n = min(3, _info["cuda_device_count"])
+    if n < 3 or importlib.util.find_spec("cupy") is None:
+        pytest.skip("needs 3 GPUs and CuPy")
+    script = tmp_path / "uneven.py"
+    script.write_text(
+        "import cupy, numpy as np\n"
+        "import ringreduce as rr\n"
+        "pair = rr.ProcessSet([0, 2])\n"
+        "rr.init(process_sets=[pair])\n"
+        "cupy.cuda.Device(rr.rank()).use()\n"
+        "for n in (1, 1001, 1 << 20):\n"
+        "    x = cupy.arange(n, dtype=cupy.float32) % 7 + rr.rank()\n"
+        "    rr.allreduce_(x, op=rr.Sum, name=f'u.{n}')\n"
+        "    want = sum(np.arange(n, dtype=np.float32) % 7 + r for r in range(3))\n"
+        "    np.testing.assert_array_equal(x.get(), want)\n"
+        "if pair.included():\n"
+        "    y = cupy.arange(4096, dtype=cupy.float32) % 7 + rr.rank() + 2.0 ** -12\n"
+        "    rr.allreduce_(y, op=rr.Sum, name='u.set', process_set=pair, compression='fp16')\n"
+        "    np.testing.assert_array_equal(\n"
+        "        y.get(), sum(np.arange(4096, dtype=np.float32) % 7 + r for r in (0, 2)))\n"
+        "ran = rr._comm()._engine.stats()['hierarchical_allreduces']\n"
+        "assert ran == (4 if pair.included() else 3), ran\n"
+        "print('UNEVEN OK')\n")
+    job = run_env_launch(3, script, env={"RINGREDUCE_HIERARCHICAL_ALLREDUCE": "1"},
+                         rank_env=[{"RINGREDUCE_HOST_ID": f"fake-host-{r // 2}"}
+                                   for r in range(3)],
+                         timeout=180)
+    job.check_ok()
+    assert job.describe().count("UNEVEN OK") == 3, job.describe()

@@ -2,7 +2,8 @@
 broadcast_optimizer_state and SyncBatchNorm, unchanged from the CPU recipe but for
 ``.cuda()``. Every rank trains on its slice of the batch; the weights must equal one
 process training on the whole batch (computed here with plain torch), and be identical on
-every rank. Logs ``OK rank <r>``.
+every rank. Also DistributedOptimizer with Compression.fp16 through the GPU executor's
+casts. Logs ``OK rank <r>``.
 
     python gpu_torch_worker.py        # one process per GPU
 """
@@ -20,6 +21,23 @@ import ringreduce.torch as rr
 def net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
                                torch.nn.Linear(8, 1)).double()
+
+
+def check_compressed_optimizer(rank: int, size: int) -> None:
+    """DistributedOptimizer with Compression.fp16 on a float32 CUDA parameter: the gradient
+    goes to the GPU executor uncast, travels as float16 (cast in its pack kernel) and is
+    averaged in float32 in its unpack: SGD's step is minus the float16-rounded mean."""
+    w = torch.nn.Parameter(torch.zeros(64, device="cuda"))
+    opt = rr.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("cw", w)],
+                                  compression=rr.Compression.fp16)
+
+    def grad(r: int) -> torch.Tensor:  # k / 8 + r + 1 is exact in float16; 2^-12 is not
+        return (torch.arange(64) % 7 / 8 + r + 1 + 2.0 ** -12).float()
+
+    (w * grad(rank).cuda()).sum().backward()
+    opt.step()
+    wsum = sum(grad(r).half().float() for r in range(size))
+    assert torch.equal(w.detach().cpu(), -(wsum * torch.tensor(1 / size))), w
 
 
 def main() -> None:
@@ -52,6 +70,7 @@ def main() -> None:
         same = rr.broadcast(p.detach(), root_rank=0, name=f"check.{name}")
         assert torch.equal(same, p.detach()), f"rank {rank}: {name} differs from rank 0"
     copy.deepcopy(model.state_dict())  # the state is ordinary CUDA tensors
+    check_compressed_optimizer(rank, size)
     rr.shutdown()
     say(f"OK rank {rank}")
 

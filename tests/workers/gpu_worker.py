@@ -211,6 +211,67 @@ def check_compression_emulated(rank: int, size: int) -> None:
                                                for r in range(size)], axis=0), rtol=1e-3)
 
 
+def round_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 -> float32, rounding to nearest even (numpy has no bfloat16)."""
+    u = a.astype(np.float32).view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32)
+
+
+def lossy(rank: int, n: int) -> np.ndarray:
+    """k / 8 + rank + 1 (exact in float16 / bfloat16, and so are sums of 3 of them) plus
+    2^-12, which rounding to either wire dtype drops: compression changes the result."""
+    return ((np.arange(n) % 7) / 8 + rank + 1 + 2.0 ** -12).astype(np.float32)
+
+
+def to_wire(a: np.ndarray, wire: str) -> np.ndarray:
+    return a.astype(np.float16).astype(a.dtype) if wire == "fp16" else round_bf16(a)
+
+
+def check_executor_compression(g: Arrays, rank: int, size: int) -> None:
+    """compression='fp16' / 'bf16': float32 arrays cast by the GPU executor's pack kernel
+    into a half-precision fusion buffer, reduced in that dtype, cast back by the unpack;
+    each result equals reducing the rounded inputs in the wire dtype (exact sums here),
+    cast back, bit for bit, and differs from the float32 reduction."""
+    ranks = range(size)
+    for wire in ("fp16", "bf16"):
+        x = g.make(lossy(rank, 40))
+        assert rr.allreduce_(x, op=rr.Sum, name=f"cz.{wire}", compression=wire) is x
+        want = sum(to_wire(lossy(r, 40), wire) for r in ranks)
+        np.testing.assert_array_equal(g.host(x), want)
+        assert not np.array_equal(want, sum(lossy(r, 40) for r in ranks))
+        # Fused (async, several sizes), prescale folded into the pack (one rounding of x * 0.5),
+        # Average's 1 / size and the postscale folded into the unpack, in float32.
+        xs = [g.make(lossy(rank, n)) for n in (3, 1000, 17)]
+        hs = [rr.allreduce_async(x, op=rr.Average, name=f"cz.{wire}.{i}", prescale_factor=0.5,
+                                 postscale_factor=3.0, compression=wire)
+              for i, x in enumerate(xs)]
+        for n, h in zip((3, 1000, 17), hs):
+            wsum = sum(to_wire(lossy(r, n) * np.float32(0.5), wire) for r in ranks)
+            np.testing.assert_array_equal(g.host(rr.synchronize(h)),
+                                          wsum * np.float32(3.0 / size))
+    # float64 arrays travel as float16 too; other dtypes travel as they are.
+    d = g.make(lossy(rank, 9).astype(np.float64))
+    rr.allreduce_(d, op=rr.Max, name="cz.f64", compression="fp16")
+    want = np.max([to_wire(lossy(r, 9), "fp16") for r in ranks], axis=0).astype(np.float64)
+    np.testing.assert_array_equal(g.host(d), want)
+    i = g.make(inputs(rank, 5, np.int32))
+    rr.allreduce_(i, op=rr.Sum, name="cz.i32", compression="bf16")
+    np.testing.assert_array_equal(g.host(i), sum(inputs(r, 5, np.int32) for r in ranks))
+    out = rr.grouped_allreduce([g.make(lossy(rank, n)) for n in (2, 6)], op=rr.Sum,
+                               compression="bf16")
+    for n, o in zip((2, 6), out):
+        np.testing.assert_array_equal(g.host(o), sum(round_bf16(lossy(r, n)) for r in ranks))
+    if size > 1:  # ranks must agree on the compression: a MismatchError on every rank
+        try:
+            rr.allreduce(g.make(lossy(rank, 4)), name="cz.mismatch",
+                         compression="fp16" if rank == 0 else None)
+        except rr.MismatchError as e:
+            assert "compression=float16" in str(e), str(e)
+        else:
+            raise AssertionError("a compression mismatch was not refused")
+
+
 def check_torch_low_precision(rank: int, size: int) -> None:
     """torch only (real GPUs): float16 / bfloat16 CUDA tensors reduced by NCCL,
     ringreduce.torch's Compression.fp16 / .bf16 casting on the device (torch ops), never
@@ -234,6 +295,20 @@ def check_torch_low_precision(rank: int, size: int) -> None:
         out = rrt.allreduce(x, op=rrt.Average, compression=comp, name=f"comp.{wire}")
         assert out.is_cuda and out.dtype == torch.float32
         torch.testing.assert_close(out.double().cpu(), want, rtol=1e-2, atol=1e-2)
+    # The torch layer hands float32 CUDA tensors to the GPU executor's casting kernels:
+    # bit for bit the reduction of the rounded inputs, also grouped and as the optimizer does.
+    for comp, name in ((rrt.Compression.fp16, "fp16"), (rrt.Compression.bf16, "bf16")):
+        ranks = range(size)
+        x = torch.from_numpy(lossy(rank, 40)).cuda()
+        out = rrt.allreduce(x, op=rrt.Sum, compression=comp, name=f"comp.exact.{name}")
+        np.testing.assert_array_equal(out.cpu().numpy(),
+                                      sum(to_wire(lossy(r, 40), name) for r in ranks))
+        outs = rrt.grouped_allreduce([torch.from_numpy(lossy(rank, n)).cuda() for n in (3, 9)],
+                                     op=rrt.Sum, compression=comp, name=f"comp.group.{name}")
+        for n, o in zip((3, 9), outs):
+            assert o.is_cuda and o.dtype == torch.float32
+            np.testing.assert_array_equal(o.cpu().numpy(),
+                                          sum(to_wire(lossy(r, n), name) for r in ranks))
     # The torch layer's allgather / alltoall on CUDA tensors (ragged rows, splits).
     got = rrt.allgather(torch.full((rank + 1, 2), float(rank), device="cuda"), name="t.ag")
     assert got.is_cuda and got.cpu().tolist() == [[float(r)] * 2 for r in range(size)
@@ -275,14 +350,52 @@ def check_process_sets(g: Arrays, rank: int, pair, solo) -> None:
         np.testing.assert_array_equal(g.host(x), inputs(rank, 5, np.float32))
 
 
-def check_join(g: Arrays, rank: int) -> None:
-    # Every rank but 0 joins at once and takes part in rank 0's GPU allreduce with zeros,
-    # through the GPU executor it already has.
-    if rank == 0:
-        x = g.make(np.full(6, 3.0, np.float32))
-        rr.allreduce_(x, op=rr.Sum, name="joined")
-        np.testing.assert_array_equal(g.host(x), np.full(6, 3.0, np.float32))
-    assert rr.join() == 0
+def check_join(g: Arrays, rank: int, size: int) -> None:
+    # The last rank joins at once; the others run GPU collectives without it, through the
+    # GPU executor it already has: neutral elements for every op (also compressed), the
+    # allgather with 0 rows from it (the ranks agree on the counts in the executor), and
+    # alltoall refused as on the host. Then every other rank joins.
+    last, ranks = size - 1, range(size - 1)
+    if rank == last:
+        assert rr.join() in ranks
+        return
+    reduce = {rr.Sum: np.sum, rr.Min: np.min, rr.Max: np.max, rr.Product: np.prod}
+    for dtype in (np.float32, np.int32, np.float16):
+        for op, fn in reduce.items():
+            x = g.make(inputs(rank, 6, dtype))
+            rr.allreduce_(x, op=op, name=f"joined.{np.dtype(dtype).name}.{op}",
+                          prescale_factor=-1.0 if dtype != np.float16 else 1.0)
+            sign = -1 if dtype != np.float16 else 1
+            want = fn(np.stack([sign * inputs(r, 6, dtype) for r in ranks]), axis=0)
+            np.testing.assert_array_equal(g.host(x), want.astype(dtype))
+    outs = rr.grouped_allreduce([g.make(inputs(rank, n, np.float64)) for n in (3, 9)],
+                                op=rr.Product, name="joined.group")
+    for n, o in zip((3, 9), outs):
+        np.testing.assert_array_equal(g.host(o), np.prod([inputs(r, n, np.float64)
+                                                          for r in ranks], axis=0))
+    x = g.make(lossy(rank, 8))
+    rr.allreduce_(x, op=rr.Min, name="joined.fp16", compression="fp16")
+    np.testing.assert_array_equal(g.host(x), np.min([to_wire(lossy(r, 8), "fp16")
+                                                     for r in ranks], axis=0))
+    x = g.make(lossy(rank, 8))
+    rr.allreduce_(x, op=rr.Average, name="joined.avg", compression="bf16")
+    np.testing.assert_array_equal(
+        g.host(x), sum(round_bf16(lossy(r, 8)) for r in ranks) * np.float32(1 / len(ranks)))
+    out = rr.allgather(g.make(inputs(rank, (rank + 1) * 3, np.float32).reshape(-1, 3)),
+                       name="joined.ag")
+    np.testing.assert_array_equal(g.host(out), np.concatenate(
+        [inputs(r, (r + 1) * 3, np.float32).reshape(-1, 3) for r in ranks]))
+    outs = rr.grouped_allgather([g.make(inputs(rank, 2, np.int64)),
+                                 g.make(inputs(rank, 4, np.float32))], name="joined.gag")
+    np.testing.assert_array_equal(g.host(outs[1]), np.concatenate(
+        [inputs(r, 4, np.float32) for r in ranks]))
+    try:
+        rr.alltoall(g.make(np.zeros((size, 2), np.float32)), name="joined.a2a")
+    except rr.InvalidInputError as e:
+        assert "cannot run while a rank has joined" in str(e), str(e)
+    else:
+        raise AssertionError("alltoall ran while a rank had joined")
+    assert rr.join() in range(size)
 
 
 def check_refusals(g: Arrays, rank: int, size: int) -> None:
@@ -344,7 +457,8 @@ def main() -> None:
         check_torch_low_precision(rank, size)
     if kind == "emulated":
         check_compression_emulated(rank, size)
-    check_join(g, rank)
+    check_executor_compression(g, rank, size)
+    check_join(g, rank, size)
     rr.shutdown()
     say(f"OK rank {rank}")
 

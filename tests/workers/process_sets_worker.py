@@ -137,6 +137,9 @@ def sets_from_mpi_comms(r: int, n: int) -> None:
     check(half.process_set_id == 1 + r % 2, f"ids in order of the lowest member: {half}")
     got = rr.allreduce(torch.ones(1), op=rr.Sum, process_set=half).item()
     check(got == len(half.ranks), f"allreduce on {half}: {got}")
+    # Leaving is not collective (as in Horovod): a rank whose set finished first
+    # must not shut down under the other set's call.
+    rr.barrier()
     rr.shutdown()
 
 

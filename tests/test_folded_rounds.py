@@ -1,0 +1,153 @@
+"""Folded rounds (csrc/coordination/engine_fold.cc): a small host allreduce that every
+worker submitted alone in a round is reduced by rank 0 within the negotiation round and
+its result rides back with the response, saving the header-and-data exchange. These
+tests run threads as ranks and compare every folded result bitwise with the ordinary
+path (``RINGREDUCE_FOLD_BYTES=0``), and check that folding steps aside wherever it must.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import env
+
+import ringreduce as rr
+from ringreduce.process_sets import ProcessSet
+from ringreduce.testing import make_world, run_threaded
+
+DTYPES = ["float32", "float64", "float16", "int32", "int64", "uint8"]
+OPS = [rr.Sum, rr.Average, rr.Min, rr.Max, rr.Product]
+
+
+def run(n, body, fold_bytes, timeout=60):
+    with env(RINGREDUCE_FOLD_BYTES=str(fold_bytes)):
+        w = make_world(n)
+    try:
+        return run_threaded(n, body, world=w, timeout=timeout)
+    finally:
+        for c in w:
+            c.close()
+
+
+def folded(c) -> int:
+    return c._engine.stats()["folded"]
+
+
+def inputs(rank, dtype, count):
+    rng = np.random.default_rng(rank)
+    if np.dtype(dtype).kind == "f":
+        return (rng.standard_normal(count) * 3).astype(dtype)
+    return rng.integers(1, 4, count).astype(dtype)
+
+
+def cases():
+    for dtype in DTYPES:
+        for op in OPS:
+            if np.dtype(dtype).kind in "iu" and op == rr.Average:
+                continue
+            yield dtype, op
+
+
+def every_case(c):
+    """Blocking allreduces of every dtype and op, with scales, in place and out of place;
+    returns the results and how many of them were folded."""
+    r, before = c.rank(), folded(c)
+    out = []
+    for i, (dtype, op) in enumerate(cases()):
+        for count in (0, 1, 5, 37):
+            x = inputs(r + 10 * i, dtype, count)
+            keep = x.copy()
+            scales = {} if np.dtype(dtype).kind in "iu" else dict(prescale_factor=0.5,
+                                                                  postscale_factor=3.0)
+            out.append(c.allreduce(x, op=op, name=f"t{i}.{count}", **scales))
+            assert np.array_equal(x, keep), "out of place changed its input"
+            y = x.copy()
+            c.allreduce_(y, op=op, **scales)  # unnamed, in place
+            out.append(y)
+    return out, folded(c) - before
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_folded_results_equal_the_ordinary_path_bitwise(n):
+    on = run(n, every_case, 1024)
+    off = run(n, every_case, 0)
+    calls = len(on[0][0])
+    for r in range(n):
+        assert on[r][1] == calls, f"rank {r} folded {on[r][1]} of {calls} calls"
+        assert off[r][1] == 0, off[r][1]
+        for a, b in zip(on[r][0], off[r][0]):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (a, b)
+        for a, b in zip(on[r][0], on[0][0]):
+            assert a.tobytes() == b.tobytes(), "ranks disagree"
+
+
+def test_a_late_rank_still_folds_and_larger_calls_do_not():
+    """A worker's contribution waits at rank 0 while rank 0 is late (and the other way
+    round); a call above RINGREDUCE_FOLD_BYTES takes the ordinary path."""
+
+    def body(c):
+        r, res = c.rank(), []
+        for i in range(6):
+            if (i % 2) == (r % 2):
+                time.sleep(0.05)  # ranks take turns being late
+            res.append(c.allreduce(np.full(4, r + i, np.float32), op=rr.Sum, name="late"))
+        n_small = folded(c)
+        big = c.allreduce(np.ones(300, np.float32), op=rr.Sum, name="big")  # 1200 B
+        return res, n_small, folded(c) - n_small, big
+
+    for r, (res, n_small, n_big, big) in enumerate(run(2, body, 1024)):
+        assert [x.tolist() for x in res] == [[2.0 * i + 1] * 4 for i in range(6)], res
+        assert n_small == 6 and n_big == 0, (r, n_small, n_big)
+        assert (big == 2).all()
+
+
+def test_fused_grouped_sets_and_joins_take_the_ordinary_path():
+    """Folding steps aside for grouped calls, process sets and a joined rank, and the
+    results stay right; a mismatch still fails on every rank and the job goes on."""
+
+    def body(c):
+        r, before = c.rank(), folded(c)
+        got = c.grouped_allreduce([np.full(2, r, np.float32), np.ones(3)], op=rr.Sum)
+        ps = ProcessSet([0, 1])
+        c.process_sets.setup([ps])
+        with rr.use_communicator(c):
+            in_set = rr.allreduce(np.full(2, r + 1.0), op=rr.Sum, process_set=ps)
+        err = None
+        try:
+            c.allreduce(np.ones(2 + r, np.float32), name="mm")
+        except rr.MismatchError as e:
+            err = e
+        after_mismatch = c.allreduce(np.full(2, 1.0), op=rr.Sum, name="mm")
+        n = folded(c) - before
+        extra = [c.allreduce(np.full(2, 5.0), op=rr.Sum) for _ in range(2 if r == 0 else 0)]
+        last = c.join()
+        return got, in_set, err, after_mismatch, n, folded(c) - before - n, extra, last
+
+    for r, (got, in_set, err, after, n, n_joined, extra, last) in enumerate(run(2, body, 1024)):
+        assert (got[0] == 1).all() and (got[1] == 2).all(), got
+        assert (in_set == 3).all(), in_set
+        assert isinstance(err, rr.MismatchError) and "float32[3]" in str(err), err
+        assert (after == 2).all(), after
+        assert n == 1, f"rank {r}: only the allreduce after the mismatch folds, got {n}"
+        assert n_joined == 0, "a call while a rank has joined must not fold"
+        assert [e.tolist() for e in extra] == ([[5.0, 5.0]] * 2 if r == 0 else []), extra
+        assert last == 0, last
+
+
+def test_barriers_fold_and_still_wait_for_the_last_rank():
+    def body(c):
+        r, before, waited = c.rank(), folded(c), []
+        for i in range(4):
+            if r == i % 2:
+                time.sleep(0.1)
+            t0 = time.perf_counter()
+            c.barrier()
+            waited.append(time.perf_counter() - t0)
+        return folded(c) - before, waited
+
+    for r, (n, waited) in enumerate(run(2, body, 1024)):
+        assert n == 4, f"rank {r} folded {n} of 4 barriers"
+        early = [w for i, w in enumerate(waited) if r != i % 2]
+        assert min(early) > 0.05, f"rank {r} left barriers early: {waited}"

@@ -46,6 +46,7 @@ bool foldable_op(ReduceOp op) {
     case ReduceOp::kMin:
     case ReduceOp::kMax:
     case ReduceOp::kProduct: return true;
+    case ReduceOp::kAdasum: return false;  // not element-wise: allreduce_adasum.cc
   }
   return false;
 }

@@ -201,7 +201,8 @@ def test_engine_adasum_matches_the_pairing_per_tensor(n, dtype):
                                       postscale_factor=0.25)
         inplace = [x.copy() for x in xs]
         c.grouped_allreduce_async_(inplace, op=rr.Adasum).wait()
-        one = c.allreduce(xs[2], op=rr.Adasum, name="one")
+        one = c.allreduce(xs[2], op=rr.Adasum, name="one", prescale_factor=2.0,
+                          postscale_factor=0.5)
         return grouped, inplace, one, adasum_runs(c) - before
 
     res = run_threaded(n, fn, timeout=60)
@@ -213,7 +214,7 @@ def test_engine_adasum_matches_the_pairing_per_tensor(n, dtype):
             want = reference([2.0 * e[i].astype(np.float64) for e in every]) * 0.25
             close_to(got, want, dtype)
             close_to(inplace[i], reference([e[i].astype(np.float64) for e in every]), dtype)
-        close_to(one, reference([e[2].astype(np.float64) for e in every]), dtype)
+        close_to(one, reference([2.0 * e[2].astype(np.float64) for e in every]) * 0.5, dtype)
         for mine, first in zip(grouped + inplace + [one], res[0][0] + res[0][1] + [res[0][2]]):
             assert mine.tobytes() == first.tobytes()  # bitwise the same on every rank
 
@@ -231,6 +232,21 @@ def test_engine_adasum_dots_are_per_tensor():
         assert runs == 1
         np.testing.assert_allclose(big, [1000.0, 1000.0])
         np.testing.assert_allclose(same, [2.0, 4.0, 6.0])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_engine_adasum_of_nothing_and_of_one_rank(n):
+    def fn(c):
+        empty = c.allreduce(np.zeros(0, np.float32), op=rr.Adasum, name="empty")
+        group = c.grouped_allreduce([np.zeros((0, 3)), np.zeros(0)], op=rr.Adasum, name="g")
+        x = np.arange(5.0) + c.rank()
+        return empty, group, c.allreduce(x, op=rr.Adasum, postscale_factor=3.0), adasum_runs(c)
+
+    for empty, group, x, runs in run_threaded(n, fn, timeout=60):
+        assert empty.shape == (0,) and [g.shape for g in group] == [(0, 3), (0,)]
+        assert runs == 3
+        want = reference([np.arange(5.0) + r for r in range(n)]) * 3.0
+        np.testing.assert_allclose(x, want, rtol=1e-12)
 
 
 def test_three_ranks_gather_instead():

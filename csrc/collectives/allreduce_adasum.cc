@@ -164,7 +164,6 @@ void allreduce_adasum(Context& ctx, uint8_t* buf, const std::vector<size_t>& cou
               what);
     cur = parent;
   }
-  ctx.count_adasum_allreduce();
 }
 
 }  // namespace rr

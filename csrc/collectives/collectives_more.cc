@@ -113,6 +113,7 @@ void adasum(Context& ctx, void* buf, const Tensor& desc, const std::vector<size_
                     " (Adasum): rank ", ctx.global_rank(p), " splits the buffer into ",
                     x.extras[p].size() / sizeof(uint64_t), " tensors differently from rank ",
                     ctx.global_rank(ctx.rank()), "'s ", counts.size());
+    ctx.count_adasum_allreduce();
     auto* b = static_cast<uint8_t*>(buf);
     const auto* own = static_cast<const uint8_t*>(desc.data);
     if (ctx.size() == 1) {

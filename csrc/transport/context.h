@@ -134,7 +134,7 @@ class Context {
   void count_shared_allreduce() { shared_allreduces_.fetch_add(1); }
   uint64_t hierarchical_allreduces() const { return hierarchical_allreduces_.load(); }
   void count_hierarchical_allreduce() { hierarchical_allreduces_.fetch_add(1); }
-  // Adasum allreduces (allreduce_adasum.cc), counted on the job's context.
+  // Adasum allreduces (the adasum() entry point), counted on the job's context.
   uint64_t adasum_allreduces() const { return adasum_allreduces_.load(); }
   void count_adasum_allreduce() {
     if (parent_)

@@ -64,8 +64,13 @@ def worker(args) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = make_model()
+    stats = None
     if args.worker in ("ringreduce", "rr-no-buckets"):
+        import ringreduce
         import ringreduce.torch as rr
+
+        def stats():
+            return ringreduce._comm()._engine.stats()
 
         rr.init()
         rank, size, barrier = rr.rank(), rr.size(), rr.barrier
@@ -94,17 +99,22 @@ def worker(args) -> None:
     for _ in range(args.warmup):
         step()
     barrier()
+    before = stats() if stats else None
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     barrier()
     elapsed = time.perf_counter() - start
+    # Negotiation rounds per step: each is a synchronisation of the ranks, which costs
+    # scheduling delays when compute threads hold every core.
+    rounds = (stats()["rounds"] - before["rounds"]) / args.steps if stats else None
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({"backend": args.worker, "np": size, "params": params,
                           "threads": torch.get_num_threads(),
                           "step_s": elapsed / args.steps,
-                          "samples_per_s": size * args.batch * args.steps / elapsed}),
+                          "samples_per_s": size * args.batch * args.steps / elapsed,
+                          "rounds_per_step": rounds}),
               flush=True)
 
 
@@ -164,7 +174,9 @@ def main() -> None:
                 for backend in BACKENDS:
                     r = launch(backend, n, t, args)
                     print(f"# {backend} -np {n}, {r['threads']} threads: "
-                          f"{r['samples_per_s']:.1f} samples/s ({r['step_s'] * 1000:.0f} ms/step)",
+                          f"{r['samples_per_s']:.1f} samples/s ({r['step_s'] * 1000:.0f} ms/step"
+                          + (f", {r['rounds_per_step']:.1f} rounds/step)"
+                             if r.get("rounds_per_step") is not None else ")"),
                           flush=True)
                     best = results.get((backend, n, t))
                     if best is None or r["samples_per_s"] > best["samples_per_s"]:

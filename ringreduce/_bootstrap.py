@@ -74,6 +74,7 @@ def _mpi() -> tuple[int, int, bytes, Exchange]:
             "install it with: pip install 'ringreduce[mpi]'"
         ) from err
     comm = MPI.COMM_WORLD
+    check_slurm_world(comm.Get_size())
     secret = comm.bcast(os.urandom(32) if comm.Get_rank() == 0 else None, root=0)
 
     def exchange(mine: bytes) -> list[bytes]:
@@ -84,6 +85,24 @@ def _mpi() -> tuple[int, int, bytes, Exchange]:
         return infos
 
     return comm.Get_rank(), comm.Get_size(), secret, exchange
+
+
+def check_slurm_world(mpi_size: int) -> None:
+    """Refuse a job that srun started as several tasks but MPI sees as one process each.
+
+    ``srun`` without a PMI plugin MPI understands (``--mpi=pmi2`` for MPICH, ``pmix`` for
+    Open MPI, unless the cluster's ``MpiDefault`` is one) starts every task as an MPI
+    singleton: each would train alone, silently, as rank 0 of 1.
+    """
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
+    if mpi_size != 1 or "SLURM_PROCID" not in os.environ or not tasks or not tasks.isdigit() \
+            or int(tasks) <= 1:
+        return
+    raise InvalidInputError(
+        f"srun started {tasks} tasks (this is task {os.environ['SLURM_PROCID']}), but MPI "
+        "sees a world of 1: srun gave MPI no process manager interface it understands. "
+        "Run srun with --mpi=pmi2 (MPICH, Intel MPI) or --mpi=pmix (Open MPI), or set "
+        "MpiDefault in slurm.conf; `srun --mpi=list` shows what the cluster has")
 
 
 def unlink_mpich_segments(maps: str = "/proc/self/maps") -> list[str]:

@@ -8,40 +8,28 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_fakes import (
+    AVG,
+    BF16,
+    F16,
+    F32,
+    F64,
+    FUSION,
+    I32,
+    MAX,
+    MIN,
+    PROD,
+    SUM,
+    call,
+    executor,
+    tensor,
+    verbs,
+)
 from ringreduce._core import coordination as co
-from ringreduce._core.gpu import testing as gt
 
 from ringreduce import _core
 
-F32, F64, I32, F16, BF16 = 6, 7, 2, 4, 5
-SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4
-FUSION = 0x10000000  # the fake's first device allocation
 CODES = {np.float32: F32, np.float64: F64}
-
-
-def tensor(name, n, i=0, **kw):
-    """A float32 tensor at made-up device addresses (never dereferenced)."""
-    d = {"name": name, "shape": [n], "dtype": F32, "op": SUM,
-         "in": 0x7000000 + i * 0x100000, "out": 0x8000000 + i * 0x100000}
-    d.update(kw)
-    return d
-
-
-def executor(size=2, **kw):
-    ops = gt.FakeGpuOps(22703)
-    ex = gt.GpuExecutor(ops, device=0, rank=0, size=size, **kw)
-    ex.init_comm(bytes(128))
-    ops.clear_calls()
-    return ops, ex
-
-
-def verbs(ops):
-    return [c.split()[0] for c in ops.calls()]
-
-
-def call(ops, verb):
-    (line,) = [c for c in ops.calls() if c.startswith(verb + " ")]
-    return line.split()
 
 
 def test_compressed_fused_allreduce_casts_in_one_pack_and_one_unpack():

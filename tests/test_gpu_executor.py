@@ -10,42 +10,26 @@ import time
 
 import numpy as np
 import pytest
+from gpu_fakes import (
+    AVG,
+    BF16,
+    F16,
+    FUSION,
+    I32,
+    NCCL_2_9,
+    NCCL_2_27,
+    SUM,
+    call,
+    executor,
+    tensor,
+    verbs,
+)
 from ringreduce._core import coordination as co
 from ringreduce._core.gpu import testing as gt
 
 import ringreduce as rr
 from ringreduce import _core
 from ringreduce.testing import make_world, run_threaded
-
-F32, I32, F16, BF16 = 6, 2, 4, 5
-SUM, AVG, MIN = 0, 1, 2
-NCCL_2_27, NCCL_2_9 = 22703, 20903  # ncclAvg exists from 2.10 on
-FUSION = 0x10000000  # the fake's first device allocation
-
-
-def tensor(name, n, i=0, **kw):
-    """A float32 tensor on 'device memory' at made-up addresses (never dereferenced)."""
-    d = {"name": name, "shape": [n], "dtype": F32, "op": SUM,
-         "in": 0x7000000 + i * 0x100000, "out": 0x8000000 + i * 0x100000}
-    d.update(kw)
-    return d
-
-
-def executor(nccl_version=NCCL_2_27, size=2, **kw):
-    ops = gt.FakeGpuOps(nccl_version)
-    ex = gt.GpuExecutor(ops, device=0, rank=0, size=size, **kw)
-    ex.init_comm(bytes(128))
-    ops.clear_calls()
-    return ops, ex
-
-
-def verbs(ops):
-    return [c.split()[0] for c in ops.calls()]
-
-
-def call(ops, verb):
-    (line,) = [c for c in ops.calls() if c.startswith(verb + " ")]
-    return line.split()
 
 
 # ------------------------------------------------------------- executor alone

@@ -1,0 +1,41 @@
+"""Helpers of the GPU executor's plan tests (tests/test_gpu_executor.py,
+tests/test_gpu_compression.py): made-up device tensors, an executor over FakeGpuOps
+(csrc/gpu/fake_gpu_ops.cc, which logs every CUDA / NCCL call in order), and readers of
+its log."""
+
+from __future__ import annotations
+
+from ringreduce._core.gpu import testing as gt
+
+F32, F64, I32, F16, BF16 = 6, 7, 2, 4, 5
+SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4
+NCCL_2_27, NCCL_2_9 = 22703, 20903  # ncclAvg exists from 2.10 on
+FUSION = 0x10000000  # the fake's first device allocation
+
+
+def tensor(name, n, i=0, **kw):
+    """A float32 tensor on 'device memory' at made-up addresses (never dereferenced)."""
+    d = {"name": name, "shape": [n], "dtype": F32, "op": SUM,
+         "in": 0x7000000 + i * 0x100000, "out": 0x8000000 + i * 0x100000}
+    d.update(kw)
+    return d
+
+
+def executor(nccl_version=NCCL_2_27, size=2, **kw):
+    """A GpuExecutor of rank 0 over a fresh FakeGpuOps, its communicator made, log empty."""
+    ops = gt.FakeGpuOps(nccl_version)
+    ex = gt.GpuExecutor(ops, device=0, rank=0, size=size, **kw)
+    ex.init_comm(bytes(128))
+    ops.clear_calls()
+    return ops, ex
+
+
+def verbs(ops):
+    """The calls logged so far, by name."""
+    return [c.split()[0] for c in ops.calls()]
+
+
+def call(ops, verb):
+    """The one logged call named ``verb``, split into words."""
+    (line,) = [c for c in ops.calls() if c.startswith(verb + " ")]
+    return line.split()

@@ -47,31 +47,20 @@ void GpuExecutor::allreduce_compressed(const Response& r, const std::vector<Entr
   for (const RequestMeta& t : r.tensors) entries.push_back(PackEntry{0, t.bytes() / item * wi});
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
   const uint64_t buf = fusion(hier ? hierarchical_bytes(m, layout.bytes, wi) : layout.bytes);
-  std::vector<CopyDesc> pack, unpack;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    if (!local[i]) continue;
-    const uint64_t in = addr_of(local[i]->in);
-    const uint64_t out = local[i]->out ? addr_of(local[i]->out) : in;
-    const uint64_t fused = buf + layout.offsets[i];
-    for (uint64_t done = 0; done < entries[i].bytes; done += layout.chunk_bytes) {
-      const uint64_t n = std::min(layout.chunk_bytes, entries[i].bytes - done);
-      const uint64_t at = done / wi * item;  // the chunk's first element, tensor side
-      pack.push_back(CopyDesc{in + at, fused + done, n});
-      unpack.push_back(CopyDesc{out + at, fused + done, n});
-    }
-  }
+  const auto [ins, outs] = local_addresses(local);
+  const FusedCopies c = fused_copies(layout, entries, ins, outs, buf, item, wi);
   ReducePlan p = plan_reduce(r);
   if (p.op == DeviceOp::kAvg) p = {DeviceOp::kSum, p.postscale / cur_->size};
-  if (!pack.empty())
-    ops_->launch_pack_cast(pack, m.dtype, wire, m.prescale, layout.launch, stream_);
+  if (!c.pack.empty())
+    ops_->launch_pack_cast(c.pack, m.dtype, wire, m.prescale, layout.launch, stream_);
   fill_absent(r, local, buf, layout.offsets, wire);
   const uint64_t count = layout.bytes / wi;
   if (hier)
     allreduce_hierarchical(m, wire, buf, count, p.op);
   else
     nccl().nccl_allreduce(buf, buf, count, wire, p.op, stream_);
-  if (!unpack.empty())
-    ops_->launch_unpack_cast(unpack, m.dtype, wire, p.postscale, layout.launch, stream_);
+  if (!c.unpack.empty())
+    ops_->launch_unpack_cast(c.unpack, m.dtype, wire, p.postscale, layout.launch, stream_);
 }
 
 // Zeros for Sum and Average (a memset); +inf / -inf / 1 (or an integer

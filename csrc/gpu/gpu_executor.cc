@@ -165,19 +165,9 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   const PackPlan layout = plan_pack(entries, 0, std::numeric_limits<uint64_t>::max(), opt_.pack);
   const uint64_t item = dtype_size(m.dtype);
   const uint64_t buf = fusion(hier ? hierarchical_bytes(m, layout.bytes, item) : layout.bytes);
-  std::vector<CopyDesc> pack, unpack;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    if (!local[i]) continue;
-    const uint64_t in = addr_of(local[i]->in);
-    const uint64_t out = local[i]->out ? addr_of(local[i]->out) : in;
-    const uint64_t fused = buf + layout.offsets[i];
-    for (uint64_t done = 0; done < entries[i].bytes; done += layout.chunk_bytes) {
-      const uint64_t n = std::min(layout.chunk_bytes, entries[i].bytes - done);
-      pack.push_back(CopyDesc{in + done, fused + done, n});
-      unpack.push_back(CopyDesc{out + done, fused + done, n});
-    }
-  }
-  if (!pack.empty()) ops_->launch_pack(pack, layout.launch, stream_);
+  const auto [ins, outs] = local_addresses(local);
+  const FusedCopies c = fused_copies(layout, entries, ins, outs, buf, item, item);
+  if (!c.pack.empty()) ops_->launch_pack(c.pack, layout.launch, stream_);
   const uint64_t count = layout.bytes / item;
   ReducePlan p = plan_reduce(r);
   if (hier && p.op == DeviceOp::kAvg) p = {DeviceOp::kSum, p.postscale / cur_->size};
@@ -188,7 +178,19 @@ void GpuExecutor::allreduce_fused(const Response& r, const std::vector<Entry*>& 
   else
     nccl().nccl_allreduce(buf, buf, count, m.dtype, p.op, stream_);
   if (p.postscale != 1.0) ops_->launch_scale(buf, count, m.dtype, p.postscale, stream_);
-  if (!unpack.empty()) ops_->launch_unpack(unpack, layout.launch, stream_);
+  if (!c.unpack.empty()) ops_->launch_unpack(c.unpack, layout.launch, stream_);
+}
+
+// Each local entry's input and result addresses (0, 0 where this rank has none).
+std::pair<std::vector<uint64_t>, std::vector<uint64_t>> GpuExecutor::local_addresses(
+    const std::vector<Entry*>& local) {
+  std::vector<uint64_t> ins(local.size(), 0), outs(local.size(), 0);
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (!local[i]) continue;
+    ins[i] = addr_of(local[i]->in);
+    outs[i] = local[i]->out ? addr_of(local[i]->out) : ins[i];
+  }
+  return {ins, outs};
 }
 
 void GpuExecutor::allreduce_one(const Response& r, Entry* e) {

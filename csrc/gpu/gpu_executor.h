@@ -51,6 +51,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "coordination/executor.h"
@@ -149,6 +150,8 @@ class GpuExecutor : public Executor {
   // gpu_allreduce_compressed.cc: float16 / bfloat16 compression, joined ranks
   static void check_wire(const RequestMeta& m);
   void allreduce_compressed(const Response& r, const std::vector<Entry*>& local, bool hier);
+  static std::pair<std::vector<uint64_t>, std::vector<uint64_t>> local_addresses(
+      const std::vector<Entry*>& local);
   void fill_neutral(uint64_t addr, uint64_t count, DType dtype, ReduceOp op);
   void fill_absent(const Response& r, const std::vector<Entry*>& local, uint64_t buf,
                    const std::vector<uint64_t>& offsets, DType dtype);

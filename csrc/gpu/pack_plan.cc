@@ -119,6 +119,23 @@ PackPlan plan_pack(const std::vector<PackEntry>& entries, uint64_t fusion_addr,
   return plan;
 }
 
+FusedCopies fused_copies(const PackPlan& layout, const std::vector<PackEntry>& entries,
+                         const std::vector<uint64_t>& ins, const std::vector<uint64_t>& outs,
+                         uint64_t buf, uint64_t item, uint64_t wire) {
+  FusedCopies c;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (ins[i] == 0) continue;
+    const uint64_t fused = buf + layout.offsets[i];
+    for (uint64_t done = 0; done < entries[i].bytes; done += layout.chunk_bytes) {
+      const uint64_t n = std::min(layout.chunk_bytes, entries[i].bytes - done);
+      const uint64_t at = done / wire * item;  // the chunk's first element, tensor side
+      c.pack.push_back(CopyDesc{ins[i] + at, fused + done, n});
+      c.unpack.push_back(CopyDesc{outs[i] + at, fused + done, n});
+    }
+  }
+  return c;
+}
+
 PackPlan plan_copies(const std::vector<CopyDesc>& copies, const PackOptions& opt) {
   check_threads(opt.threads, opt.max_blocks);
   check_chunk(opt.chunk_bytes);

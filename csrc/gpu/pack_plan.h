@@ -70,6 +70,19 @@ constexpr uint64_t kMinChunkBytes = 16 * 1024;
 PackPlan plan_pack(const std::vector<PackEntry>& entries, uint64_t fusion_addr,
                    uint64_t fusion_capacity, const PackOptions& opt = {});
 
+// The pack (tensor -> fused) and unpack (fused -> result) copies of a fused
+// response laid out by `layout` over `entries` (the bytes in the fusion
+// buffer): tensor i is read at ins[i] and written at outs[i] (0: this rank
+// has no tensor i), with `item`-byte elements there and `wire`-byte elements
+// in the buffer at buf + layout.offsets[i] (equal unless a cast compresses
+// it), in chunks of layout.chunk_bytes of the buffer's side.
+struct FusedCopies {
+  std::vector<CopyDesc> pack, unpack;
+};
+FusedCopies fused_copies(const PackPlan& layout, const std::vector<PackEntry>& entries,
+                         const std::vector<uint64_t>& ins, const std::vector<uint64_t>& outs,
+                         uint64_t buf, uint64_t item, uint64_t wire);
+
 // The same split and launch for copies whose places the caller chose
 // (allgather's compaction, reducescatter's padded blocks): each copy becomes
 // descriptors of at most the chunk size, in order. plan.bytes is their total;

@@ -446,6 +446,7 @@ def test_timeline_is_valid_json_with_every_phase(tmp_path):
         hs = [c.allreduce_async(x, name=f"t{i}") for i, x in enumerate(grads(c.rank()))]
         [h.wait() for h in hs]
         c.broadcast(np.ones(100000), root_rank=0, name="b")
+        c.allreduce(np.ones(4), name="small")  # folded (engine_fold.cc)
 
     run_threaded(2, body, world=w)
     for c in w:
@@ -455,10 +456,10 @@ def test_timeline_is_valid_json_with_every_phase(tmp_path):
     for phase in ["NEGOTIATE_ALLREDUCE", "rank 0 ready", "rank 1 ready", "WAIT", "allreduce",
                   "MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER", "AGREE", "DIRECT",
                   "RING_REDUCE_SCATTER", "RING_ALLGATHER", "NEGOTIATE_BROADCAST",
-                  "BROADCAST_CHAIN", "SHARED_REDUCE"]:
+                  "BROADCAST_CHAIN", "SHARED_REDUCE", "allreduce (folded)"]:
         assert phase in names, phase
     rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert {"t0", "t11", "b"} <= rows
+    assert {"t0", "t11", "b", "small"} <= rows
     begins = sum(e["ph"] == "B" for e in events)
     assert begins == sum(e["ph"] == "E" for e in events) and begins > 40
 

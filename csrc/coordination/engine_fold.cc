@@ -134,6 +134,11 @@ void Engine::fold_one(Response& r) {
 // Everyone: a folded response's result goes to the caller's buffer.
 void Engine::finish_folded(const Response& r) {
   const RequestMeta& m = r.tensors.front();
+  if (timeline_ && timeline_->active()) {  // rank 0: its row shows the folded call
+    timeline_->end(m.name);                // closes WAIT, which negotiation opened
+    timeline_->begin(m.name, cat(coll_name(m.kind), " (folded)"));
+    timeline_->end(m.name);
+  }
   auto it = pending_.find(m.name);
   if (it == pending_.end())
     throw_error(ErrorKind::kInternal, "rank ", rank_, ": told that allreduce '", m.name,

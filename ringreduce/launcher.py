@@ -211,7 +211,8 @@ def plan(command: Sequence[str], np: Optional[int] = None,
     for rank, place in enumerate(places):
         same = [i for i, p in enumerate(places) if p == place]
         mine = {**launch, "RANK": str(rank), "LOCAL_RANK": str(same.index(rank)),
-                "LOCAL_WORLD_SIZE": str(len(same))}
+                "LOCAL_WORLD_SIZE": str(len(same)),
+                **omp_wait_policy({**base, **extra}, len(same), local[rank])}
         if local[rank]:
             full = {"PYTHONUNBUFFERED": "1", **base, **mine, **extra}
             specs.append(RankSpec(rank, place.host, list(command), full, False))
@@ -225,6 +226,44 @@ def plan(command: Sequence[str], np: Optional[int] = None,
         argv = _ssh_argv(ssh_command, ssh_port, place.host, cmdline)
         specs.append(RankSpec(rank, place.host, argv, {"PYTHONUNBUFFERED": "1", **base}, True))
     return specs
+
+
+def omp_wait_policy(env: Mapping[str, str], ranks_here: int, local: bool) -> dict[str, str]:
+    """``{"OMP_WAIT_POLICY": "PASSIVE"}`` where a host's ranks oversubscribe its cores.
+
+    OpenMP's waiting threads spin by default. When the ranks of one host run more compute
+    threads than it has cores (torch's default is a thread per core in every rank), a
+    thread that waits for its partner spins on a core the partner needs: at ``-np 2`` on
+    2 cores, torch's default thread count took 1.6-3x the CPU per step and half the
+    throughput of ``PASSIVE`` (``benchmarks/train_scaling.py``, README "Under
+    contention"), for ringreduce and DDP alike.
+
+    Parameters
+    ----------
+    env : mapping
+        The rank's environment (launcher's plus ``--env``). An ``OMP_WAIT_POLICY`` there
+        (``ACTIVE`` keeps the spinning) is left alone.
+    ranks_here : int
+        Ranks placed on this rank's host.
+    local : bool
+        Whether that host is this one (its cores are known).
+
+    Returns
+    -------
+    dict
+        The variable to add, or nothing.
+    """
+    if "OMP_WAIT_POLICY" in env or ranks_here < 2:
+        return {}
+    threads = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if threads:  # the script chose a thread count: oversubscribed only beyond the cores
+        if not local or not threads.isdigit():
+            return {}
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        if ranks_here * int(threads) <= cores:
+            return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 # --------------------------------------------------------------------------- output

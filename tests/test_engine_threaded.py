@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 import time
 
@@ -726,3 +727,27 @@ def test_blocking_calls_drive_their_own_rounds(fast):
             assert isinstance(refused, rr.InvalidInputError), refused
         assert [e.tolist() for e in extra] == ([[1, 1]] * 2 if r == 0 else []), extra
         assert last == 0, last
+
+
+def engine_thread_count() -> int:
+    """Threads of this process named ``rr-engine`` (/proc/self/task/*/comm)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "rr-engine"
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return count
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_engine_threads_are_named_for_per_thread_cpu_accounting():
+    # benchmarks/train_scaling.py tells the engine's CPU time from torch's by this name.
+    # (Engines of earlier tests may still be ending: only a lower bound is certain.)
+    w = make_world(2)
+    try:
+        assert engine_thread_count() >= 2
+    finally:
+        for c in w:
+            c.close()

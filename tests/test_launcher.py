@@ -135,6 +135,27 @@ def test_plan_env_placement_and_remote_command():
         launcher.plan(["x"], 5, launcher.parse_hosts("a:2,b:2"))
 
 
+def test_plan_makes_openmp_threads_sleep_where_ranks_oversubscribe_a_host():
+    # Several ranks of a host at torch's default thread count spin OpenMP threads on
+    # each other's cores (README "Under contention"): ringrun makes them sleep instead.
+    def policies(np, hosts=None, **env):
+        specs = launcher.plan(["x"], np, launcher.parse_hosts(hosts) if hosts else None,
+                              base_env={"PATH": "/bin", **env})
+        return [s.env.get("OMP_WAIT_POLICY") if not s.remote else
+                ("PASSIVE" if "OMP_WAIT_POLICY=PASSIVE" in s.argv[-1] else None)
+                for s in specs]
+
+    assert policies(2) == ["PASSIVE", "PASSIVE"]
+    assert policies(1) == [None]  # one rank has the host to itself
+    assert policies(2, OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE", "ACTIVE"]  # the user's wins
+    cores = len(os.sched_getaffinity(0))
+    fits = None if cores >= 2 else "PASSIVE"
+    assert policies(2, OMP_NUM_THREADS="1") == [fits, fits]  # a thread per rank
+    assert policies(2, OMP_NUM_THREADS=str(cores)) == ["PASSIVE", "PASSIVE"]
+    assert policies(3, "localhost:1,far:2") == [None, "PASSIVE", "PASSIVE"]
+    assert policies(3, "localhost:1,far:2", OMP_NUM_THREADS="4") == [None, None, None]
+
+
 # ------------------------------------------------------------------------- ringrun
 def test_ringrun_allreduce_prefixed_output():
     job = ringrun(["-np", "2", PYTHON, WORKER, "allreduce"])

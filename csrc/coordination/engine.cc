@@ -1,6 +1,7 @@
 #include "coordination/engine.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -370,6 +371,9 @@ constexpr int64_t kBusySleepNs = 1'000'000;
 }  // namespace
 
 void Engine::loop() {
+  // Named, so that per-thread CPU use (/proc/<pid>/task/*/comm, top -H) tells
+  // the engine from the compute threads it competes with.
+  pthread_setname_np(pthread_self(), "rr-engine");
   try {
     agree_on_settings();
     while (idle_wait() == Wake::kWork) run_round();

@@ -116,11 +116,12 @@ def allreduce_response_sizes(events: list[dict]) -> list[int]:
     Rank 0's engine executes one response at a time and opens the activity
     span (``allreduce``) on the row of each of its tensors before any of them
     ends, so the tensors whose spans open while another's is open were fused.
+    A folded response (``allreduce (folded)``, engine_fold.cc) is one tensor.
     """
     sizes: list[int] = []
     open_activity: set[int] = set()
     for e in events:
-        if e["ph"] == "B" and e["name"] == "allreduce":
+        if e["ph"] == "B" and e["name"] in ("allreduce", "allreduce (folded)"):
             if open_activity:
                 sizes[-1] += 1
             else:

@@ -141,8 +141,8 @@ void Engine::finish_folded(const Response& r) {
   }
   auto it = pending_.find(m.name);
   if (it == pending_.end())
-    throw_error(ErrorKind::kInternal, "rank ", rank_, ": told that allreduce '", m.name,
-                "' was folded, which this rank never submitted");
+    throw_error(ErrorKind::kInternal, "rank ", rank_, ": told that ", coll_name(m.kind), " '",
+                m.name, "' was folded, which this rank never submitted");
   if (m.kind == CollKind::kBarrier) {
     folded_.fetch_add(1, std::memory_order_relaxed);
     return resolve_names({m.name});

@@ -262,17 +262,25 @@ void float_to_half(const float* src, uint16_t* dst, size_t n) {
 // a and b is read before dst is written, so any aliasing is fine.
 constexpr size_t kHalfBlock = 1024;
 
-template <class Op>
-void combine_half(uint16_t* dst, const uint16_t* a, const uint16_t* b, size_t n) {
+// Runs f(fa, fb, m) on blocks of a and b converted to float; with a dst,
+// writes each block's fa back to it.
+template <class F>
+void half_blocks(uint16_t* dst, const uint16_t* a, const uint16_t* b, size_t n, F&& f) {
   alignas(64) float fa[kHalfBlock];
   alignas(64) float fb[kHalfBlock];
   for (size_t i = 0; i < n; i += kHalfBlock) {
     const size_t m = std::min(kHalfBlock, n - i);
     half_to_float(a + i, fa, m);
     half_to_float(b + i, fb, m);
-    combine<Plain<float>, Op>(fa, fa, fb, m);
-    float_to_half(fa, dst + i, m);
+    f(fa, fb, m);
+    if (dst) float_to_half(fa, dst + i, m);
   }
+}
+
+template <class Op>
+void combine_half(uint16_t* dst, const uint16_t* a, const uint16_t* b, size_t n) {
+  half_blocks(dst, a, b, n,
+              [](float* x, const float* y, size_t m) { combine<Plain<float>, Op>(x, x, y, m); });
 }
 
 void scale_half(uint16_t* buf, size_t n, float factor) {
@@ -331,14 +339,9 @@ void adasum_dots_typed(const void* a, const void* b, size_t n, double out[3]) {
   DotLanes acc;
   using S = typename C::Storage;
   if constexpr (std::is_same_v<C, Half>) {  // blocks converted in bulk; kHalfBlock % 8 == 0
-    alignas(64) float fa[kHalfBlock];
-    alignas(64) float fb[kHalfBlock];
-    for (size_t i = 0; i < n; i += kHalfBlock) {
-      const size_t m = std::min(kHalfBlock, n - i);
-      half_to_float(static_cast<const S*>(a) + i, fa, m);
-      half_to_float(static_cast<const S*>(b) + i, fb, m);
-      dot_lanes<Plain<float>>(fa, fb, m, &acc);
-    }
+    half_blocks(
+        nullptr, static_cast<const S*>(a), static_cast<const S*>(b), n,
+        [&acc](float* x, const float* y, size_t m) { dot_lanes<Plain<float>>(x, y, m, &acc); });
   } else {
     dot_lanes<C>(static_cast<const S*>(a), static_cast<const S*>(b), n, &acc);
   }
@@ -351,15 +354,9 @@ void adasum_dots_typed(const void* a, const void* b, size_t n, double out[3]) {
 
 void scaled_add_half(uint16_t* dst, const uint16_t* a, const uint16_t* b, size_t n, float ca,
                      float cb) {
-  alignas(64) float fa[kHalfBlock];
-  alignas(64) float fb[kHalfBlock];
-  for (size_t i = 0; i < n; i += kHalfBlock) {
-    const size_t m = std::min(kHalfBlock, n - i);
-    half_to_float(a + i, fa, m);
-    half_to_float(b + i, fb, m);
-    scaled_add<Plain<float>>(fa, fa, fb, m, ca, cb);
-    float_to_half(fa, dst + i, m);
-  }
+  half_blocks(dst, a, b, n, [ca, cb](float* x, const float* y, size_t m) {
+    scaled_add<Plain<float>>(x, x, y, m, ca, cb);
+  });
 }
 
 // round_saturate for uint64, whose range no signed type holds.

@@ -455,16 +455,17 @@ def test_gpu_tensor_without_a_usable_gpu_fails_clearly_and_the_engine_goes_on(co
 
 
 # ------------------------------------------------- hierarchical (fake hosts)
-def test_hierarchical_allreduce_splits_reduce_scatter_host_ring_allgather():
-    # 4 ranks on 2 fake hosts, RINGREDUCE_HIERARCHICAL_ALLREDUCE=1: 11 floats, 2 shards of
-    # 6 (one padding float zeroed), shard l of local rank l across hosts on the host.
+def hierarchical_on_fake_hosts(hosts, id_seed):
+    """One Average allreduce of 11 floats with RINGREDUCE_HIERARCHICAL_ALLREDUCE=1, a rank
+    per entry of ``hosts`` (its fake host), each on a FakeGpuOps of its own; asserts
+    every rank ran it hierarchically and returns the fakes."""
     from conftest import env
 
-    fakes = [gt.FakeGpuOps(id_seed=0x70 + r) for r in range(4)]
+    fakes = [gt.FakeGpuOps(id_seed=id_seed + r) for r in range(len(hosts))]
     for f in fakes:
         f.complete_all(sticky=True)
     with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1"):
-        world = make_world(4, ["a", "a", "b", "b"])
+        world = make_world(len(hosts), hosts)
     for r, c in enumerate(world):
         gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
 
@@ -473,11 +474,17 @@ def test_hierarchical_allreduce_splits_reduce_scatter_host_ring_allgather():
         return c._engine.stats()["hierarchical_allreduces"]
 
     try:
-        assert run_threaded(4, fn, world=world, timeout=60) == [1, 1, 1, 1]
+        assert run_threaded(len(hosts), fn, world=world, timeout=60) == [1] * len(hosts)
     finally:
         for c in world:
             c.close()
-    for r, f in enumerate(fakes):
+    return fakes
+
+
+def test_hierarchical_allreduce_splits_reduce_scatter_host_ring_allgather():
+    # 4 ranks on 2 fake hosts, RINGREDUCE_HIERARCHICAL_ALLREDUCE=1: 11 floats, 2 shards of
+    # 6 (one padding float zeroed), shard l of local rank l across hosts on the host.
+    for r, f in enumerate(hierarchical_on_fake_hosts(["a", "a", "b", "b"], 0x70)):
         mine = FUSION + 24 * (r % 2)
         work = [c for c in f.calls() if c.split()[0] in (
             "nccl_comm_init", "memset_async", "nccl_reducescatter", "memcpy_async",
@@ -501,26 +508,7 @@ def test_hierarchical_allreduce_on_hosts_of_unequal_rank_counts():
     # ranks own 3 units (6 floats), host b's 2 units (4 floats); the NCCL counts differ per
     # host, each host's ranks agree. Across hosts, rank 0's units 0-3 meet two owners on
     # host b (units 0-2: rank 2, unit 2: rank 3): two CPU rings, in unit order.
-    from conftest import env
-
-    fakes = [gt.FakeGpuOps(id_seed=0x50 + r) for r in range(5)]
-    for f in fakes:
-        f.complete_all(sticky=True)
-    with env(RINGREDUCE_HIERARCHICAL_ALLREDUCE="1"):
-        world = make_world(5, ["a", "a", "b", "b", "b"])
-    for r, c in enumerate(world):
-        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
-
-    def fn(c):
-        gt.submit(c._engine, {**tensor("h", 11), "op": AVG}, c.rank()).wait()
-        return c._engine.stats()["hierarchical_allreduces"]
-
-    try:
-        assert run_threaded(5, fn, world=world, timeout=60) == [1] * 5
-    finally:
-        for c in world:
-            c.close()
-    for r, f in enumerate(fakes):
+    for r, f in enumerate(hierarchical_on_fake_hosts(["a", "a", "b", "b", "b"], 0x50)):
         shard, local = (6, r) if r < 2 else (4, r - 2)
         mine = FUSION + 4 * shard * local
         work = [c for c in f.calls() if c.split()[0] in (

@@ -4,8 +4,9 @@ tests/test_engine_threaded.py, under real launchers).
 Each test starts tests/workers/engine_worker.py with ``--scenario`` under
 ``mpirun -np 3`` (MPICH from the venv) or the env-var launch with 2 ranks (once
 over forced TCP): async submissions in a different order on every rank, fused
-equal to unfused, join with uneven step counts, a shape mismatch, the stall
-warning and the stall shutdown, the timeline. Every launch has a hard timeout
+equal to unfused, small blocking calls (folded and paired rounds), join with
+uneven step counts, a shape mismatch, the stall warning and the stall
+shutdown, the timeline. Every launch has a hard timeout
 and leaves no process behind (tests/procs.py); the workers check their own
 results, log JSON events per rank and ``OK rank r``, and a failing worker's
 traceback is in the failure report.
@@ -158,6 +159,21 @@ def test_async_orders_exact_and_fused_equals_unfused(launcher, tmp_path):
     assert max(sizes["fused"]) > 1, f"seed {seed}: nothing was fused: {sizes['fused']}"
     assert max(sizes["unfused"]) == 1, f"seed {seed}: fused with threshold 0: {sizes['unfused']}"
     assert sum(sizes["unfused"]) >= 2 * 30, sizes["unfused"]  # both steps, every tensor
+
+
+# ------------------------------------------------------------- small calls
+@pytest.mark.parametrize("launcher", ["mpirun-np3", "env-np2", "env-np2-tcp"])
+def test_small_blocking_calls_fold_and_pair(launcher):
+    """300 blocking small allreduces and barriers with ranks late in turn: every result
+    right; rank 0 folds them (engine_fold.cc); a two-rank job pairs some of them
+    (engine_pair.cc: no response message), a three-rank job never."""
+    job, n, before = launch(launcher, "small-calls", ("--seed", random.randrange(1 << 30)))
+    check_ok(job, n, before)
+    counts = [the_event(job, r, "small") for r in range(n)]
+    for r, c in enumerate(counts):
+        assert c["folded"] > 0, f"rank {r}: nothing folded: {c}\n{describe(job)}"
+        assert (c["paired"] > 0) == (n == 2), f"rank {r}: {c}\n{describe(job)}"
+    assert len({c["paired"] for c in counts}) == 1, f"ranks paired differently: {counts}"
 
 
 # -------------------------------------------------------------------- join

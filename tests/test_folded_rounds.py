@@ -1,8 +1,11 @@
 """Folded rounds (csrc/coordination/engine_fold.cc): a small host allreduce that every
 worker submitted alone in a round is reduced by rank 0 within the negotiation round and
-its result rides back with the response, saving the header-and-data exchange. These
-tests run threads as ranks and compare every folded result bitwise with the ordinary
-path (``RINGREDUCE_FOLD_BYTES=0``), and check that folding steps aside wherever it must.
+its result rides back with the response, saving the header-and-data exchange. Paired
+rounds (engine_pair.cc): in a two-rank job rank 0's POLL carries its contribution to a
+repeated call, and neither side waits for a response. These tests run threads as ranks
+and compare every folded and paired result bitwise with the ordinary path
+(``RINGREDUCE_FOLD_BYTES=0``, ``RINGREDUCE_PAIRED_ROUNDS=0``), and check that both step
+aside wherever they must.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ DTYPES = ["float32", "float64", "float16", "int32", "int64", "uint8"]
 OPS = [rr.Sum, rr.Average, rr.Min, rr.Max, rr.Product]
 
 
-def run(n, body, fold_bytes, timeout=60):
-    with env(RINGREDUCE_FOLD_BYTES=str(fold_bytes)):
+def run(n, body, fold_bytes, timeout=60, **settings):
+    with env(RINGREDUCE_FOLD_BYTES=str(fold_bytes), **settings):
         w = make_world(n)
     try:
         return run_threaded(n, body, world=w, timeout=timeout)
@@ -33,6 +36,10 @@ def run(n, body, fold_bytes, timeout=60):
 
 def folded(c) -> int:
     return c._engine.stats()["folded"]
+
+
+def paired(c) -> int:
+    return c._engine.stats()["paired"]
 
 
 def inputs(rank, dtype, count):
@@ -151,3 +158,101 @@ def test_barriers_fold_and_still_wait_for_the_last_rank():
         assert n == 4, f"rank {r} folded {n} of 4 barriers"
         early = [w for i, w in enumerate(waited) if r != i % 2]
         assert min(early) > 0.05, f"rank {r} left barriers early: {waited}"
+
+
+# ------------------------------------------------------------------ paired rounds
+# A long hold (RINGREDUCE_SPIN_US) so that a loaded machine still pairs most calls.
+PAIR = dict(RINGREDUCE_SPIN_US="20000")
+
+
+def twice(c):
+    """every_case twice: the second pass finds its named calls in the response cache."""
+    every_case(c)
+    before = paired(c)
+    out, _ = every_case(c)
+    return out, paired(c) - before
+
+
+def test_paired_results_equal_the_unpaired_path_bitwise():
+    on = run(2, twice, 1024, **PAIR)
+    off = run(2, twice, 1024, RINGREDUCE_PAIRED_ROUNDS="0", **PAIR)
+    for r in range(2):
+        assert on[r][1] > 0, f"rank {r}: no call was paired"
+        assert off[r][1] == 0, off[r][1]
+        for a, b in zip(on[r][0], off[r][0]):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (a, b)
+        for a, b in zip(on[r][0], on[0][0]):
+            assert a.tobytes() == b.tobytes(), "ranks disagree"
+    assert on[0][1] == on[1][1], "ranks counted different paired calls"
+
+
+def test_paired_calls_keep_any_order_mismatches_and_joins():
+    """Two threads per rank call two cached names in whatever order they get to; a
+    mismatch on a cached name fails both ranks and the name pairs again after it; a
+    joined rank contributes zeros; ranks late in turn outlast the hold."""
+    import threading
+
+    def body(c):
+        r, res = c.rank(), {}
+
+        def loop(name):
+            res[name] = [c.allreduce(np.full(3, r + 1.0), op=rr.Sum, name=name)
+                         for _ in range(30)]
+
+        threads = [threading.Thread(target=loop, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for _ in range(3):
+            c.allreduce(np.ones(4, np.float32), name="m")
+        err = None
+        try:
+            c.allreduce(np.ones(4 + r, np.float32), name="m")
+        except rr.MismatchError as e:
+            err = e
+        before = paired(c)
+        again = [c.allreduce(np.full(4, r + 2.0, np.float32), op=rr.Sum, name="m")
+                 for _ in range(5)]
+        again_paired = paired(c) - before
+        late = []
+        for i in range(4):
+            if i % 2 == r:
+                time.sleep(0.05)  # beyond the hold: the other rank's round runs empty
+            late.append(c.allreduce(np.full(2, 1.0), op=rr.Sum, name="late"))
+        alone = [c.allreduce(np.full(2, 7.0), op=rr.Sum, name="m2") for _ in range(3 if r == 0
+                                                                                 else 0)]
+        return res, err, again, again_paired, late, alone, c.join()
+
+    for r, (res, err, again, again_paired, late, alone, last) in enumerate(
+            run(2, body, 1024, **PAIR)):
+        for name in ("a", "b"):
+            assert all((x == 3).all() for x in res[name]), (name, res[name])
+        assert isinstance(err, rr.MismatchError) and "float32[5]" in str(err), err
+        assert all((x == 5).all() for x in again), again
+        assert again_paired > 0, f"rank {r}: the name did not pair again after the mismatch"
+        assert all((x == 2).all() for x in late), late
+        assert [x.tolist() for x in alone] == ([[7.0, 7.0]] * 3 if r == 0 else []), alone
+        assert last == 0, last
+
+
+def test_barriers_pair_and_three_ranks_do_not():
+    """(The test above checks that a barrier still waits for the last rank.)"""
+
+    def body(c):
+        r = c.rank()
+        for _ in range(3):
+            c.allreduce(np.ones(2), name="x")
+        before = paired(c)
+        for _ in range(20):
+            c.barrier()
+        n_barriers = paired(c) - before
+        x = [c.allreduce(np.full(2, r + 1.0), op=rr.Sum, name="x") for _ in range(10)]
+        return n_barriers, x, paired(c), folded(c)
+
+    two = run(2, body, 1024, **PAIR)
+    assert all((v == 3).all() for _, x, _, _ in two for v in x)
+    assert two[0][0] == two[1][0] > 0, f"barriers paired: {[v[0] for v in two]}"
+    for r, (_, x, n_paired, n_folded) in enumerate(run(3, body, 1024, **PAIR)):
+        assert all((v == 6).all() for v in x)
+        assert n_paired == 0 and n_folded > 0, (r, n_paired, n_folded)

@@ -362,6 +362,7 @@ void bind_engine_class(py::module_& m) {
              d["adasum_allreduces"] = s.adasum_allreduces;
              d["caller_rounds"] = s.caller_rounds;
              d["folded"] = s.folded;
+             d["paired"] = s.paired;
              return d;
            })
       .def("create_shared",

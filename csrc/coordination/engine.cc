@@ -32,8 +32,9 @@ EngineOptions engine_options_from_env() {
   o.stall_shutdown_s = env_double("RINGREDUCE_STALL_SHUTDOWN_SECONDS", o.stall_shutdown_s);
   o.timeline_path = env_str("RINGREDUCE_TIMELINE", "");
   o.fast_path = env_int("RINGREDUCE_FAST_PATH", 1) != 0;
-  const int64_t fold = env_int("RINGREDUCE_FOLD_BYTES", static_cast<int64_t>(o.fold_bytes));
-  if (fusion < 0 || cache < 0 || fold < 0 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
+  const int64_t fold = env_int("RINGREDUCE_FOLD_BYTES", -1);
+  o.paired_rounds = env_int("RINGREDUCE_PAIRED_ROUNDS", 1) != 0;
+  if (fusion < 0 || cache < 0 || fold < -1 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
       o.stall_shutdown_s < 0 || o.batch_gap_s < 0 || o.batch_max_s < 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_FUSION_THRESHOLD, ",
                 "RINGREDUCE_CACHE_CAPACITY, RINGREDUCE_FOLD_BYTES, RINGREDUCE_CYCLE_TIME_MS, "
@@ -41,7 +42,7 @@ EngineOptions engine_options_from_env() {
                 "and RINGREDUCE_STALL_*_SECONDS must not be negative");
   o.fusion_threshold = static_cast<uint64_t>(fusion);
   o.cache_capacity = static_cast<size_t>(cache);
-  o.fold_bytes = static_cast<size_t>(fold);
+  o.fold_bytes = fold < 0 ? kFoldAuto : static_cast<size_t>(fold);
   return o;
 }
 
@@ -61,6 +62,8 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
     if (!opt_.timeline_path.empty()) timeline_->start(opt_.timeline_path);
   }
   for (int w = 1; rank_ == 0 && w < size_; ++w) workers_.push_back(w);
+  early_.resize(size_);
+  if (opt_.fold_bytes == kFoldAuto) opt_.fold_bytes = auto_fold_bytes();
   if (rank_ == 0)
     negotiator_ = std::make_unique<Negotiator>(
         NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s, opt_.stall_shutdown_s},
@@ -94,6 +97,18 @@ void Engine::agree_on_settings() {
     }
   }
   barrier(*ctx_, name);
+}
+
+// Folding copies a contribution several times (engine_fold.cc) to save one
+// crossing of a link: worth it up to 1 KiB where every link between this rank
+// and the coordinator shares memory, up to 16 KiB across a socket (README
+// "Folded rounds" has the measurements). Ranks need not agree: a worker folds
+// what its own limit allows, rank 0 folds what every worker sent.
+size_t Engine::auto_fold_bytes() const {
+  bool socket = false;
+  for (int p = 0; p < size_; ++p)
+    if (p != rank_ && (rank_ == 0 || p == 0)) socket |= !ctx_->link(p).transport().shares_memory;
+  return socket ? 16384 : 1024;
 }
 
 Engine::~Engine() {
@@ -359,6 +374,7 @@ EngineStats Engine::stats() const {
   s.adasum_allreduces = ctx_->adasum_allreduces();
   s.caller_rounds = caller_rounds_.load();
   s.folded = folded_.load();
+  s.paired = paired_.load();
   return s;
 }
 
@@ -397,12 +413,11 @@ void Engine::run_round() {
   if (timeline_) timeline_->flush();
 }
 
+// Arrived messages may hold a round back for a moment (engine_pair.cc).
 bool Engine::ready_to_start() {
   if (has_work_.load() && now() - last_round_ >= opt_.cycle_time_s) return true;
-  if (rank_ != 0) return size_ > 1 && ctrl_.try_header(0);
-  for (int w = 1; w < size_; ++w)
-    if (ctrl_.try_header(w)) return true;
-  return now() >= negotiator_->next_deadline();
+  if (arrived()) return true;
+  return rank_ == 0 && now() >= negotiator_->next_deadline();
 }
 
 // Runs `f` (a yield, a batch hold, a sleep) without the driver token, so that
@@ -446,6 +461,7 @@ Engine::Wake Engine::idle_wait() {
     double timeout = busy ? kBusySleepNs * 1e-9 : 0.1;
     if (has_work_.load()) timeout = std::min(timeout, last_round_ + opt_.cycle_time_s - t);
     if (rank_ == 0) timeout = std::min(timeout, negotiator_->next_deadline() - t);
+    timeout = std::min(timeout, hold_deadline() - t);
     block(static_cast<int64_t>(std::max(timeout, 0.0) * 1e9));
   }
 }

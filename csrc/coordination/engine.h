@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -46,6 +47,9 @@
 
 namespace rr {
 
+// RINGREDUCE_FOLD_BYTES unset: by the links to rank 0 (Engine::auto_fold_bytes).
+constexpr size_t kFoldAuto = SIZE_MAX;
+
 struct EngineOptions {
   uint64_t fusion_threshold = 256ULL << 20;  // RINGREDUCE_FUSION_THRESHOLD
   double cycle_time_s = 0;                   // RINGREDUCE_CYCLE_TIME_MS
@@ -56,7 +60,8 @@ struct EngineOptions {
   double stall_shutdown_s = 0;               // RINGREDUCE_STALL_SHUTDOWN_SECONDS
   std::string timeline_path;                 // RINGREDUCE_TIMELINE (rank 0 writes it)
   bool fast_path = true;                     // RINGREDUCE_FAST_PATH (engine_drive.cc)
-  size_t fold_bytes = 1024;                  // RINGREDUCE_FOLD_BYTES (engine_fold.cc)
+  size_t fold_bytes = kFoldAuto;             // RINGREDUCE_FOLD_BYTES (engine_fold.cc)
+  bool paired_rounds = true;                 // RINGREDUCE_PAIRED_ROUNDS (engine_pair.cc)
 };
 
 EngineOptions engine_options_from_env();
@@ -72,6 +77,7 @@ struct EngineStats {
   uint64_t adasum_allreduces = 0;        // collectives.h adasum(), any size
   uint64_t caller_rounds = 0;            // of `rounds`, run by a waiting caller (engine_drive.cc)
   uint64_t folded = 0;                   // of `responses`, finished in their round (engine_fold.cc)
+  uint64_t paired = 0;                   // of `folded`, without a RESPONSES (engine_pair.cc)
 };
 
 class Engine : private DriveToken::Driver {
@@ -126,6 +132,7 @@ class Engine : private DriveToken::Driver {
   void reject_locked(const std::vector<Entry>& entries, const std::string& why);
   static RequestMeta rejected_meta(const Rejection& rj);
   void agree_on_settings();
+  size_t auto_fold_bytes() const;
   void validate(Entry& e);
   void validate_members(const RequestMeta& m) const;
   void enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<HandleState>& h);
@@ -149,6 +156,7 @@ class Engine : private DriveToken::Driver {
   std::string idle_state() const;
   void block(int64_t timeout_ns);
   void coordinator_round();
+  bool receive_requests(uint64_t k, const std::vector<uint8_t>& promise);
   void worker_round();
   std::vector<Entry> drain();
   void release_names(const std::vector<std::string>& names);  // from in_flight_
@@ -168,6 +176,15 @@ class Engine : private DriveToken::Driver {
   void fold_responses(std::vector<Response>& rs);
   void fold_one(Response& r);
   void finish_folded(const Response& r);
+  // Paired rounds and holds (engine_pair.cc).
+  std::optional<RequestMeta> solo(const std::vector<uint8_t>& requests) const;
+  bool solo_for(const std::vector<uint8_t>& requests, const std::vector<uint8_t>& promise) const;
+  std::vector<uint8_t> promise_for(const std::vector<Entry>& fresh) const;
+  void finish_paired_coordinator(const std::vector<Response>& rs);
+  bool finish_paired_worker(const CtrlMessage& poll, const std::vector<uint8_t>& requests);
+  bool arrived();
+  std::unique_ptr<CtrlMessage> take_early(int peer);
+  double hold_deadline() const;
   void execute(const Response& r);
   Executor& executor_for(const Response& r, int32_t device);
   bool async_busy() const;
@@ -217,6 +234,7 @@ class Engine : private DriveToken::Driver {
   DriveToken& token_;                  // in batch_'s WaitSignal, shared with the handles
   std::atomic<uint64_t> caller_rounds_{0};
   std::atomic<uint64_t> folded_{0};
+  std::atomic<uint64_t> paired_{0};
   bool bell_only_ = false;       // the thread sleeps on the doorbell alone
   bool engine_bell_ = false;     // driver only: the thread's doorbell announcement stands
   bool bell_withdrawn_ = false;  // driver only: a caller withdrew it (engine_drive.cc)
@@ -234,6 +252,12 @@ class Engine : private DriveToken::Driver {
     int count = 0;
   };
   std::unordered_map<std::string, Folds> folds_;
+  // Messages read ahead of their round, by peer (engine_pair.cc): rank 0 keeps
+  // workers' REQUESTS, a worker rank 0's POLL. holding_: some are kept; until
+  // hold_until_ they may hold the round back.
+  std::vector<std::unique_ptr<CtrlMessage>> early_;
+  bool holding_ = false;
+  double hold_until_ = 0;
   uint64_t round_ = 0;
   std::atomic<uint64_t> executed_responses_{0};
   std::atomic<uint64_t> executed_tensors_{0};

@@ -34,6 +34,7 @@
 #include "collectives/collective_util.h"
 #include "collectives/reduce_kernels.h"
 #include "coordination/engine.h"
+#include "coordination/fold.h"
 
 namespace rr {
 
@@ -51,13 +52,14 @@ bool foldable_op(ReduceOp op) {
   return false;
 }
 
+}  // namespace
+
 bool foldable_meta(const RequestMeta& m, size_t limit) {
   return m.kind == CollKind::kAllreduce && m.members.empty() && m.group.empty() && m.device < 0 &&
          foldable_op(m.op) && limit > 0 && m.bytes() <= limit;
 }
 
-// The input after prescale, as the CPU executor would hand it to allreduce().
-std::vector<uint8_t> contribution(const Entry& e) {
+std::vector<uint8_t> fold_contribution(const Entry& e) {
   const RequestMeta& m = e.meta;
   std::vector<uint8_t> bytes(m.bytes());
   if (!bytes.empty()) std::memcpy(bytes.data(), e.in, bytes.size());
@@ -66,7 +68,14 @@ std::vector<uint8_t> contribution(const Entry& e) {
   return bytes;
 }
 
-}  // namespace
+std::vector<uint8_t> fold_reduce(const RequestMeta& m, std::vector<uint8_t> acc,
+                                 const std::vector<const std::vector<uint8_t>*>& rest, int size) {
+  const size_t count = static_cast<size_t>(num_elements(m.shape));
+  for (const std::vector<uint8_t>* c : rest)
+    reduce_into(acc.data(), c->data(), count, m.dtype, m.op);
+  finalize_reduction(acc.data(), count, m.dtype, m.op, m.postscale, size);
+  return acc;
+}
 
 // Worker: the folds section of REQUESTS (u32 count, then name and bytes each).
 void Engine::encode_folds(const std::vector<Entry>& fresh, ByteWriter& w) const {
@@ -75,7 +84,7 @@ void Engine::encode_folds(const std::vector<Entry>& fresh, ByteWriter& w) const 
   w.put<uint32_t>(fold ? 1 : 0);
   if (!fold) return;
   w.put_str(e->meta.name);
-  w.put_bytes(contribution(*e));
+  w.put_bytes(fold_contribution(*e));
 }
 
 // Rank 0: keeps what a worker folded until a response names the tensor.
@@ -121,12 +130,9 @@ void Engine::fold_one(Response& r) {
   const size_t bytes = m.bytes();
   for (int w = 1; w < size_; ++w)
     if (f->second.by_rank[w].size() != bytes) return;
-  // allreduce_direct's arithmetic: rank 0's contribution, then ranks 1..N-1.
-  std::vector<uint8_t> out = contribution(mine->second);
-  const size_t count = static_cast<size_t>(num_elements(m.shape));
-  for (int w = 1; w < size_; ++w)
-    reduce_into(out.data(), f->second.by_rank[w].data(), count, m.dtype, m.op);
-  finalize_reduction(out.data(), count, m.dtype, m.op, m.postscale, size_);
+  std::vector<const std::vector<uint8_t>*> rest;
+  for (int w = 1; w < size_; ++w) rest.push_back(&f->second.by_rank[w]);
+  std::vector<uint8_t> out = fold_reduce(m, fold_contribution(mine->second), rest, size_);
   r.folded = true;
   r.result = std::move(out);
 }

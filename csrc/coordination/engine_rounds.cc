@@ -71,8 +71,9 @@ void Engine::record_local(std::vector<Entry>& fresh) {
 void Engine::coordinator_round() {
   const uint64_t k = round_;
   auto what = [k] { return cat("negotiation round ", k); };
-  for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kPoll, k, {});
   std::vector<Entry> fresh = drain();
+  const std::vector<uint8_t> promise = promise_for(fresh);  // engine_pair.cc
+  for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kPoll, k, promise);
   const double t = now();
   bool join = false;
   for (const Entry& e : fresh) {
@@ -87,20 +88,44 @@ void Engine::coordinator_round() {
   for (Rejection& rj : rejections_) negotiator_->reject(0, rejected_meta(rj), rj.why, t);
   rejections_.clear();
   record_local(fresh);
-  if (size_ > 1)
-    for (const CtrlMessage& m : ctrl_.receive(workers_, what)) {
-      expect(m, CtrlType::kRequests, k, rank_);
-      decode_requests(m.from, m.payload, t);
-    }
+  const bool paired = size_ > 1 && receive_requests(k, promise);
   std::vector<Response> rs = negotiator_->decide(now());
   fold_responses(rs);
-  if (size_ > 1) {
-    std::vector<uint8_t> payload = encode_responses(rs);
-    for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kResponses, k, payload);
-    ctrl_.flush(what);
+  if (paired) {
+    ctrl_.flush(what);  // the POLL with the promise
+    finish_paired_coordinator(rs);
+  } else {
+    if (size_ > 1) {
+      std::vector<uint8_t> payload = encode_responses(rs);
+      for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kResponses, k, payload);
+      ctrl_.flush(what);
+    }
+    process(rs);
   }
-  process(rs);
   ++round_;
+}
+
+// Rank 0: every worker's REQUESTS(k), read ahead or now, decoded in rank
+// order. Returns whether the round is paired (engine_pair.cc).
+bool Engine::receive_requests(uint64_t k, const std::vector<uint8_t>& promise) {
+  const double t = now();
+  std::vector<std::unique_ptr<CtrlMessage>> by_worker(size_);
+  std::vector<int> missing;
+  for (int w = 1; w < size_; ++w) {
+    by_worker[w] = take_early(w);
+    if (!by_worker[w]) missing.push_back(w);
+  }
+  if (!missing.empty())
+    for (CtrlMessage& m : ctrl_.receive(missing, [k] { return cat("negotiation round ", k); }))
+      by_worker[m.from] = std::make_unique<CtrlMessage>(std::move(m));
+  bool paired = false;
+  for (int w = 1; w < size_; ++w) {
+    const CtrlMessage& m = *by_worker[w];
+    expect(m, CtrlType::kRequests, k, rank_);
+    paired = solo_for(m.payload, promise);
+    decode_requests(m.from, m.payload, t);
+  }
+  return paired;
 }
 
 void Engine::worker_round() {
@@ -109,9 +134,17 @@ void Engine::worker_round() {
   std::vector<Entry> fresh = drain();
   const bool join = std::any_of(fresh.begin(), fresh.end(),
                                 [](const Entry& e) { return e.join && e.meta.members.empty(); });
-  ctrl_.post(0, CtrlType::kRequests, k, encode_requests(fresh, join));
+  const std::vector<uint8_t> requests = encode_requests(fresh, join);
+  ctrl_.post(0, CtrlType::kRequests, k, requests);
   record_local(fresh);
-  expect(ctrl_.receive({0}, what).at(0), CtrlType::kPoll, k, rank_);
+  std::unique_ptr<CtrlMessage> poll = take_early(0);
+  if (!poll) poll = std::make_unique<CtrlMessage>(std::move(ctrl_.receive({0}, what).at(0)));
+  expect(*poll, CtrlType::kPoll, k, rank_);
+  if (!poll->payload.empty()) ctrl_.flush(what);  // REQUESTS(k) out before the work
+  if (finish_paired_worker(*poll, requests)) {    // engine_pair.cc
+    ++round_;
+    return;
+  }
   CtrlMessage resp = std::move(ctrl_.receive({0}, what).at(0));
   expect(resp, CtrlType::kResponses, k, rank_);
   ctrl_.flush(what);

@@ -55,6 +55,9 @@ class Negotiator {
   // When decide() should next run to report a stall (+inf: nothing pending).
   double next_deadline() const;
   size_t pending() const { return table_.size(); }
+  // Nothing pending and nobody joined: decide() on one ready tensor yields
+  // exactly that tensor's response (engine_pair.cc relies on it).
+  bool quiet() const { return table_.empty() && joined_count_ == 0 && set_joins_.empty(); }
 
  private:
   struct Pending {

@@ -30,6 +30,10 @@ Scenarios (every rank checks its own results and logs ``OK rank <r>`` at the end
   (``next-raised``).
 * ``timeline``: async allreduces large (ring) and small, an allgather and a
   broadcast, then shutdown; the test reads RINGREDUCE_TIMELINE.
+* ``small-calls``: 300 blocking small allreduces (named and unnamed, Sum and
+  Max, float32 and int64) and barriers, a random rank late now and then (a few
+  beyond the hold of paired rounds), each result checked; the engine's counts
+  are logged (``small``: ``folded``, ``paired``).
 """
 
 from __future__ import annotations
@@ -246,9 +250,33 @@ def timeline(args: argparse.Namespace) -> None:
     check((b == 0).all(), "broadcast")
 
 
+# ------------------------------------------------------------- small calls
+def small_calls(args: argparse.Namespace) -> None:
+    r, n = rr.rank(), rr.size()
+    rng = random.Random(args.seed)  # the same draws on every rank
+    for i in range(300):
+        late, pause = rng.randrange(n), rng.choice([0, 0, 0, 0, 1e-4, 3e-3])
+        if late == r and pause:
+            time.sleep(pause)
+        kind = i % 4
+        if kind == 0:
+            out = rr.allreduce(np.full(1, r + 1.0, np.float32), op=rr.Sum, name="loss")
+            check_equal(out, np.full(1, n * (n + 1) / 2, np.float32), f"call {i}: 'loss'")
+        elif kind == 1:
+            out = rr.allreduce(np.arange(8, dtype=np.int64) * (r + 1), op=rr.Max, name="acc")
+            check_equal(out, np.arange(8, dtype=np.int64) * n, f"call {i}: 'acc'")
+        elif kind == 2:
+            out = rr.allreduce(np.full(3, float(r)), op=rr.Sum)  # unnamed: never cached
+            check_equal(out, np.full(3, n * (n - 1) / 2), f"call {i}: unnamed")
+        else:
+            rr.barrier()
+    stats = rr._comm()._engine.stats()
+    event("small", folded=stats["folded"], paired=stats["paired"])
+
+
 SCENARIOS: dict[str, Any] = {
     "orders": orders, "join": join, "mismatch": mismatch, "stall": stall,
-    "stall-shutdown": stall_shutdown, "timeline": timeline,
+    "stall-shutdown": stall_shutdown, "timeline": timeline, "small-calls": small_calls,
 }
 
 

@@ -1,7 +1,8 @@
 """DistributedOptimizer's gradient buckets: the gradients are views of one shared buffer
 per dtype, and stay so through what training scripts do; where a script breaks the
 layout, that gradient takes the ordinary path and is counted (never a wrong result).
-(Every test of test_torch_optimizer.py also runs with and without buckets.)"""
+(Every test of test_torch_optimizer*.py and test_torch_broadcasts_and_syncbn.py also runs with
+and without buckets.)"""
 
 from __future__ import annotations
 

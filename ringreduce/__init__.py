@@ -157,7 +157,8 @@ def _on(process_set: Optional[ProcessSet], what: str) -> Communicator:
     """The communicator of ``process_set`` on this rank (the current one for the global set);
     InvalidInputError if this rank is not a member."""
     c = _comm()
-    if process_set is None or process_set.process_set_id == 0:
+    if process_set is global_process_set or process_set is None or \
+            process_set.process_set_id == 0:
         return c
     return c.process_sets.communicator(process_set, what)
 

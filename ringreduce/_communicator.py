@@ -205,6 +205,13 @@ class Communicator(GpuCalls, CompositeCalls):
                    prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
                    compression: Optional[str] = None) -> Any:
         """Reduce ``x`` across ranks in place and return it (see ``allreduce``)."""
+        if compression is None and op is not Adasum:
+            # The blocking hot path (metrics, losses): a plain numpy array is checked,
+            # submitted and waited for in one C++ call, with no handle kept.
+            done = self._engine.allreduce_array_now(x, op, name, prescale_factor,
+                                                    postscale_factor, self._in_flight)
+            if done is not None:
+                return x
         return self._wait(self.allreduce_async_(x, op, name, prescale_factor, postscale_factor,
                                                 compression=compression))
 

@@ -292,6 +292,37 @@ def test_ctrl_c_interrupts_a_wait_for_a_peer_that_never_comes():
         assert f"{form} result 2.0 2.0" in run.stdout, run.stdout
 
 
+_INTERRUPTED_BLOCKING = """
+import os, signal, threading
+import numpy as np
+import ringreduce as rr
+from ringreduce.testing import make_world
+c0, c1 = make_world(2)
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    c0.allreduce_(np.ones(4, np.float32), op=rr.Sum, name="b")  # only this call holds it
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted, kept", len(c0._in_flight))
+kept = c0._in_flight[-1]
+h1 = c1.allreduce_async_(np.ones(4, np.float32), op=rr.Sum, name="b")
+print("result", float(kept.wait()[0]), float(h1.wait()[0]))
+c0.close()
+c1.close()
+"""
+
+
+def test_an_interrupted_blocking_call_keeps_its_buffer_alive():
+    """A blocking allreduce_ (submitted and waited for in one C++ call, with no handle
+    kept) interrupted by Ctrl-C hands its handle, and with it the array the collective
+    still writes into, to the communicator's list of calls in flight."""
+    run = subprocess.run([sys.executable, "-c", _INTERRUPTED_BLOCKING], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "interrupted, kept 1" in run.stdout, run.stdout
+    assert "result 2.0 2.0" in run.stdout, run.stdout
+
+
 _INTERRUPTED_JOIN = """
 import os, signal, threading, time
 import numpy as np

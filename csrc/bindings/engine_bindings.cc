@@ -218,6 +218,27 @@ py::object allreduce_array(T& eng, py::handle x, py::handle op_obj, py::handle n
       ArrayHandle{submit_one(eng, std::move(e)), py::reinterpret_borrow<py::object>(x)});
 }
 
+// allreduce_ of a plain numpy array, submitted and waited for in one call
+// (blocking calls: metrics, losses, counts). The caller's frame keeps `x`
+// alive, so no keep-alive handle is made; only a wait that a signal
+// interrupts (Ctrl-C) hands its handle to `keep` (the Communicator's list of
+// calls in flight), because the collective still writes into `x`. Returns
+// None when the array or an argument needs the general path.
+template <class T>
+py::object allreduce_array_now(T& eng, py::handle x, py::handle op_obj, py::handle name,
+                               py::handle pre_obj, py::handle post_obj, py::handle keep) {
+  py::object h = allreduce_array(eng, x, op_obj, name, pre_obj, post_obj);
+  if (h.is_none()) return h;
+  ArrayHandle& ah = h.cast<ArrayHandle&>();
+  try {
+    wait_state(*ah.state);
+  } catch (py::error_already_set&) {
+    if (!ah.state->done()) keep.attr("append")(h);
+    throw;
+  }
+  return ah.array;
+}
+
 // grouped_allreduce_async_ of a non-empty tuple of plain numpy arrays, member
 // i named "<group>.<i>": the per-member checks of allreduce_array, with no
 // Python per member. Returns None when any member needs the general path.
@@ -288,6 +309,7 @@ void def_collectives(py::class_<T, std::shared_ptr<T>>& c) {
           return submit_one(eng, std::move(reducing(e, op, pre, post)));
         })
       .def("allreduce_array", &allreduce_array<T>)
+      .def("allreduce_array_now", &allreduce_array_now<T>)
       .def("grouped_allreduce_arrays", &grouped_allreduce_arrays<T>)
       .def("grouped_allreduce",
            [](T& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,

@@ -63,6 +63,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   }
   for (int w = 1; rank_ == 0 && w < size_; ++w) workers_.push_back(w);
   early_.resize(size_);
+  early_solo_.resize(size_);
   if (opt_.fold_bytes == kFoldAuto) opt_.fold_bytes = auto_fold_bytes();
   if (rank_ == 0)
     negotiator_ = std::make_unique<Negotiator>(
@@ -415,7 +416,8 @@ void Engine::run_round() {
 
 // Arrived messages may hold a round back for a moment (engine_pair.cc).
 bool Engine::ready_to_start() {
-  if (has_work_.load() && now() - last_round_ >= opt_.cycle_time_s) return true;
+  if (has_work_.load() && (opt_.cycle_time_s <= 0 || now() - last_round_ >= opt_.cycle_time_s))
+    return true;
   if (arrived()) return true;
   return rank_ == 0 && now() >= negotiator_->next_deadline();
 }

@@ -256,6 +256,7 @@ class Engine : private DriveToken::Driver {
   // workers' REQUESTS, a worker rank 0's POLL. holding_: some are kept; until
   // hold_until_ they may hold the round back.
   std::vector<std::unique_ptr<CtrlMessage>> early_;
+  std::vector<std::string> early_solo_;  // rank 0: the one small call each announces, or ""
   bool holding_ = false;
   double hold_until_ = 0;
   uint64_t round_ = 0;

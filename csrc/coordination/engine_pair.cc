@@ -68,10 +68,10 @@ std::optional<RequestMeta> Engine::solo(const std::vector<uint8_t>& requests) co
   if (r.get<uint8_t>() != 0) return std::nullopt;  // join
   const std::vector<uint8_t> bits = r.get_bytes();
   std::optional<RequestMeta> m;
-  for (size_t i = 0; i < bits.size() * 8; ++i) {
-    if (!(bits[i / 8] & (1u << (i % 8)))) continue;
-    if (m) return std::nullopt;
-    m = cache_.at(static_cast<uint32_t>(i));
+  for (size_t byte = 0; byte < bits.size(); ++byte) {
+    if (!bits[byte]) continue;  // a cache of 1024 ids is 128 bytes, mostly zero
+    if (m || (bits[byte] & (bits[byte] - 1))) return std::nullopt;
+    m = cache_.at(static_cast<uint32_t>(byte * 8 + __builtin_ctz(bits[byte])));
   }
   const uint32_t full = r.get<uint32_t>();
   if (full + (m ? 1 : 0) != 1) return std::nullopt;
@@ -155,6 +155,10 @@ bool Engine::arrived() {
     if (!early_[p] && ctrl_.try_header(p)) {
       early_[p] = std::make_unique<CtrlMessage>(
           std::move(ctrl_.receive({p}, [] { return std::string("a message read ahead"); }).at(0)));
+      if (rank_ == 0) {  // judged once: arrived() runs on every turn of a wait
+        const std::optional<RequestMeta> m = solo(early_[p]->payload);
+        early_solo_[p] = m ? m->name : std::string();
+      }
       if (!holding_) hold_until_ = now() + ctx_->progress().spin_seconds;
       holding_ = true;
     }
@@ -165,8 +169,7 @@ bool Engine::arrived() {
   for (int p = 0; p < size_; ++p) {
     if (!early_[p]) continue;
     if (rank_ != 0) return early_[p]->payload.empty();  // a POLL without a promise
-    const std::optional<RequestMeta> m = solo(early_[p]->payload);
-    if (!m || pending_.count(m->name)) return true;
+    if (early_solo_[p].empty() || pending_.count(early_solo_[p])) return true;
   }
   return false;
 }

@@ -205,8 +205,9 @@ void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload,
   ByteReader r(payload.data(), payload.size());
   const bool join = r.get<uint8_t>() != 0;
   std::vector<uint8_t> bits = r.get_bytes();
-  for (size_t i = 0; i < bits.size() * 8; ++i)
-    if (bits[i / 8] & (1u << (i % 8))) negotiator_->submit(rank, cache_.at(i), t);
+  for (size_t byte = 0; byte < bits.size(); ++byte)  // mostly zero bytes
+    for (unsigned b = bits[byte]; b; b &= b - 1)
+      negotiator_->submit(rank, cache_.at(static_cast<uint32_t>(byte * 8 + __builtin_ctz(b))), t);
   const uint32_t n = r.get<uint32_t>();
   for (uint32_t i = 0; i < n; ++i) negotiator_->submit(rank, RequestMeta::read(r), t);
   const uint32_t refused = r.get<uint32_t>();

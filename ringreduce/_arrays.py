@@ -71,6 +71,10 @@ def for_reading(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
 
 def for_writing(x: Any, op: str, name: Optional[str] = None) -> np.ndarray:
     """A writable C-contiguous view of ``x`` for in-place operations."""
+    if isinstance(x, (np.generic, int, float, bool)):  # as_array would copy it: a lost result
+        raise InvalidInputError(
+            f"{call_label(op, name)}: in-place operations need an array, got the immutable "
+            f"{type(x).__name__} {x!r}; use the out-of-place form (or np.array(x))")
     arr = as_array(x, op, name)
     flags = arr.flags
     if flags.c_contiguous and flags.writeable:

@@ -209,7 +209,7 @@ class Communicator(GpuCalls, CompositeCalls):
             # The blocking hot path (metrics, losses): a plain numpy array is checked,
             # submitted and waited for in one C++ call, with no handle kept.
             done = self._engine.allreduce_array_now(x, op, name, prescale_factor,
-                                                    postscale_factor, self._in_flight)
+                                                    postscale_factor, self._in_flight, True, 0)
             if done is not None:
                 return x
         return self._wait(self.allreduce_async_(x, op, name, prescale_factor, postscale_factor,
@@ -242,6 +242,14 @@ class Communicator(GpuCalls, CompositeCalls):
         numpy.ndarray
             Bitwise identical on every rank.
         """
+        if compression is None and op is not Adasum:
+            # As allreduce_'s hot path; the result is allocated in C++ up to the size
+            # from which the output pool keeps warm memory.
+            out = self._engine.allreduce_array_now(x, op, name, prescale_factor,
+                                                   postscale_factor, self._in_flight, False,
+                                                   self._outputs.min_bytes - 1)
+            if out is not None:
+                return out
         return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor,
                                                compression=compression))
 

@@ -49,6 +49,11 @@ class OutputPool:
         self._lock = threading.RLock()
         self.reused = 0  # results served from a free list (a statistic for tests)
 
+    @property
+    def min_bytes(self) -> int:
+        """Results smaller than this are plain allocations."""
+        return self._min
+
     def take(self, nbytes: int) -> np.ndarray:
         """A writable, 64-byte-aligned uint8 array of ``nbytes`` (contents undefined)."""
         if nbytes < self._min or self._capacity <= 0:

@@ -298,29 +298,31 @@ import numpy as np
 import ringreduce as rr
 from ringreduce.testing import make_world
 c0, c1 = make_world(2)
-threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
-try:
-    c0.allreduce_(np.ones(4, np.float32), op=rr.Sum, name="b")  # only this call holds it
-    print("not interrupted")
-except KeyboardInterrupt:
-    print("interrupted, kept", len(c0._in_flight))
-kept = c0._in_flight[-1]
-h1 = c1.allreduce_async_(np.ones(4, np.float32), op=rr.Sum, name="b")
-print("result", float(kept.wait()[0]), float(h1.wait()[0]))
+for form in ("allreduce_", "allreduce"):
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        getattr(c0, form)(np.ones(4, np.float32), op=rr.Sum, name=form)  # only it holds x
+        print(form, "not interrupted")
+    except KeyboardInterrupt:
+        print(form, "interrupted, kept", len(c0._in_flight))
+    kept = c0._in_flight.pop()
+    h1 = c1.allreduce_async_(np.ones(4, np.float32), op=rr.Sum, name=form)
+    print(form, "result", float(kept.wait()[0]), float(h1.wait()[0]))
 c0.close()
 c1.close()
 """
 
 
 def test_an_interrupted_blocking_call_keeps_its_buffer_alive():
-    """A blocking allreduce_ (submitted and waited for in one C++ call, with no handle
-    kept) interrupted by Ctrl-C hands its handle, and with it the array the collective
-    still writes into, to the communicator's list of calls in flight."""
+    """A blocking allreduce_ / allreduce (submitted and waited for in one C++ call, with
+    no handle kept) interrupted by Ctrl-C hands its handle, and with it the arrays the
+    collective still uses, to the communicator's list of calls in flight."""
     run = subprocess.run([sys.executable, "-c", _INTERRUPTED_BLOCKING], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert "interrupted, kept 1" in run.stdout, run.stdout
-    assert "result 2.0 2.0" in run.stdout, run.stdout
+    for form in ("allreduce_", "allreduce"):
+        assert f"{form} interrupted, kept 1" in run.stdout, run.stdout
+        assert f"{form} result 2.0 2.0" in run.stdout, run.stdout
 
 
 _INTERRUPTED_JOIN = """

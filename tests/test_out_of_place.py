@@ -92,3 +92,47 @@ def test_output_pool_block_stays_in_use_while_a_tensor_holds_it():
     assert pool._kept == 0 and pool.take(1 << 20).ctypes.data not in addrs
     del t, d
     assert pool._kept > 0
+
+
+def test_blocking_calls_on_plain_arrays_take_one_call_and_agree_with_the_general_path():
+    """Blocking allreduce / allreduce_ of a plain numpy array are checked, submitted and
+    waited for in one C++ call (Engine.allreduce_array_now); results must equal the
+    asynchronous (general) path's bit for bit, small results be new 64-byte-aligned
+    arrays, read-only and 0-d inputs work, and what the fast path cannot take (a
+    non-contiguous array, a list, a result the output pool serves) still works."""
+    comms = make_world(2)
+    pool_min = comms[0]._outputs.min_bytes
+
+    def fn(c):
+        r, cases = c.rank(), []
+        for dtype in (np.float32, np.float64, np.int32, np.uint8, np.float16, np.bool_):
+            for shape in ((), (0,), (5,), (3, 4)):
+                x = np.asarray(np.arange(int(np.prod(shape))).reshape(shape) % 3 + r, dtype)
+                op = rr.Max if dtype is np.bool_ else rr.Sum
+                fast = c.allreduce(x, op=op, name=f"f{np.dtype(dtype).name}{len(shape)}")
+                slow = c.allreduce_async(x, op=op).wait()
+                assert fast.tobytes() == slow.tobytes() and fast.shape == slow.shape
+                assert fast.dtype == x.dtype and fast.flags.c_contiguous
+                assert fast.ctypes.data % 64 == 0 or fast.size == 0
+                y = x.copy()
+                assert c.allreduce_(y, op=op) is y and y.tobytes() == slow.tobytes()
+                cases.append(fast)
+        with pytest.raises(rr.InvalidInputError, match="immutable float32"):
+            c.allreduce_(np.float32(r), op=rr.Sum, name="refused")  # nothing to write into
+        cases.append(c.allreduce(np.float32(r), op=rr.Sum, name="scalar"))
+        ro = np.full(4, r + 1.0)
+        ro.flags.writeable = False
+        cases.append(c.allreduce(ro, op=rr.Sum))
+        cases.append(c.allreduce(np.arange(8.0)[::2] + r, op=rr.Sum))  # non-contiguous
+        cases.append(c.allreduce(memoryview(np.array([1.0 + r, 2.0])), op=rr.Sum))  # a buffer
+        big = c.allreduce(np.ones(pool_min // 4, np.float32), op=rr.Sum)  # the pool's
+        return cases, big
+
+    res = run_threaded(2, fn, world=comms)
+    for c in comms:
+        c.close()
+    (a, big), (b, _) = res
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+    assert a[-4].tolist() == 1.0
+    assert a[-3].tolist() == [3.0] * 4 and a[-2].tolist() == [1, 5, 9, 13]
+    assert a[-1].tolist() == [3.0, 4.0] and (big == 2).all()

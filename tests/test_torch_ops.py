@@ -158,12 +158,16 @@ def test_in_place_on_non_contiguous_and_async_poll():
         base[:, 1] = rank
         hb = rrt.broadcast_async_(base[:, 1], root_rank=1, name="b")
         rrt.synchronize(hb)
-        return base
+        blocking = (torch.arange(12, dtype=torch.float32).view(3, 4) * (rank + 1)).t()
+        assert rrt.allreduce_(blocking, op=rrt.Sum, name="blocking") is blocking
+        return base, blocking
 
     want = torch.arange(12, dtype=torch.float32).view(3, 4) * 3
-    want[:, 1] = 1
-    for got in run(2, fn):
-        assert torch.equal(got, want)
+    for got, blocking in run(2, fn):
+        assert torch.equal(blocking, want.t())
+        want_b = want.clone()
+        want_b[:, 1] = 1
+        assert torch.equal(got, want_b)
 
 
 def test_grouped_allreduce():

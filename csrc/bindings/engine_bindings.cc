@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <new>
 
 #include "coordination/engine.h"
 #include "coordination/fusion.h"
@@ -124,7 +126,8 @@ int32_t plain_dtype_code(const py::dtype& dt) {
 // one skips its Python frames, a few microseconds per gradient.
 struct ArrayHandle {
   std::shared_ptr<HandleState> state;
-  py::object array;
+  py::object array;  // what wait() returns: the array, or the new result
+  py::object input;  // out of place: the input, read until the collective is done
 };
 
 // A completed handle (the common case in a synchronize loop after the last
@@ -151,20 +154,33 @@ py::object wait_array(ArrayHandle& h) {
   return h.array;
 }
 
-// An in-place allreduce entry for `x` if it is a C-contiguous, writable numpy
-// array of a plain dtype; false otherwise (the general path converts or raises
-// with context).
+// An allreduce entry for `x` if it is a C-contiguous numpy array of a plain
+// dtype, writable when the result goes into it (`result` None: in place; else
+// an array like `x` for the result); false otherwise (the general path
+// converts or raises with context).
 bool plain_array_entry(py::handle x, std::string name, int32_t op, double pre, double post,
-                       Entry* out) {
+                       Entry* out, py::handle result = py::none()) {
   if (!py::isinstance<py::array>(x)) return false;
   const auto arr = py::reinterpret_borrow<py::array>(x);
-  if (!(arr.flags() & py::array::c_style) || !arr.writeable()) return false;
+  if (!(arr.flags() & py::array::c_style) || (result.is_none() && !arr.writeable())) return false;
   const int32_t code = plain_dtype_code(arr.dtype());
   if (code < 0) return false;
-  *out = entry(CollKind::kAllreduce, x, x,
+  *out = entry(CollKind::kAllreduce, x, result.is_none() ? x : result,
                std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code, std::move(name));
   reducing(*out, op, pre, post);
   return true;
+}
+
+// An uninitialised C-contiguous array like `a`, its data 64-byte aligned (what
+// TensorFlow needs to adopt memory without a copy; Python's OutputPool makes
+// large results, this the small ones).
+py::array aligned_empty_like(const py::array& a) {
+  constexpr size_t kAlign = 64;
+  const size_t bytes = (static_cast<size_t>(a.nbytes()) + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, bytes ? bytes : kAlign);
+  if (!p) throw std::bad_alloc();
+  py::capsule owner(p, [](void* q) { std::free(q); });
+  return py::array(a.dtype(), std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()), p, owner);
 }
 
 // The op code, if `op` is a Python int naming a valid op (anything else goes
@@ -214,29 +230,46 @@ py::object allreduce_array(T& eng, py::handle x, py::handle op_obj, py::handle n
   if (!plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
                          post, &e))
     return py::none();
-  return py::cast(
-      ArrayHandle{submit_one(eng, std::move(e)), py::reinterpret_borrow<py::object>(x)});
+  return py::cast(ArrayHandle{submit_one(eng, std::move(e)), py::reinterpret_borrow<py::object>(x),
+                              py::none()});
 }
 
-// allreduce_ of a plain numpy array, submitted and waited for in one call
-// (blocking calls: metrics, losses, counts). The caller's frame keeps `x`
-// alive, so no keep-alive handle is made; only a wait that a signal
+// Blocking allreduces of a plain numpy array, checked, submitted and waited
+// for in one call (metrics, losses, counts). The caller's frame keeps its
+// arrays alive, so no keep-alive handle is made; only a wait that a signal
 // interrupts (Ctrl-C) hands its handle to `keep` (the Communicator's list of
-// calls in flight), because the collective still writes into `x`. Returns
-// None when the array or an argument needs the general path.
+// calls in flight), because the collective still uses the arrays.
+// In place (`in_place`): returns `x`. Out of place: returns a new array, for
+// inputs of at most `max_new` bytes (larger results come from Python's
+// OutputPool). None when the array or an argument needs the general path.
 template <class T>
 py::object allreduce_array_now(T& eng, py::handle x, py::handle op_obj, py::handle name,
-                               py::handle pre_obj, py::handle post_obj, py::handle keep) {
-  py::object h = allreduce_array(eng, x, op_obj, name, pre_obj, post_obj);
-  if (h.is_none()) return h;
-  ArrayHandle& ah = h.cast<ArrayHandle&>();
+                               py::handle pre_obj, py::handle post_obj, py::handle keep,
+                               bool in_place, size_t max_new) {
+  int32_t op = 0;
+  double pre = 1, post = 1;
+  if (!op_code(op_obj, &op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())) ||
+      !scale_args(pre_obj, post_obj, &pre, &post) || !py::isinstance<py::array>(x))
+    return py::none();
+  py::object result = py::none();
+  if (!in_place) {
+    const auto arr = py::reinterpret_borrow<py::array>(x);
+    if (static_cast<size_t>(arr.nbytes()) > max_new) return py::none();
+    result = aligned_empty_like(arr);
+  }
+  Entry e;
+  if (!plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
+                         post, &e, result))
+    return py::none();
+  const py::object input = py::reinterpret_borrow<py::object>(x);
+  ArrayHandle h{submit_one(eng, std::move(e)), in_place ? input : result, input};
   try {
-    wait_state(*ah.state);
+    wait_state(*h.state);
   } catch (py::error_already_set&) {
-    if (!ah.state->done()) keep.attr("append")(h);
+    if (!h.state->done()) keep.attr("append")(py::cast(h));
     throw;
   }
-  return ah.array;
+  return h.array;
 }
 
 // grouped_allreduce_async_ of a non-empty tuple of plain numpy arrays, member

@@ -106,7 +106,7 @@ def to_torch(a: Any) -> torch.Tensor:
     tensor (a GPU collective's result) as it is."""
     if isinstance(a, torch.Tensor):
         return a
-    if a.dtype.name == "bfloat16":
+    if a.dtype.kind == "V" and a.dtype.name == "bfloat16":  # ml_dtypes' (kind first: cheap)
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     if not a.flags.writeable:
         a = a.copy()

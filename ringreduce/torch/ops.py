@@ -103,6 +103,8 @@ def _new_tensor(result: Any) -> torch.Tensor:
 def _allreduce_now(c: Communicator, tensor: torch.Tensor, op: int, name: Optional[str],
                    compression: type[Compressor], pre: float, post: float) -> torch.Tensor:
     what = label("allreduce", name)
+    if compression is Compression.none and isinstance(tensor, torch.Tensor) and tensor.is_cpu:
+        return to_torch(c.allreduce(to_numpy(tensor, what), op, name, pre, post))  # metrics
     tensor = check_tensor(tensor, what).detach()
     wire = device_compression(compression, tensor)
     if wire:  # a CUDA tensor: the GPU executor casts in its fusion kernels
@@ -168,11 +170,18 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: Optional[str] = N
                           postscale_factor)
 
 
+@refusals("allreduce")
 def allreduce_(tensor: torch.Tensor, average: Any = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place (not tracked by autograd) and return it."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous():
+        # The blocking hot path (metrics): the numpy view reduced in one C++ call.
+        what = label("allreduce_", name)
+        comm(process_set).allreduce_(to_numpy(tensor, what), resolve_op(average, op, what),
+                                     name, prescale_factor, postscale_factor)
+        return tensor
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set=process_set))
 

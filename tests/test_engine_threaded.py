@@ -729,6 +729,47 @@ def test_blocking_calls_drive_their_own_rounds(fast):
         assert last == 0, last
 
 
+def test_a_name_refused_on_one_rank_can_be_used_again_at_once():
+    """Rank 1 refuses a named call (a bad root) and goes straight on to the name's next
+    calls while rank 0 has not yet made the refused one: rank 0's call raises, naming
+    rank 1; every later call of the name runs on both (rank 1's early calls wait for
+    the refused one to be decided instead of being dropped). Then both ranks refuse
+    the same call and use the name again; and a name refused while it was in flight
+    still fails the call in flight."""
+    w = world(2)
+
+    def body(c):
+        r, got, errors = c.rank(), [], []
+        if r == 1:
+            with pytest.raises(rr.InvalidInputError):
+                c.broadcast(np.ones(2), root_rank=5, name="x")
+        else:
+            time.sleep(0.2)  # rank 1's next calls of "x" reach rank 0 first
+            with pytest.raises(rr.MismatchError, match="rank 1 refused this call locally"):
+                c.broadcast(np.ones(2), root_rank=0, name="x")
+        for i in range(3):
+            got.append(c.broadcast(np.full(2, r + i, np.float32), root_rank=1, name="x"))
+        with pytest.raises(rr.InvalidInputError):
+            c.broadcast(np.ones(2), root_rank=7, name="y")  # refused on both
+        got.append(c.broadcast(np.full(2, r + 5.0), root_rank=0, name="y"))
+        h = c.allreduce_async(np.ones(3), op=rr.Sum, name="z")
+        try:
+            c.allreduce(np.ones(3), op=rr.Sum, name="z")  # z is in flight: refused
+        except rr.InvalidInputError as err:
+            errors.append(err)
+        try:
+            h.wait()
+        except rr.RingReduceError as err:
+            errors.append(err)
+        return got, errors
+
+    for got, errors in run_threaded(2, body, world=w, timeout=60):
+        assert [g.tolist() for g in got] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [5.0, 5.0]], got
+        # The duplicate raises at once; the call in flight fails too unless it had
+        # already been decided when rank 0 heard of the refusal.
+        assert isinstance(errors[0], rr.InvalidInputError) and len(errors) <= 2, errors
+
+
 def engine_thread_count() -> int:
     """Threads of this process named ``rr-engine`` (/proc/self/task/*/comm)."""
     count = 0

@@ -274,7 +274,8 @@ void Engine::reject_locked(const std::vector<Entry>& entries, const std::string&
   if (failed_ || stopping_ || size_ == 1) return;
   for (const Entry& e : entries)
     if (!e.join && !e.meta.name.empty())
-      rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why, e.meta.members});
+      rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why, e.meta.members,
+                                    in_flight_.count(e.meta.name) > 0});
   has_work_.store(true);
   notify();
 }

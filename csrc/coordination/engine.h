@@ -127,6 +127,7 @@ class Engine : private DriveToken::Driver {
     std::string name;
     std::string why;
     std::vector<int32_t> members;  // of its process set; empty for the global set
+    bool in_flight = false;        // the name was in flight here: the refusal fails that call
   };
   std::string unnamed_locked(const std::vector<int32_t>& members);
   void reject_locked(const std::vector<Entry>& entries, const std::string& why);
@@ -166,6 +167,8 @@ class Engine : private DriveToken::Driver {
   bool joined(const std::vector<int32_t>& members) const;
   void decode_requests(int rank, const std::vector<uint8_t>& payload, double now);
   void decode_requests_from(int rank, const std::vector<uint8_t>& payload, double now);
+  void submit_in_order(int rank, std::vector<RequestMeta> submitted,
+                       const std::vector<Rejection>& refused, double t);
   std::vector<Response> decode_responses_from(const std::vector<uint8_t>& payload) const;
   std::vector<uint8_t> encode_responses(const std::vector<Response>& rs) const;
   std::vector<Response> decode_responses(const std::vector<uint8_t>& payload) const;
@@ -242,6 +245,10 @@ class Engine : private DriveToken::Driver {
   // Driver only (the engine thread, or a caller holding the token).
   std::unordered_map<std::string, Entry> pending_;  // submitted, awaiting a response
   std::vector<Rejection> rejections_;               // drained, for this round
+  // Names this rank refused whose error response has not come yet: that
+  // response is about the refused call, not about a later call of the name
+  // that this rank may already have made (fail_entries skips it once).
+  std::unordered_multiset<std::string> refused_names_;
   std::vector<Entry> joins_;
   bool joined_ = false;
   std::vector<std::vector<int32_t>> joined_sets_;  // join(process_set=)s not done yet

@@ -41,6 +41,8 @@ std::vector<Entry> Engine::drain() {
     rejected_.clear();
     has_work_.store(false);
   }
+  for (const Rejection& rj : rejections_)
+    if (!rj.in_flight) refused_names_.insert(rj.name);
   return std::vector<Entry>(std::make_move_iterator(taken.begin()),
                             std::make_move_iterator(taken.end()));
 }
@@ -76,16 +78,17 @@ void Engine::coordinator_round() {
   for (int w = 1; w < size_; ++w) ctrl_.post(w, CtrlType::kPoll, k, promise);
   const double t = now();
   bool join = false;
+  std::vector<RequestMeta> submitted;
   for (const Entry& e : fresh) {
     if (e.join && !e.meta.members.empty())
       negotiator_->join(0, t, e.meta.members);
     else if (e.join)
       join = true;
     else
-      negotiator_->submit(0, e.meta, t);
+      submitted.push_back(e.meta);
   }
+  submit_in_order(0, std::move(submitted), rejections_, t);
   if (join) negotiator_->join(0, t);
-  for (Rejection& rj : rejections_) negotiator_->reject(0, rejected_meta(rj), rj.why, t);
   rejections_.clear();
   record_local(fresh);
   const bool paired = size_ > 1 && receive_requests(k, promise);
@@ -126,6 +129,17 @@ bool Engine::receive_requests(uint64_t k, const std::vector<uint8_t>& promise) {
     decode_requests(m.from, m.payload, t);
   }
   return paired;
+}
+
+// A rank's submissions and refusals of one round, in the order they happened
+// (decode_requests_from).
+void Engine::submit_in_order(int rank, std::vector<RequestMeta> submitted,
+                             const std::vector<Rejection>& refused, double t) {
+  for (const Rejection& rj : refused)
+    if (!rj.in_flight) negotiator_->reject(rank, rejected_meta(rj), rj.why, t);
+  for (RequestMeta& m : submitted) negotiator_->submit(rank, std::move(m), t);
+  for (const Rejection& rj : refused)
+    if (rj.in_flight) negotiator_->reject(rank, rejected_meta(rj), rj.why, t);
 }
 
 void Engine::worker_round() {
@@ -177,6 +191,7 @@ std::vector<uint8_t> Engine::encode_requests(const std::vector<Entry>& fresh, bo
     w.put_str(rj.why);
     w.put<uint32_t>(static_cast<uint32_t>(rj.members.size()));
     for (int32_t m : rj.members) w.put<int32_t>(m);
+    w.put<uint8_t>(rj.in_flight ? 1 : 0);
   }
   // then: the process sets this rank joined (join(process_set=))
   std::vector<const std::vector<int32_t>*> sets;
@@ -201,25 +216,29 @@ void Engine::decode_requests(int rank, const std::vector<uint8_t>& payload, doub
   }
 }
 
+// A rank's refusals of names it did not have in flight happened before its
+// submissions in the same message (a refused call raised before its caller
+// could call again), the others after (engine.h, Rejection::in_flight).
 void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload, double t) {
   ByteReader r(payload.data(), payload.size());
   const bool join = r.get<uint8_t>() != 0;
+  std::vector<RequestMeta> submitted;
   std::vector<uint8_t> bits = r.get_bytes();
   for (size_t byte = 0; byte < bits.size(); ++byte)  // mostly zero bytes
     for (unsigned b = bits[byte]; b; b &= b - 1)
-      negotiator_->submit(rank, cache_.at(static_cast<uint32_t>(byte * 8 + __builtin_ctz(b))), t);
+      submitted.push_back(cache_.at(static_cast<uint32_t>(byte * 8 + __builtin_ctz(b))));
   const uint32_t n = r.get<uint32_t>();
-  for (uint32_t i = 0; i < n; ++i) negotiator_->submit(rank, RequestMeta::read(r), t);
-  const uint32_t refused = r.get<uint32_t>();
-  for (uint32_t i = 0; i < refused; ++i) {
-    Rejection rj;
+  for (uint32_t i = 0; i < n; ++i) submitted.push_back(RequestMeta::read(r));
+  std::vector<Rejection> refused(r.get<uint32_t>());
+  for (Rejection& rj : refused) {
     rj.kind = static_cast<CollKind>(r.get<uint32_t>());
     rj.name = r.get_str();
     rj.why = r.get_str();
     rj.members.resize(r.get<uint32_t>());
     for (int32_t& m : rj.members) m = r.get<int32_t>();
-    negotiator_->reject(rank, rejected_meta(rj), std::move(rj.why), t);
+    rj.in_flight = r.get<uint8_t>() != 0;
   }
+  submit_in_order(rank, std::move(submitted), refused, t);
   const uint32_t sets = r.get<uint32_t>();
   for (uint32_t i = 0; i < sets; ++i) {
     std::vector<int32_t> members(r.get<uint32_t>());
@@ -467,7 +486,14 @@ void Engine::fail_names(const std::vector<std::string>& names, ErrorKind kind,
 
 void Engine::fail_entries(const Response& r, ErrorKind kind, const std::string& msg) {
   std::vector<std::string> names;
-  for (const RequestMeta& m : r.tensors) names.push_back(m.name);
+  for (const RequestMeta& m : r.tensors) {
+    auto refused = refused_names_.find(m.name);
+    if (r.type == RespType::kError && refused != refused_names_.end()) {
+      refused_names_.erase(refused);  // this rank's caller got its error when it refused
+      continue;
+    }
+    names.push_back(m.name);
+  }
   fail_names(names, kind, msg);
 }
 

@@ -44,7 +44,10 @@ void Negotiator::submit(int rank, RequestMeta m, double now) {
     if (timeline_ && timeline_->active()) timeline_->negotiate_begin(m.name, coll_name(m.kind));
   }
   last_activity_ = std::max(last_activity_, now);
-  if (p.submitted[rank]) return;  // engines refuse a name in flight twice
+  if (p.submitted[rank]) {  // engines refuse a name in flight twice, not one they refused
+    if (!p.rejected[rank].empty()) p.later.push_back({rank, std::move(m), std::string()});
+    return;
+  }
   p.submitted[rank] = true;
   ++p.count;
   if (timeline_ && timeline_->active()) timeline_->rank_ready(m.name, rank);
@@ -52,10 +55,16 @@ void Negotiator::submit(int rank, RequestMeta m, double now) {
 }
 
 void Negotiator::reject(int rank, RequestMeta m, std::string why, double now) {
+  if (why.empty()) why = "(no reason given)";
+  auto it = table_.find(m.name);
+  if (it != table_.end() && it->second.submitted[rank] && !it->second.rejected[rank].empty()) {
+    it->second.later.push_back({rank, std::move(m), std::move(why)});  // the next call's
+    return;
+  }
   const std::string name = m.name;
   submit(rank, std::move(m), now);
   std::string& slot = table_.at(name).rejected[rank];
-  if (slot.empty()) slot = why.empty() ? std::string("(no reason given)") : std::move(why);
+  if (slot.empty()) slot = std::move(why);
 }
 
 void Negotiator::join(int rank, double now, const std::vector<int32_t>& members) {
@@ -187,22 +196,39 @@ Response Negotiator::verdict(Pending& p) const {
   return r;
 }
 
+// The calls that waited for a refused instance of their name to be decided
+// (Pending::later) start the next instance, in the order they came.
+void Negotiator::replay(std::vector<Pending::Later>& later, double now) {
+  for (Pending::Later& l : later) {
+    if (l.why.empty())
+      submit(l.rank, std::move(l.meta), now);
+    else
+      reject(l.rank, std::move(l.meta), std::move(l.why), now);
+  }
+}
+
 std::vector<Response> Negotiator::decide(double now) {
-  // Iterators stay valid while other entries are erased (unordered_map).
-  std::vector<std::pair<uint64_t, decltype(table_)::iterator>> done;
-  for (auto it = table_.begin(); it != table_.end(); ++it)
-    if (ready(it->second)) done.emplace_back(it->second.order, it);
-  std::sort(done.begin(), done.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<Response> ready_list;
-  ready_list.reserve(done.size());
-  for (auto& [order, it] : done) {
-    ready_list.push_back(verdict(it->second));
-    table_.erase(it);
-    if (!timeline_ || !timeline_->active()) continue;
-    const std::string& name = ready_list.back().tensors[0].name;
-    timeline_->negotiate_end(name);
-    if (ready_list.back().type == RespType::kError) timeline_->end(name);  // nothing will run
+  for (;;) {  // again while a decided instance's later calls make the next one ready
+    // Iterators stay valid while other entries are erased (unordered_map).
+    std::vector<std::pair<uint64_t, decltype(table_)::iterator>> done;
+    for (auto it = table_.begin(); it != table_.end(); ++it)
+      if (ready(it->second)) done.emplace_back(it->second.order, it);
+    if (done.empty()) break;
+    std::sort(done.begin(), done.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<Pending::Later> later;
+    for (auto& [order, it] : done) {
+      ready_list.push_back(verdict(it->second));
+      for (Pending::Later& l : it->second.later) later.push_back(std::move(l));
+      table_.erase(it);
+      if (!timeline_ || !timeline_->active()) continue;
+      const std::string& name = ready_list.back().tensors[0].name;
+      timeline_->negotiate_end(name);
+      if (ready_list.back().type == RespType::kError) timeline_->end(name);  // nothing will run
+    }
+    if (later.empty()) break;
+    replay(later, now);
   }
   std::vector<Response> out = plan_fusion(std::move(ready_list), opt_.fusion_threshold);
   if (joined_count_ == opt_.size) {

@@ -68,7 +68,17 @@ class Negotiator {
     double first_seen = 0;
     double last_warned = 0;
     uint64_t order = 0;
+    // Calls of this name by a rank that refused this one: an engine lets a name
+    // it refused locally be used again at once, so these belong to the name's
+    // next instance and are submitted (or refused) again once this one is decided.
+    struct Later {
+      int rank;
+      RequestMeta meta;
+      std::string why;  // a refusal's reason; "" for a submission
+    };
+    std::vector<Later> later;
   };
+  void replay(std::vector<Pending::Later>& later, double now);
   static size_t first_submitted(const Pending& p);
   static const RequestMeta& any_meta(const Pending& p);
   bool ready(const Pending& p) const;

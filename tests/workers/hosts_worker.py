@@ -93,8 +93,9 @@ def events(rank: int, ev: str) -> list:
 
 def job(rr, value: float, hold: str) -> None:
     try:
-        for _ in range(20):
+        for _ in range(60):  # ~1.5 s: two jobs started at once overlap
             total = rr.allreduce(np.array([value]), op=rr.Sum, name="v")[0]
+            time.sleep(0.025)
         event("result", total=float(total), size=rr.size())
     except rr.RingReduceError as err:
         error_event("raised", err)

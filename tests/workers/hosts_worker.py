@@ -9,7 +9,7 @@ loop     1 MiB allreduces every 10 ms; ``looping`` after the first ones, then
          ``raised`` (class, message, time) at the first error. With ``--stop V``
          rank V SIGSTOPs itself after ``looping``; every other rank, once it
          raised, SIGKILLs it (so the job ends).
-job V    Sum-allreduce V (this job's value) 20 times; ``result`` or ``raised``;
+job V    Sum-allreduce V (this job's value) 60 times, 25 ms apart; ``result`` or ``raised``;
          ``--after F`` waits for file F before init, ``--hold F`` creates F after the
          allreduces and stays in the job 3 s more.
 """

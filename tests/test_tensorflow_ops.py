@@ -138,6 +138,48 @@ def test_tensors_reach_the_engine_and_come_back_without_copies():
     np.testing.assert_array_equal(y, x.numpy())
 
 
+def test_eager_calls_outside_a_tape_skip_the_graph_machinery(monkeypatch):
+    """An eager allreduce that no GradientTape records (a metric) calls the engine
+    directly, with neither tf.py_function (~0.4 ms) nor tf.custom_gradient (~0.1 ms);
+    under a tape it stays differentiable; inside tf.function it is a graph op."""
+    used = []
+    real_py_function, real_custom_gradient = tf.py_function, tf.custom_gradient
+
+    def py_function(*args, **kwargs):
+        used.append("py_function")
+        return real_py_function(*args, **kwargs)
+
+    def custom_gradient(f):
+        used.append("custom_gradient")
+        return real_custom_gradient(f)
+
+    monkeypatch.setattr(tf, "py_function", py_function)
+    monkeypatch.setattr(tf, "custom_gradient", custom_gradient)
+
+    def fn(rank):
+        steps = []
+        metric = rtf.allreduce(tf.constant([rank + 1.0]), op=rr.Sum, name="metric")
+        steps.append(len(used))
+        v = tf.Variable([1.0, 2.0])
+        with tf.GradientTape() as tape:
+            y = rtf.allreduce(v * (rank + 1.0), op=rr.Sum, name="y")
+            with tape.stop_recording():
+                logged = rtf.allreduce(tf.reduce_sum(y), op=rr.Sum, name="logged")
+            loss = tf.reduce_sum(y)
+        steps.append(len(used))
+        grad = tape.gradient(loss, v)
+        graph = tf.function(lambda t: rtf.allreduce(t, op=rr.Sum, name="graph"))(v)
+        return metric.numpy(), logged.numpy(), grad.numpy(), graph.numpy(), steps
+
+    res = run(2, fn)
+    for rank, (metric, logged, grad, graph, _) in enumerate(res):
+        assert metric.tolist() == [3.0] and logged == 18.0
+        # Horovod's gradient of a Sum allreduce: the Sum allreduce of the gradient (2 ranks)
+        assert grad.tolist() == [2.0 * (rank + 1)] * 2 and graph.tolist() == [2.0, 4.0]
+    assert [s[0] for _, _, _, _, s in res] == [0, 0], used  # the metric: neither
+    assert used.count("custom_gradient") >= 2 and used.count("py_function") >= 1, used
+
+
 def test_grouped_allreduce_compression_and_indexed_slices():
     def fn(rank):
         xs = [tf.fill([3], float(rank + 1)), tf.fill([2, 2], 2.0 * (rank + 1))]

@@ -7,10 +7,12 @@ because it keeps dtype and shape (e.g. torch CPU tensors).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import numpy as np
 
+from . import _core
 from .exceptions import InvalidInputError, call_label
 
 
@@ -101,10 +103,8 @@ def empty_aligned(shape: tuple, dtype: np.dtype) -> np.ndarray:
     without copying (TensorFlow copies DLPack memory that is less aligned).
     """
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return _core.aligned_bytes(nbytes).view(dtype).reshape(shape)  # ALIGNMENT, in C++
 
 
 def empty_aligned_like(a: np.ndarray) -> np.ndarray:

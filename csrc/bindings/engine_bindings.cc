@@ -171,16 +171,22 @@ bool plain_array_entry(py::handle x, std::string name, int32_t op, double pre, d
   return true;
 }
 
-// An uninitialised C-contiguous array like `a`, its data 64-byte aligned (what
+// An uninitialised C-contiguous array, its data 64-byte aligned (what
 // TensorFlow needs to adopt memory without a copy; Python's OutputPool makes
 // large results, this the small ones).
-py::array aligned_empty_like(const py::array& a) {
+py::array aligned_array(const py::dtype& dtype, std::vector<py::ssize_t> shape) {
   constexpr size_t kAlign = 64;
-  const size_t bytes = (static_cast<size_t>(a.nbytes()) + kAlign - 1) / kAlign * kAlign;
+  size_t bytes = static_cast<size_t>(dtype.itemsize());
+  for (py::ssize_t d : shape) bytes *= static_cast<size_t>(d);
+  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
   void* p = std::aligned_alloc(kAlign, bytes ? bytes : kAlign);
   if (!p) throw std::bad_alloc();
   py::capsule owner(p, [](void* q) { std::free(q); });
-  return py::array(a.dtype(), std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()), p, owner);
+  return py::array(dtype, std::move(shape), p, owner);
+}
+
+py::array aligned_empty_like(const py::array& a) {
+  return aligned_array(a.dtype(), std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
 }
 
 // The op code, if `op` is a Python int naming a valid op (anything else goes
@@ -307,7 +313,13 @@ py::array output_array(HandleState& h, size_t i) {
                    {static_cast<py::ssize_t>(1)}, h.outputs[i].data.get(), owner);
 }
 
+// _arrays.empty_aligned's memory: numpy takes microseconds to make an aligned slice.
+py::array aligned_bytes(size_t bytes) {
+  return aligned_array(py::dtype("uint8"), {static_cast<py::ssize_t>(bytes)});
+}
+
 void bind_handle(py::module_& m) {
+  m.def("aligned_bytes", &aligned_bytes);
   py::class_<HandleState, std::shared_ptr<HandleState>>(m, "Handle")
       .def("wait", &wait_state)
       .def("done", &HandleState::done)

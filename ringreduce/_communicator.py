@@ -211,6 +211,8 @@ class Communicator(GpuCalls, CompositeCalls):
             done = self._engine.allreduce_array_now(x, op, name, prescale_factor,
                                                     postscale_factor, self._in_flight, True, 0)
             if done is not None:
+                if self._in_flight:  # asynchronous calls finished meanwhile
+                    self.release_done()
                 return x
         return self._wait(self.allreduce_async_(x, op, name, prescale_factor, postscale_factor,
                                                 compression=compression))
@@ -249,6 +251,8 @@ class Communicator(GpuCalls, CompositeCalls):
                                                    postscale_factor, self._in_flight, False,
                                                    self._outputs.min_bytes - 1)
             if out is not None:
+                if self._in_flight:
+                    self.release_done()
                 return out
         return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor,
                                                compression=compression))

@@ -160,6 +160,8 @@ def test_eager_calls_outside_a_tape_skip_the_graph_machinery(monkeypatch):
         steps = []
         metric = rtf.allreduce(tf.constant([rank + 1.0]), op=rr.Sum, name="metric")
         steps.append(len(used))
+        var = tf.Variable([rank + 1.0])  # read into a tensor first, as a py_function would
+        metric = metric + rtf.allreduce(var, op=rr.Sum, name="var") + rtf.broadcast(var, 1)
         v = tf.Variable([1.0, 2.0])
         with tf.GradientTape() as tape:
             y = rtf.allreduce(v * (rank + 1.0), op=rr.Sum, name="y")
@@ -173,7 +175,7 @@ def test_eager_calls_outside_a_tape_skip_the_graph_machinery(monkeypatch):
 
     res = run(2, fn)
     for rank, (metric, logged, grad, graph, _) in enumerate(res):
-        assert metric.tolist() == [3.0] and logged == 18.0
+        assert metric.tolist() == [8.0] and logged == 18.0
         # Horovod's gradient of a Sum allreduce: the Sum allreduce of the gradient (2 ranks)
         assert grad.tolist() == [2.0 * (rank + 1)] * 2 and graph.tolist() == [2.0, 4.0]
     assert [s[0] for _, _, _, _, s in res] == [0, 0], used  # the metric: neither

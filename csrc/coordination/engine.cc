@@ -65,6 +65,9 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   early_.resize(size_);
   early_solo_.resize(size_);
   if (opt_.fold_bytes == kFoldAuto) opt_.fold_bytes = auto_fold_bytes();
+  // A folded call is reduced with the direct path's arithmetic: folding a size the
+  // ring would reduce would make a result depend on whether it was folded (N >= 3).
+  opt_.fold_bytes = std::min<size_t>(opt_.fold_bytes, ctx_->options().small_bytes);
   if (rank_ == 0)
     negotiator_ = std::make_unique<Negotiator>(
         NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s, opt_.stall_shutdown_s},
@@ -496,6 +499,14 @@ std::string Engine::idle_state() const {
   return "while idle";
 }
 
+// A sleep of `timeout_ns` cut to the deadline of a hold that the last
+// ready_to_start() may have begun (engine_pair.cc).
+int64_t Engine::within_hold(int64_t timeout_ns) const {
+  if (!holding_) return timeout_ns;
+  const double left = std::max(hold_deadline() - now(), 0.0);
+  return std::min(timeout_ns, static_cast<int64_t>(left * 1e9));
+}
+
 // Sleeps until a peer may have sent something, a caller submitted work, or
 // the timeout passes, as the watched links' transports say (transports.h).
 // Doorbell links only: the doorbell (peers and notify() ring it). Otherwise
@@ -515,7 +526,8 @@ void Engine::block(int64_t timeout_ns) {
     const uint32_t seen = bell->snapshot();
     bell->set_sleeping(true);
     engine_bell_ = true;  // withdrawn by reclaim_token(), or by a driving caller
-    if (!stop_.load() && !ready_to_start()) untokened([&] { bell->wait(seen, timeout_ns); });
+    if (!stop_.load() && !ready_to_start())
+      untokened([&] { bell->wait(seen, within_hold(timeout_ns)); });
     withdraw_bell();
     return;
   }
@@ -529,8 +541,8 @@ void Engine::block(int64_t timeout_ns) {
     watcher_->arm(seen);
   }
   polling_.store(true);
-  const int ms = static_cast<int>((timeout_ns + 999999) / 1000000);
   if (!stop_.load() && !ready_to_start()) {
+    const int ms = static_cast<int>((within_hold(timeout_ns) + 999999) / 1000000);
     int ready = 0;
     untokened([&] { ready = ::poll(fds.data(), fds.size(), ms); });
     if (ready > 0 && (fds[0].revents & POLLIN)) {

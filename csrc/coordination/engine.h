@@ -188,6 +188,7 @@ class Engine : private DriveToken::Driver {
   bool arrived();
   std::unique_ptr<CtrlMessage> take_early(int peer);
   double hold_deadline() const;
+  int64_t within_hold(int64_t timeout_ns) const;
   void execute(const Response& r);
   Executor& executor_for(const Response& r, int32_t device);
   bool async_busy() const;

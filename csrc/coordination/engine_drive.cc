@@ -159,6 +159,7 @@ void Engine::hand_back(bool caller_waits) {
     } catch (const Error&) {
       wake = true;  // the engine thread finds the error itself and reports it
     }
+    wake = wake || holding_;  // a hold began: the sleeper's timeout must become its deadline
   }
   token_.give_back();
   if (wake) wake_engine();

@@ -113,10 +113,15 @@ bool Engine::solo_for(const std::vector<uint8_t>& requests,
 void Engine::finish_paired_coordinator(const std::vector<Response>& rs) {
   const bool one = rs.size() == 1 && rs.front().type == RespType::kExec &&
                    rs.front().tensors.size() == 1 && rs.front().folded;
-  if (!one)
+  if (!one) {
+    std::string names;
+    for (const Response& r : rs)
+      for (const RequestMeta& m : r.tensors)
+        names += cat(names.empty() ? "" : ", ", "'", m.name, "'");
     throw_error(ErrorKind::kInternal, "rank ", rank_, ": negotiation round ", round_,
-                " was promised to the worker as one folded call, but rank 0 decided ", rs.size(),
-                " responses");
+                " was promised to rank 1 as one folded call, but rank 0 decided ", rs.size(),
+                " responses (", names, ")");
+  }
   paired_.fetch_add(1, std::memory_order_relaxed);
   process(rs);
 }
@@ -165,7 +170,7 @@ bool Engine::arrived() {
     any |= early_[p] != nullptr;
   }
   if (!any) return false;
-  if (has_work_.load() || now() >= hold_until_) return true;
+  if (has_work_.load() || now() >= hold_until_ || joined_) return true;  // joined: ready now
   for (int p = 0; p < size_; ++p) {
     if (!early_[p]) continue;
     if (rank_ != 0) return early_[p]->payload.empty();  // a POLL without a promise

@@ -39,6 +39,10 @@ std::vector<Entry> Engine::drain() {
     taken.swap(queue_);
     rejections_.swap(rejected_);
     rejected_.clear();
+    // A refusal of a name that was in flight when it was refused refers to that
+    // call only while the call is still in flight; once done (here, and so at
+    // rank 0 too), it refuses the name's next call.
+    for (Rejection& rj : rejections_) rj.in_flight = rj.in_flight && in_flight_.count(rj.name) > 0;
     has_work_.store(false);
   }
   for (const Rejection& rj : rejections_)

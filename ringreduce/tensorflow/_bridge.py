@@ -186,7 +186,8 @@ def call(body: Body, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType]
     if tf.executing_eagerly() and all(t.device.endswith("CPU:0") for t in wire):
         # Eagerly, the op would only run `run` on this thread; a py_function around it
         # cost ~0.4 ms per call, most of a metric's allreduce. Errors raise as they are.
-        outs = run(*wire)
+        # (A tf.Variable is read into a tensor first, as the py_function would.)
+        outs = run(*[t if isinstance(t, tf.Tensor) else tf.convert_to_tensor(t) for t in wire])
     else:
         with translated():
             outs = tf.py_function(run, wire, touts, name=_op_name(what))

@@ -145,8 +145,10 @@ def test_kill_during_shared_buffer_allreduce(tmp_path, record_property):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_kill_during_small_blocking_calls(transport, tmp_path, record_property):
     """The callers drive their own rounds (coordination/engine_drive.cc): a loop of
-    4-byte blocking allreduces; the victim dies at a random point, and the survivor,
-    whose caller or engine thread may be the one waiting, raises promptly naming it."""
+    4-byte blocking allreduces, paired (engine_pair.cc: a round may be waiting for the
+    victim's requests to a promise, or holding its POLL); the victim dies at a random
+    point, and the survivor, whose caller or engine thread may be the one waiting,
+    raises promptly naming it."""
     before = shm_entries()
     job = launch("env", 2, "during", transport, tmp_path, extra=["--elements", 1])
     check_no_traces(job, before)
@@ -154,6 +156,7 @@ def test_kill_during_small_blocking_calls(transport, tmp_path, record_property):
     record_property("raise_after_kill_s", check_survivors_noticed(job, 2))
     completed = job.event(0, "completed")
     assert completed and completed["caller_rounds"] > 0, job.describe()
+    assert completed["paired"] > 0, job.describe()
 
 
 # Kills at random points of the engine's life, on 3 ranks: the victim is a

@@ -218,8 +218,9 @@ def survive(args: argparse.Namespace) -> None:
                 raise AssertionError(f"{done} allreduce(s) succeeded although a rank is gone")
     except rr.RingReduceError as err:
         error_event("raised", err)
-    event("completed", allreduces=done,
-          caller_rounds=rr._comm()._engine.stats()["caller_rounds"])
+    stats = rr._comm()._engine.stats()
+    event("completed", allreduces=done, caller_rounds=stats["caller_rounds"],
+          paired=stats["paired"])
     after_failure(args)
 
 

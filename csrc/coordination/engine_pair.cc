@@ -158,8 +158,8 @@ bool Engine::arrived() {
   bool any = false;
   for (int p = rank_ == 0 ? 1 : 0; p < (rank_ == 0 ? size_ : 1); ++p) {
     if (!early_[p] && ctrl_.try_header(p)) {
-      early_[p] = std::make_unique<CtrlMessage>(
-          std::move(ctrl_.receive({p}, [] { return std::string("a message read ahead"); }).at(0)));
+      auto what = [this] { return cat("negotiation round ", round_, " (read ahead)"); };
+      early_[p] = std::make_unique<CtrlMessage>(std::move(ctrl_.receive({p}, what).at(0)));
       if (rank_ == 0) {  // judged once: arrived() runs on every turn of a wait
         const std::optional<RequestMeta> m = solo(early_[p]->payload);
         early_solo_[p] = m ? m->name : std::string();

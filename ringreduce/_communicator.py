@@ -201,19 +201,26 @@ class Communicator(GpuCalls, CompositeCalls):
                                       "allreduce")
         return self._track(core, lambda _: out, (src, out))
 
+    def _now(self, x: Any, op: Any, name: Optional[str], pre: Any, post: Any,
+             in_place: bool) -> Any:
+        """The blocking hot path (metrics, losses): a plain numpy array is checked,
+        submitted and waited for in one C++ call with no handle kept; an out-of-place
+        result is allocated there up to the size from which the output pool keeps warm
+        memory. None: the general path must take the call."""
+        out = self._engine.allreduce_array_now(x, op, name, pre, post, self._in_flight,
+                                               in_place, self._outputs.min_bytes - 1)
+        if out is not None and self._in_flight:  # asynchronous calls finished meanwhile
+            self.release_done()
+        return out
+
     def allreduce_(self, x: Any, op: int = Average, name: Optional[str] = None,
                    prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
                    compression: Optional[str] = None) -> Any:
         """Reduce ``x`` across ranks in place and return it (see ``allreduce``)."""
         if compression is None and op is not Adasum:
-            # The blocking hot path (metrics, losses): a plain numpy array is checked,
-            # submitted and waited for in one C++ call, with no handle kept.
-            done = self._engine.allreduce_array_now(x, op, name, prescale_factor,
-                                                    postscale_factor, self._in_flight, True, 0)
+            done = self._now(x, op, name, prescale_factor, postscale_factor, True)
             if done is not None:
-                if self._in_flight:  # asynchronous calls finished meanwhile
-                    self.release_done()
-                return x
+                return done
         return self._wait(self.allreduce_async_(x, op, name, prescale_factor, postscale_factor,
                                                 compression=compression))
 
@@ -245,14 +252,8 @@ class Communicator(GpuCalls, CompositeCalls):
             Bitwise identical on every rank.
         """
         if compression is None and op is not Adasum:
-            # As allreduce_'s hot path; the result is allocated in C++ up to the size
-            # from which the output pool keeps warm memory.
-            out = self._engine.allreduce_array_now(x, op, name, prescale_factor,
-                                                   postscale_factor, self._in_flight, False,
-                                                   self._outputs.min_bytes - 1)
+            out = self._now(x, op, name, prescale_factor, postscale_factor, False)
             if out is not None:
-                if self._in_flight:
-                    self.release_done()
                 return out
         return self._wait(self.allreduce_async(x, op, name, prescale_factor, postscale_factor,
                                                compression=compression))

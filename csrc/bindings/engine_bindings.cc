@@ -221,21 +221,27 @@ bool scale_args(py::handle pre_obj, py::handle post_obj, double* pre, double* po
   return one(pre_obj, pre) && one(post_obj, post);
 }
 
+// The entry of an allreduce of plain numpy array `x` (into `result`, or in place
+// when None) if the arguments need no conversion; false sends the call to the
+// general path, which converts what it can or says what is wrong.
+bool plain_allreduce(py::handle x, py::handle op_obj, py::handle name, py::handle pre_obj,
+                     py::handle post_obj, Entry* e, py::handle result = py::none()) {
+  int32_t op = 0;
+  double pre = 1, post = 1;
+  return op_code(op_obj, &op) && (name.is_none() || PyUnicode_CheckExact(name.ptr())) &&
+         scale_args(pre_obj, post_obj, &pre, &post) &&
+         plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
+                           post, e, result);
+}
+
 // allreduce_async_ of a plain numpy array, with the Python-side checks done
 // here (the hot path: one call per gradient). Returns None when the array or
 // an argument needs the general path.
 template <class T>
 py::object allreduce_array(T& eng, py::handle x, py::handle op_obj, py::handle name,
                            py::handle pre_obj, py::handle post_obj) {
-  int32_t op = 0;
-  double pre = 1, post = 1;
-  if (!op_code(op_obj, &op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())) ||
-      !scale_args(pre_obj, post_obj, &pre, &post))
-    return py::none();
   Entry e;
-  if (!plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
-                         post, &e))
-    return py::none();
+  if (!plain_allreduce(x, op_obj, name, pre_obj, post_obj, &e)) return py::none();
   return py::cast(ArrayHandle{submit_one(eng, std::move(e)), py::reinterpret_borrow<py::object>(x),
                               py::none()});
 }
@@ -252,11 +258,7 @@ template <class T>
 py::object allreduce_array_now(T& eng, py::handle x, py::handle op_obj, py::handle name,
                                py::handle pre_obj, py::handle post_obj, py::handle keep,
                                bool in_place, size_t max_new) {
-  int32_t op = 0;
-  double pre = 1, post = 1;
-  if (!op_code(op_obj, &op) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())) ||
-      !scale_args(pre_obj, post_obj, &pre, &post) || !py::isinstance<py::array>(x))
-    return py::none();
+  if (!py::isinstance<py::array>(x)) return py::none();
   py::object result = py::none();
   if (!in_place) {
     const auto arr = py::reinterpret_borrow<py::array>(x);
@@ -264,9 +266,7 @@ py::object allreduce_array_now(T& eng, py::handle x, py::handle op_obj, py::hand
     result = aligned_empty_like(arr);
   }
   Entry e;
-  if (!plain_array_entry(x, name.is_none() ? std::string() : name.cast<std::string>(), op, pre,
-                         post, &e, result))
-    return py::none();
+  if (!plain_allreduce(x, op_obj, name, pre_obj, post_obj, &e, result)) return py::none();
   const py::object input = py::reinterpret_borrow<py::object>(x);
   ArrayHandle h{submit_one(eng, std::move(e)), in_place ? input : result, input};
   try {

@@ -209,7 +209,13 @@ class Communicator(GpuCalls, CompositeCalls):
         memory. None: the general path must take the call."""
         out = self._engine.allreduce_array_now(x, op, name, pre, post, self._in_flight,
                                                in_place, self._outputs.min_bytes - 1)
-        if out is not None and self._in_flight:  # asynchronous calls finished meanwhile
+        return None if out is None else self._released(out)
+
+    def _released(self, out: Any) -> Any:
+        """A blocking fast path's result (``*_array_now``: a plain numpy array checked,
+        submitted and waited for in one C++ call, no handle kept), after dropping the
+        keep-alive references of asynchronous calls that finished meanwhile."""
+        if self._in_flight:
             self.release_done()
         return out
 
@@ -384,6 +390,9 @@ class Communicator(GpuCalls, CompositeCalls):
 
     def allgather(self, x: Any, name: Optional[str] = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (its length may differ per rank)."""
+        out = self._engine.allgather_array_now(x, name, self._in_flight)
+        if out is not None:
+            return self._released(out)
         return self._wait(self.allgather_async(x, name))
 
     def broadcast_async_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Handle:
@@ -415,10 +424,17 @@ class Communicator(GpuCalls, CompositeCalls):
 
     def broadcast_(self, x: Any, root_rank: int, name: Optional[str] = None) -> Any:
         """Overwrite ``x`` on every rank with root_rank's ``x``; return it."""
+        out = self._engine.broadcast_array_now(x, root_rank, name, self._in_flight, True, 0)
+        if out is not None:
+            return self._released(out)
         return self._wait(self.broadcast_async_(x, root_rank, name))
 
     def broadcast(self, x: Any, root_rank: int, name: Optional[str] = None) -> np.ndarray:
         """Return a new array holding root_rank's ``x`` on every rank."""
+        out = self._engine.broadcast_array_now(x, root_rank, name, self._in_flight, False,
+                                               self._outputs.min_bytes - 1)
+        if out is not None:
+            return self._released(out)
         return self._wait(self.broadcast_async(x, root_rank, name))
 
     def reducescatter_async(self, x: Any, op: int = Average, name: Optional[str] = None,

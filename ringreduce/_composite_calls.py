@@ -4,6 +4,7 @@ allgather and reducescatter, and the object calls."""
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -15,6 +16,10 @@ from ._call_checks import Average, _members, _part, check_scales
 from ._cuda_arrays import is_gpu_array
 from ._handles import Handle, _HandleGroup
 from .exceptions import InvalidInputError, call_label
+
+# broadcast_object's header: the pickle's length (8 bytes), then its first bytes. The
+# size of a call that folds into its negotiation round over shared memory (1 KiB).
+_OBJECT_HEAD = 1024
 
 
 class CompositeCalls:
@@ -102,20 +107,38 @@ class CompositeCalls:
                                                            postscale_factor))
 
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
-        """Return root_rank's ``obj`` (any picklable object) on every rank."""
-        payload = pickle.dumps(obj) if self.rank() == root_rank else b""
-        length = self.broadcast_(np.array([len(payload)], np.int64), root_rank,
-                                 _part(name, "len"))
-        data = np.frombuffer(payload, np.uint8).copy() if payload else np.empty(
-            int(length[0]), np.uint8)
-        self.broadcast_(data, root_rank, _part(name, "data"))
-        return obj if self.rank() == root_rank else pickle.loads(data.tobytes())
+        """Return root_rank's ``obj`` (any picklable object) on every rank.
+
+        One broadcast of a fixed-size header carrying the pickle's length and its first
+        bytes (a small object travels whole in it: one folded call), then, for a larger
+        object, one broadcast of the rest.
+        """
+        root, inline = self.rank() == root_rank, _OBJECT_HEAD - 8
+        head, payload = bytearray(_OBJECT_HEAD), b""
+        if root:
+            payload = pickle.dumps(obj)
+            struct.pack_into("<Q", head, 0, len(payload))
+            head[8:8 + min(len(payload), inline)] = payload[:inline]
+        self.broadcast_(np.frombuffer(head, np.uint8), root_rank, _part(name, "head"))
+        (length,) = struct.unpack_from("<Q", head)
+        if length > inline:
+            rest = bytearray(payload[inline:]) if root else bytearray(length - inline)
+            self.broadcast_(np.frombuffer(rest, np.uint8), root_rank, _part(name, "rest"))
+        if root:
+            return obj
+        if length <= inline:
+            return pickle.loads(memoryview(head)[8:8 + length])
+        return pickle.loads(bytes(memoryview(head)[8:]) + rest)
 
     def allgather_object(self, obj: Any, name: Optional[str] = None) -> list:
-        """Return the list of every rank's ``obj``, in rank order."""
-        data = np.frombuffer(pickle.dumps(obj), np.uint8)
-        lengths = self.allgather(np.array([len(data)], np.int64), _part(name, "len"))
-        gathered = self.allgather(data, _part(name, "data"))
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        return [pickle.loads(gathered[bounds[i]:bounds[i + 1]].tobytes())
-                for i in range(self.size())]
+        """Return the list of every rank's ``obj``, in rank order: one allgather of each
+        rank's pickle behind its length."""
+        data = pickle.dumps(obj)
+        gathered = memoryview(self.allgather(
+            np.frombuffer(struct.pack("<Q", len(data)) + data, np.uint8), name))
+        out, at = [], 0
+        for _ in range(self.size()):
+            (n,) = struct.unpack_from("<Q", gathered, at)
+            out.append(pickle.loads(gathered[at + 8:at + 8 + n]))
+            at += 8 + n
+        return out

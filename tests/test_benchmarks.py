@@ -56,6 +56,16 @@ def test_allreduce_sweep_with_the_shared_column_finds_no_wrong_result():
     assert out.count("# target: rr-oop") == 1, out  # at 1 MiB (the next size is past 8M)
 
 
+def test_small_calls_checks_every_call_against_mpi():
+    out = stdout(run_mpi(2, BENCH / "small_calls.py",
+                         ["--bytes", "4,2K", "--iters", "5", "--warmup", "1", "--reps", "1"],
+                         timeout=120))
+    assert "# wrong results: none" in out, out
+    for row in ("barrier", "allreduce 2048 B", "broadcast_ 4 B", "allgather 4 B",
+                "broadcast_object ~2048 B", "allgather_object ~4 B"):
+        assert any(line.startswith(row) for line in out.splitlines()), row
+
+
 def test_ring_series_groups_the_rings():
     out = stdout(run_mpi(2, BENCH / "ring_series.py", ["--mib", "4", "--rings", "6",
                                                        "--period", "3"], timeout=120))

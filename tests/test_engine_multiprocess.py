@@ -164,7 +164,8 @@ def test_async_orders_exact_and_fused_equals_unfused(launcher, tmp_path):
 # ------------------------------------------------------------- small calls
 @pytest.mark.parametrize("launcher", ["mpirun-np3", "env-np2", "env-np2-tcp"])
 def test_small_blocking_calls_fold_and_pair(launcher):
-    """300 blocking small allreduces and barriers with ranks late in turn: every result
+    """300 blocking small allreduces, barriers, broadcasts, ragged allgathers and object
+    calls with ranks late in turn: every result
     right; rank 0 folds them (engine_fold.cc); a two-rank job pairs some of them
     (engine_pair.cc: no response message), a three-rank job never."""
     job, n, before = launch(launcher, "small-calls", ("--seed", random.randrange(1 << 30)))

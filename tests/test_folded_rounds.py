@@ -115,10 +115,10 @@ def test_fused_grouped_sets_and_joins_take_the_ordinary_path():
     results stay right; a mismatch still fails on every rank and the job goes on."""
 
     def body(c):
+        ps = ProcessSet([0, 1])
+        c.process_sets.setup([ps])  # its own small collectives fold: counted from here
         r, before = c.rank(), folded(c)
         got = c.grouped_allreduce([np.full(2, r, np.float32), np.ones(3)], op=rr.Sum)
-        ps = ProcessSet([0, 1])
-        c.process_sets.setup([ps])
         with rr.use_communicator(c):
             in_set = rr.allreduce(np.full(2, r + 1.0), op=rr.Sum, process_set=ps)
         err = None
@@ -256,3 +256,94 @@ def test_barriers_pair_and_three_ranks_do_not():
     for r, (_, x, n_paired, n_folded) in enumerate(run(3, body, 1024, **PAIR)):
         assert all((v == 6).all() for v in x)
         assert n_paired == 0 and n_folded > 0, (r, n_paired, n_folded)
+
+
+# ------------------------------------------- broadcasts, allgathers and the object calls
+MOVE_DTYPES = ["float32", "float64", "float16", "int8", "uint8", "bool"]
+BIG_OBJECT = {"weights": list(range(600)), "tag": "x" * 300}  # pickles to > 1 KiB
+
+
+def movement(c):
+    """Blocking broadcasts (in place and not, every root) and allgathers (ragged, empty,
+    2-D, of empty rows) of every dtype, and the object calls small and large. Returns
+    the results, how many calls were folded and paired, and how many should fold."""
+    r, n = c.rank(), c.size()
+    f0, p0, out, due = folded(c), paired(c), [], 0
+    for i, dtype in enumerate(MOVE_DTYPES):
+        size = np.dtype(dtype).itemsize
+        for count in (0, 1, 5, 37):
+            root = (i + count) % n
+            x = inputs(r + 7 * i, dtype, count)
+            out.append(c.broadcast_(x, root, name=f"b{i}.{count}"))
+            out.append(c.broadcast(inputs(r + 11, dtype, count).reshape(-1, 1), root))
+            out.append(c.allgather(inputs(r, dtype, count + r), name=f"g{i}.{count}"))
+            out.append(c.allgather(inputs(r + 3, dtype, 3 * count).reshape(count, 3)))
+            # an allgather folds while its whole result is at most twice the limit
+            due += 2 + (sum(count + q for q in range(n)) * size <= 2048) + (
+                n * 3 * count * size <= 2048)
+    out.append(c.allgather(np.zeros((2, 0), np.float32)))  # empty rows: not foldable
+    objs = [c.broadcast_object({"rank": r, "i": i}, i % n) for i in range(3)]
+    objs += [c.broadcast_object(BIG_OBJECT if r == 1 else None, 1, name="big")]
+    objs += [c.allgather_object(("rank", r) if r else BIG_OBJECT) for _ in range(2)]
+    # Every broadcast_object's head and the big one's rest (870 B); not the allgather_objects,
+    # as rank 0's pickle (1.9 KiB) is above the limit.
+    due += 3 + 2
+    return out, objs, folded(c) - f0, paired(c) - p0, due
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_broadcasts_and_allgathers_fold_bitwise(n):
+    on = run(n, movement, 1024)
+    off = run(n, movement, 0)
+    expect_objs = ([{"rank": i % n, "i": i} for i in range(3)] + [BIG_OBJECT]
+                   + [[BIG_OBJECT] + [("rank", q) for q in range(1, n)]] * 2)
+    for r in range(n):
+        out, objs, n_folded, _, due = on[r]
+        assert n_folded == due, f"rank {r} folded {n_folded} calls where {due} were due"
+        assert off[r][2] == 0, off[r][2]
+        assert objs == expect_objs and off[r][1] == expect_objs, objs
+        for a, b in zip(out, off[r][0]):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        for a, b in zip(out, on[0][0]):
+            assert a.tobytes() == b.tobytes(), "ranks disagree"
+    # the ragged allgather of the first dtype and count 5: rank q sent 5 + q rows
+    ragged = on[0][0][4 * 2 + 2]
+    assert ragged.shape == (sum(5 + q for q in range(n)),), ragged.shape
+
+
+def test_broadcasts_and_allgathers_pair_and_step_aside():
+    """Twice through `movement`: the second pass pairs from the cache; mismatched roots
+    and dtypes still fail on both ranks; an allgather while a rank has joined is right."""
+
+    def body(c):
+        movement(c)
+        out, objs, _, n_paired, _ = movement(c)
+        errs = []
+        for kw in ({"root": c.rank()}, {"dtype": ["float32", "int32"][c.rank()]}):
+            try:
+                if "root" in kw:
+                    c.broadcast_(np.ones(3), kw["root"], name="mm")
+                else:
+                    c.allgather(np.ones(2, kw["dtype"]), name="mm")
+            except rr.MismatchError as e:
+                errs.append(e)
+        after = c.broadcast(np.full(2, c.rank() + 1.0), 1, name="mm")
+        if c.rank() == 0:
+            gathered = [c.allgather(np.full(2, 4.0)) for _ in range(2)]
+        else:
+            gathered = []
+        return out, objs, n_paired, errs, after, gathered, c.join()
+
+    on = run(2, body, 1024, **PAIR)
+    off = run(2, body, 1024, RINGREDUCE_PAIRED_ROUNDS="0", **PAIR)
+    assert on[0][2] == on[1][2] > 0, f"paired: {[v[2] for v in on]}"
+    for r in range(2):
+        out, objs, _, errs, after, gathered, last = on[r]
+        assert off[r][2] == 0
+        for a, b in zip(out, off[r][0]):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        assert objs == off[r][1]
+        assert len(errs) == 2 and "root" in str(errs[0]) and "int32" in str(errs[1]), errs
+        assert after.tolist() == [2.0, 2.0], after
+        assert [g.tolist() for g in gathered] == ([[4.0, 4.0]] * 2 if r == 0 else []), gathered
+        assert last == 0, last

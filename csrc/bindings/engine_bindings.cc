@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "coordination/engine.h"
@@ -246,6 +247,93 @@ py::object allreduce_array(T& eng, py::handle x, py::handle op_obj, py::handle n
                               py::none()});
 }
 
+// The engine-allocated result `i` of `h` as an array that owns the memory:
+// of `dtype` in the collective's shape, or (`flat`) as flat bytes.
+py::array owned_array(HandleState& h, size_t i, const py::dtype& dtype, bool flat = false) {
+  if (i >= h.outputs.size() || !h.outputs[i].data)
+    throw_error(ErrorKind::kInternal, "no engine-allocated output ", i);
+  const OwnedBuffer& o = h.outputs[i];
+  auto* keep = new std::shared_ptr<uint8_t>(o.data);
+  py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<uint8_t>*>(p); });
+  std::vector<py::ssize_t> shape(o.shape.begin(), o.shape.end());
+  if (flat) shape = {static_cast<py::ssize_t>(o.bytes)};
+  return py::array(dtype, std::move(shape), o.data.get(), owner);
+}
+
+// A C-contiguous numpy array of a plain dtype (writable if `writable`), as an
+// entry of `kind` reading it and writing `out`; false: the general path.
+bool plain_entry(CollKind kind, py::handle x, py::handle name, bool writable, py::handle out,
+                 Entry* e) {
+  if (!py::isinstance<py::array>(x) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
+    return false;
+  const auto arr = py::reinterpret_borrow<py::array>(x);
+  if (!(arr.flags() & py::array::c_style) || (writable && !arr.writeable())) return false;
+  const int32_t code = plain_dtype_code(arr.dtype());
+  if (code < 0) return false;
+  *e = entry(kind, x, out, std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code,
+             name.is_none() ? std::string() : name.cast<std::string>());
+  return true;
+}
+
+int set_size(Engine& e) {
+  return e.context().size();
+}
+int set_size(SetEngine& s) {
+  return static_cast<int>(s.members.size());
+}
+
+// Waits for a blocking fast path's handle; a wait that a signal interrupts
+// hands the handle to `keep` (the caller's arrays are still in use).
+template <class H>
+void wait_now(const H& h, HandleState& state, py::handle keep) {
+  try {
+    wait_state(state);
+  } catch (py::error_already_set&) {
+    if (!state.done()) keep.attr("append")(py::cast(h));
+    throw;
+  }
+}
+
+// Blocking broadcast of a plain numpy array (allreduce_array_now's contract):
+// in place returns `x`; out of place a new array of at most `max_new` bytes.
+// None when an argument needs the general path (which words what is wrong).
+template <class T>
+py::object broadcast_array_now(T& eng, py::handle x, py::handle root_obj, py::handle name,
+                               py::handle keep, bool in_place, size_t max_new) {
+  if (!py::isinstance<py::array>(x) || !PyLong_CheckExact(root_obj.ptr())) return py::none();
+  int overflow = 0;
+  const long root = PyLong_AsLongAndOverflow(root_obj.ptr(), &overflow);
+  if (overflow != 0 || root < 0 || root >= set_size(eng)) return py::none();
+  const auto arr = py::reinterpret_borrow<py::array>(x);
+  py::object buf = py::reinterpret_borrow<py::object>(x);
+  if (!in_place) {
+    if (static_cast<size_t>(arr.nbytes()) > max_new || !(arr.flags() & py::array::c_style))
+      return py::none();
+    py::array copy = aligned_empty_like(arr);
+    if (arr.nbytes() > 0) std::memcpy(copy.mutable_data(), arr.data(), arr.nbytes());
+    buf = std::move(copy);
+  }
+  Entry e;
+  if (!plain_entry(CollKind::kBroadcast, buf, name, true, buf, &e)) return py::none();
+  e.meta.root = static_cast<int32_t>(root);
+  ArrayHandle h{submit_one(eng, std::move(e)), buf, py::none()};
+  wait_now(h, *h.state, keep);
+  return h.array;
+}
+
+// Blocking allgather of a plain numpy array of at least one dimension: the
+// result, a new array of its dtype. None: the general path must take it.
+template <class T>
+py::object allgather_array_now(T& eng, py::handle x, py::handle name, py::handle keep) {
+  Entry e;
+  if (!plain_entry(CollKind::kAllgather, x, name, false, py::none(), &e) || e.meta.shape.empty())
+    return py::none();
+  const py::dtype dtype = py::reinterpret_borrow<py::array>(x).dtype();
+  ArrayHandle h{submit_one(eng, std::move(e)), py::none(), py::reinterpret_borrow<py::object>(x)};
+  wait_now(h, *h.state, keep);
+  return owned_array(*h.state, 0, dtype);
+}
+
 // Blocking allreduces of a plain numpy array, checked, submitted and waited
 // for in one call (metrics, losses, counts). The caller's frame keeps its
 // arrays alive, so no keep-alive handle is made; only a wait that a signal
@@ -269,12 +357,7 @@ py::object allreduce_array_now(T& eng, py::handle x, py::handle op_obj, py::hand
   if (!plain_allreduce(x, op_obj, name, pre_obj, post_obj, &e, result)) return py::none();
   const py::object input = py::reinterpret_borrow<py::object>(x);
   ArrayHandle h{submit_one(eng, std::move(e)), in_place ? input : result, input};
-  try {
-    wait_state(*h.state);
-  } catch (py::error_already_set&) {
-    if (!h.state->done()) keep.attr("append")(py::cast(h));
-    throw;
-  }
+  wait_now(h, *h.state, keep);
   return h.array;
 }
 
@@ -303,16 +386,6 @@ py::object grouped_allreduce_arrays(T& eng, py::handle xs, py::handle op_obj,
   return py::cast(submit_all(eng, std::move(es)));
 }
 
-// The engine-allocated result as a flat uint8 array that owns the memory.
-py::array output_array(HandleState& h, size_t i) {
-  if (i >= h.outputs.size() || !h.outputs[i].data)
-    throw_error(ErrorKind::kInternal, "no engine-allocated output ", i);
-  auto* keep = new std::shared_ptr<uint8_t>(h.outputs[i].data);
-  py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<uint8_t>*>(p); });
-  return py::array(py::dtype("uint8"), {static_cast<py::ssize_t>(h.outputs[i].bytes)},
-                   {static_cast<py::ssize_t>(1)}, h.outputs[i].data.get(), owner);
-}
-
 // _arrays.empty_aligned's memory: numpy takes microseconds to make an aligned slice.
 py::array aligned_bytes(size_t bytes) {
   return aligned_array(py::dtype("uint8"), {static_cast<py::ssize_t>(bytes)});
@@ -323,7 +396,8 @@ void bind_handle(py::module_& m) {
   py::class_<HandleState, std::shared_ptr<HandleState>>(m, "Handle")
       .def("wait", &wait_state)
       .def("done", &HandleState::done)
-      .def("output", &output_array)
+      .def("output",
+           [](HandleState& h, size_t i) { return owned_array(h, i, py::dtype("uint8"), true); })
       .def("output_shape", [](HandleState& h, size_t i) { return h.outputs.at(i).shape; })
       .def_readonly("received_splits", &HandleState::received_splits)
       .def_readonly("join_result", &HandleState::join_result);
@@ -355,6 +429,8 @@ void def_collectives(py::class_<T, std::shared_ptr<T>>& c) {
         })
       .def("allreduce_array", &allreduce_array<T>)
       .def("allreduce_array_now", &allreduce_array_now<T>)
+      .def("broadcast_array_now", &broadcast_array_now<T>)
+      .def("allgather_array_now", &allgather_array_now<T>)
       .def("grouped_allreduce_arrays", &grouped_allreduce_arrays<T>)
       .def("grouped_allreduce",
            [](T& eng, std::vector<py::handle> ins, std::vector<py::handle> outs,

@@ -179,9 +179,12 @@ class Engine : private DriveToken::Driver {
   void fold_responses(std::vector<Response>& rs);
   void fold_one(Response& r);
   void finish_folded(const Response& r);
+  bool folded_part_fits(const RequestMeta& m, int w, size_t bytes) const;
+  void deliver_folded(const RequestMeta& m, Entry& e, const std::vector<uint8_t>& result);
   // Paired rounds and holds (engine_pair.cc).
-  std::optional<RequestMeta> solo(const std::vector<uint8_t>& requests) const;
-  bool solo_for(const std::vector<uint8_t>& requests, const std::vector<uint8_t>& promise) const;
+  std::optional<RequestMeta> solo(const std::vector<uint8_t>& requests, int sender) const;
+  bool solo_for(const std::vector<uint8_t>& requests, int sender,
+                const std::vector<uint8_t>& promise) const;
   std::vector<uint8_t> promise_for(const std::vector<Entry>& fresh) const;
   void finish_paired_coordinator(const std::vector<Response>& rs);
   bool finish_paired_worker(const CtrlMessage& poll, const std::vector<uint8_t>& requests);

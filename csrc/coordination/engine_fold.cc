@@ -1,29 +1,32 @@
-// Folded rounds: a small allreduce finished inside its negotiation round.
+// Folded rounds: a small collective finished inside its negotiation round.
 //
 // A small blocking allreduce used to cross the links three times: REQUESTS
 // (worker -> 0), RESPONSES (0 -> worker), then the direct allreduce's
-// header-and-data exchange (allreduce_direct.cc). Folding removes the third
-// crossing. Protocol (an addition to control.h's round protocol, never a
-// replacement):
+// header-and-data exchange (allreduce_direct.cc); a small broadcast or
+// allgather likewise. Folding removes the third crossing. Protocol (an
+// addition to control.h's round protocol, never a replacement):
 //   worker: when a round drains exactly one new entry and it is a host-memory
-//     allreduce of the job (no process set, no group) of at most
-//     RINGREDUCE_FOLD_BYTES, its REQUESTS carries, besides the usual request,
-//     the entry's name and its contribution (the input after prescale, copied
-//     at that moment: the caller may not change an input in flight).
+//     allreduce, broadcast or allgather of the job (no process set, no group)
+//     of at most RINGREDUCE_FOLD_BYTES, its REQUESTS carries, besides the
+//     usual request, the entry's name and its contribution (fold.h: for an
+//     allreduce the input after prescale, for a broadcast the root's buffer
+//     and nothing from the others, for an allgather its rows; copied at that
+//     moment: the caller may not change an input in flight).
 //   rank 0: keeps each worker's folded contribution under the tensor's name
 //     until a response names the tensor (kExec or kError). A kExec response
 //     of that one tensor, every rank contributing (no joined rank), whose
-//     every worker folded a contribution of the tensor's size, is folded:
-//     rank 0 reduces the contributions exactly as allreduce_direct does (rank
-//     order 0..N-1, then finalize_reduction), writes its own result, and the
-//     RESPONSES carry the result bytes with the response.
+//     every worker folded a contribution of the right size (an allreduce's
+//     size, the root's buffer or nothing, whole rows of at most the limit),
+//     is folded: rank 0 combines the contributions as the collective would
+//     (fold_result), writes its own result, and the RESPONSES carry the
+//     result bytes with the response.
 //   barriers: a barrier of the job is folded without contributions: rank 0
 //     answers it only once every rank has entered it, which is all it asks.
 //   everyone: a folded response is processed like an executed one (counted,
 //     cached, handles resolved) except that it runs no collective: a worker
 //     copies the result out of the RESPONSES. No rank touches the context's
 //     collective sequence for it, so the data streams stay in step.
-// Invariants: the result is bitwise the one allreduce_direct computes (same
+// Invariants: the result is bitwise the one the collective computes (same
 // inputs, same order, same kernels); whether a response is folded is rank 0's
 // decision alone, announced in the response, so no setting needs to agree;
 // an entry that could not be folded (one rank late, fused with others, a
@@ -54,27 +57,49 @@ bool foldable_op(ReduceOp op) {
 
 }  // namespace
 
-bool foldable_meta(const RequestMeta& m, size_t limit) {
-  return m.kind == CollKind::kAllreduce && m.members.empty() && m.group.empty() && m.device < 0 &&
-         foldable_op(m.op) && limit > 0 && m.bytes() <= limit;
+size_t allgather_row_bytes(const RequestMeta& m) {
+  if (m.shape.empty()) return 0;
+  size_t row = dtype_size(m.dtype);
+  for (size_t d = 1; d < m.shape.size(); ++d) row *= static_cast<size_t>(m.shape[d]);
+  return row;
 }
 
-std::vector<uint8_t> fold_contribution(const Entry& e) {
+bool foldable_meta(const RequestMeta& m, size_t limit) {
+  // An allgather of empty rows gives no row count to build its result's shape from.
+  const bool kind = (m.kind == CollKind::kAllreduce && foldable_op(m.op)) ||
+                    m.kind == CollKind::kBroadcast ||
+                    (m.kind == CollKind::kAllgather && allgather_row_bytes(m) > 0);
+  return kind && m.members.empty() && m.group.empty() && m.device < 0 && limit > 0 &&
+         m.bytes() <= limit;
+}
+
+std::vector<uint8_t> fold_contribution(const Entry& e, int rank) {
   const RequestMeta& m = e.meta;
+  if (m.kind == CollKind::kBroadcast && rank != m.root) return {};
   std::vector<uint8_t> bytes(m.bytes());
   if (!bytes.empty()) std::memcpy(bytes.data(), e.in, bytes.size());
-  if (m.prescale != 1.0)
+  if (m.kind == CollKind::kAllreduce && m.prescale != 1.0)
     apply_prescale(bytes.data(), static_cast<size_t>(num_elements(m.shape)), m.dtype, m.prescale);
   return bytes;
 }
 
-std::vector<uint8_t> fold_reduce(const RequestMeta& m, std::vector<uint8_t> acc,
+bool contribution_fits(const RequestMeta& m, int rank, size_t bytes) {
+  if (m.kind == CollKind::kBroadcast && rank != m.root) return bytes == 0;
+  return bytes == m.bytes();
+}
+
+std::vector<uint8_t> fold_result(const RequestMeta& m, std::vector<uint8_t> first,
                                  const std::vector<const std::vector<uint8_t>*>& rest, int size) {
+  if (m.kind == CollKind::kBroadcast) return m.root == 0 ? first : *rest.at(m.root - 1);
+  if (m.kind == CollKind::kAllgather) {
+    for (const std::vector<uint8_t>* c : rest) first.insert(first.end(), c->begin(), c->end());
+    return first;
+  }
   const size_t count = static_cast<size_t>(num_elements(m.shape));
   for (const std::vector<uint8_t>* c : rest)
-    reduce_into(acc.data(), c->data(), count, m.dtype, m.op);
-  finalize_reduction(acc.data(), count, m.dtype, m.op, m.postscale, size);
-  return acc;
+    reduce_into(first.data(), c->data(), count, m.dtype, m.op);
+  finalize_reduction(first.data(), count, m.dtype, m.op, m.postscale, size);
+  return first;
 }
 
 // Worker: the folds section of REQUESTS (u32 count, then name and bytes each).
@@ -84,7 +109,7 @@ void Engine::encode_folds(const std::vector<Entry>& fresh, ByteWriter& w) const 
   w.put<uint32_t>(fold ? 1 : 0);
   if (!fold) return;
   w.put_str(e->meta.name);
-  w.put_bytes(fold_contribution(*e));
+  w.put_bytes(fold_contribution(*e, rank_));
 }
 
 // Rank 0: keeps what a worker folded until a response names the tensor.
@@ -125,16 +150,30 @@ void Engine::fold_one(Response& r) {
   auto f = folds_.find(m.name);
   auto mine = pending_.find(m.name);
   if (f == folds_.end() || f->second.count != size_ - 1 || mine == pending_.end() ||
-      r.contributors != size_ || !foldable_meta(m, opt_.fold_bytes))
+      r.contributors != size_ || !foldable_meta(m, opt_.fold_bytes) ||
+      !foldable_meta(mine->second.meta, opt_.fold_bytes))  // an allgather's rows may differ
     return;
-  const size_t bytes = m.bytes();
-  for (int w = 1; w < size_; ++w)
-    if (f->second.by_rank[w].size() != bytes) return;
+  size_t total = mine->second.meta.bytes();
+  for (int w = 1; w < size_; ++w) {
+    if (!folded_part_fits(m, w, f->second.by_rank[w].size())) return;
+    total += f->second.by_rank[w].size();
+  }
+  // An allgather's result goes to every worker: at most twice the limit keeps
+  // rank 0's sending linear in the ranks (a pair's result always fits, which
+  // a promise relies on).
+  if (m.kind == CollKind::kAllgather && total > 2 * opt_.fold_bytes) return;
   std::vector<const std::vector<uint8_t>*> rest;
   for (int w = 1; w < size_; ++w) rest.push_back(&f->second.by_rank[w]);
-  std::vector<uint8_t> out = fold_reduce(m, fold_contribution(mine->second), rest, size_);
+  r.result = fold_result(m, fold_contribution(mine->second, 0), rest, size_);
   r.folded = true;
-  r.result = std::move(out);
+}
+
+// Rank 0: whether worker `w` folded what `m` (the response's metadata, as one
+// rank submitted it) asks of it: an allgather's rows may differ per rank, so
+// whole rows within the limit.
+bool Engine::folded_part_fits(const RequestMeta& m, int w, size_t bytes) const {
+  if (m.kind != CollKind::kAllgather) return contribution_fits(m, w, bytes);
+  return bytes <= opt_.fold_bytes && bytes % allgather_row_bytes(m) == 0;
 }
 
 // Everyone: a folded response's result goes to the caller's buffer.
@@ -153,12 +192,31 @@ void Engine::finish_folded(const Response& r) {
     folded_.fetch_add(1, std::memory_order_relaxed);
     return resolve_names({m.name});
   }
-  if (r.result.size() != m.bytes())
-    throw_error(ErrorKind::kInternal, "rank ", rank_, ": folded allreduce '", m.name,
-                "' came with ", r.result.size(), " bytes where ", m.bytes(), " were due");
-  if (!r.result.empty()) std::memcpy(it->second.out, r.result.data(), r.result.size());
+  deliver_folded(m, it->second, r.result);
   folded_.fetch_add(1, std::memory_order_relaxed);
   resolve_names({m.name});
+}
+
+// A folded result into the caller's buffer, or, for an allgather, into the
+// buffer the engine allocates for it (its rows: the result's size / a row's).
+void Engine::deliver_folded(const RequestMeta& m, Entry& e, const std::vector<uint8_t>& result) {
+  if (m.kind == CollKind::kAllgather) {
+    std::vector<int64_t> shape = e.meta.shape;
+    const size_t row = allgather_row_bytes(m);  // foldable: not 0
+    if (row == 0 || result.size() % row != 0)
+      throw_error(ErrorKind::kInternal, "rank ", rank_, ": folded allgather '", m.name,
+                  "' came with ", result.size(), " bytes, not whole rows of ", row);
+    shape[0] = static_cast<int64_t>(result.size() / row);
+    OwnedBuffer out = allocate_owned(shape, m.dtype);
+    if (!result.empty()) std::memcpy(out.data.get(), result.data(), result.size());
+    e.handle->outputs[e.index] = std::move(out);
+    return;
+  }
+  if (result.size() != m.bytes())
+    throw_error(ErrorKind::kInternal, "rank ", rank_, ": folded ", coll_name(m.kind), " '", m.name,
+                "' came with ", result.size(), " bytes where ", m.bytes(), " were due");
+  if (m.kind == CollKind::kBroadcast && rank_ == m.root) return;  // its buffer holds it
+  if (!result.empty()) std::memcpy(e.out, result.data(), result.size());
 }
 
 }  // namespace rr

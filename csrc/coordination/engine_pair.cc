@@ -1,5 +1,6 @@
-// Paired rounds: in a two-rank job a small repeated allreduce (or a barrier)
-// finishes in one crossing of the link, as MPI's exchange does; and holds,
+// Paired rounds: in a two-rank job a small repeated allreduce, broadcast,
+// allgather or barrier finishes in one crossing of the link, as MPI's
+// exchange does; and holds,
 // which keep a round from starting before the call that would complete it.
 //
 // Why. A folded round (engine_fold.cc) still crosses twice for the worker:
@@ -7,19 +8,19 @@
 // result back. In a two-rank job rank 0's POLL crosses the other way at the
 // same time, so it can carry rank 0's contribution, and then each side holds
 // both. Protocol (an addition to control.h's round protocol):
-//   solo: a REQUESTS payload is solo for metadata M when it requests one
-//     tensor, whose metadata (by cache bit or in full) equals M, and nothing
-//     else (no join, refusal or process-set join) and carries, for an
-//     allreduce, the folded contribution of that tensor (a job barrier has
-//     none). solo_for() is the one predicate both ranks apply to the same
-//     bytes, so they cannot disagree on it.
+//   solo: a REQUESTS payload of rank s is solo for metadata M when it
+//     requests one tensor, whose metadata (by cache bit or in full) equals M,
+//     and nothing else (no join, refusal or process-set join) and carries
+//     that tensor's folded contribution, of the size rank s contributes
+//     (fold.h; a job barrier has none). solo_for() is the one predicate both
+//     ranks apply to the same bytes, so they cannot disagree on it.
 //   rank 0, round k of a two-rank job: when the round drained exactly one
-//     entry T, a foldable allreduce or a job barrier, nothing else is pending
+//     entry T, foldable (fold.h) or a job barrier, nothing else is pending
 //     in the negotiator, nobody has joined, nothing was refused, and the
 //     worker's REQUESTS(k) has not arrived, POLL(k) carries a promise: T's
 //     metadata and rank 0's contribution.
-//   worker: if its REQUESTS(k) is solo for the promise's metadata, it reduces (rank
-//     0's contribution, then its own: fold_one's arithmetic, fold.h),
+//   worker: if its REQUESTS(k) is solo for the promise's metadata, it
+//     combines rank 0's contribution and its own (fold_result, as fold_one),
 //     processes the response [T, folded] and ends round k without reading a
 //     RESPONSES(k).
 //   rank 0: if the worker's REQUESTS(k) is solo for its promise, decide()
@@ -63,7 +64,7 @@ bool pairable_kind(const RequestMeta& m) {
 
 }  // namespace
 
-std::optional<RequestMeta> Engine::solo(const std::vector<uint8_t>& requests) const {
+std::optional<RequestMeta> Engine::solo(const std::vector<uint8_t>& requests, int sender) const {
   ByteReader r(requests.data(), requests.size());
   if (r.get<uint8_t>() != 0) return std::nullopt;  // join
   const std::vector<uint8_t> bits = r.get_bytes();
@@ -80,7 +81,7 @@ std::optional<RequestMeta> Engine::solo(const std::vector<uint8_t>& requests) co
   if (!pairable_kind(*m)) return std::nullopt;
   const uint32_t folds = r.get<uint32_t>();
   if (m->kind == CollKind::kBarrier) return folds == 0 ? m : std::nullopt;
-  if (folds != 1 || r.get_str() != m->name || r.get_bytes().size() != m->bytes())
+  if (folds != 1 || r.get_str() != m->name || !contribution_fits(*m, sender, r.get_bytes().size()))
     return std::nullopt;
   return m;
 }
@@ -96,15 +97,15 @@ std::vector<uint8_t> Engine::promise_for(const std::vector<Entry>& fresh) const 
     return {};
   ByteWriter w;
   e.meta.write(w);
-  w.put_bytes(e.meta.kind == CollKind::kBarrier ? std::vector<uint8_t>() : fold_contribution(e));
+  w.put_bytes(e.meta.kind == CollKind::kBarrier ? std::vector<uint8_t>() : fold_contribution(e, 0));
   return std::move(w.bytes());
 }
 
-bool Engine::solo_for(const std::vector<uint8_t>& requests,
+bool Engine::solo_for(const std::vector<uint8_t>& requests, int sender,
                       const std::vector<uint8_t>& promise) const {
   if (promise.empty()) return false;
   ByteReader r(promise.data(), promise.size());
-  const std::optional<RequestMeta> m = solo(requests);
+  const std::optional<RequestMeta> m = solo(requests, sender);
   return m && *m == RequestMeta::read(r);
 }
 
@@ -129,7 +130,7 @@ void Engine::finish_paired_coordinator(const std::vector<Response>& rs) {
 // Worker: round k ends here when POLL(k) promised the one tensor that this
 // rank's REQUESTS(k) announced.
 bool Engine::finish_paired_worker(const CtrlMessage& poll, const std::vector<uint8_t>& requests) {
-  if (!solo_for(requests, poll.payload)) return false;
+  if (!solo_for(requests, rank_, poll.payload)) return false;
   ByteReader r(poll.payload.data(), poll.payload.size());
   Response resp;
   resp.type = RespType::kExec;
@@ -138,14 +139,14 @@ bool Engine::finish_paired_worker(const CtrlMessage& poll, const std::vector<uin
   resp.tensors.push_back(RequestMeta::read(r));
   std::vector<uint8_t> theirs = r.get_bytes();
   const RequestMeta& m = resp.tensors.front();
-  if (m.kind == CollKind::kAllreduce) {
+  if (m.kind != CollKind::kBarrier) {
     auto mine = pending_.find(m.name);
-    if (mine == pending_.end() || theirs.size() != m.bytes())
+    if (mine == pending_.end() || !contribution_fits(m, 0, theirs.size()))
       throw_error(ErrorKind::kInternal, "rank ", rank_, ": negotiation round ", round_,
-                  ": rank 0 promised allreduce '", m.name, "' with ", theirs.size(),
+                  ": rank 0 promised ", coll_name(m.kind), " '", m.name, "' with ", theirs.size(),
                   " bytes, which this rank's request does not match");
-    const std::vector<uint8_t> own = fold_contribution(mine->second);
-    resp.result = fold_reduce(m, std::move(theirs), {&own}, size_);
+    const std::vector<uint8_t> own = fold_contribution(mine->second, rank_);
+    resp.result = fold_result(m, std::move(theirs), {&own}, size_);
   }
   paired_.fetch_add(1, std::memory_order_relaxed);
   process({resp});
@@ -161,7 +162,7 @@ bool Engine::arrived() {
       auto what = [this] { return cat("negotiation round ", round_, " (read ahead)"); };
       early_[p] = std::make_unique<CtrlMessage>(std::move(ctrl_.receive({p}, what).at(0)));
       if (rank_ == 0) {  // judged once: arrived() runs on every turn of a wait
-        const std::optional<RequestMeta> m = solo(early_[p]->payload);
+        const std::optional<RequestMeta> m = solo(early_[p]->payload, p);
         early_solo_[p] = m ? m->name : std::string();
       }
       if (!holding_) hold_until_ = now() + ctx_->progress().spin_seconds;

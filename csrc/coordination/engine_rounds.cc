@@ -129,7 +129,7 @@ bool Engine::receive_requests(uint64_t k, const std::vector<uint8_t>& promise) {
   for (int w = 1; w < size_; ++w) {
     const CtrlMessage& m = *by_worker[w];
     expect(m, CtrlType::kRequests, k, rank_);
-    paired = solo_for(m.payload, promise);
+    paired = solo_for(m.payload, m.from, promise);
     decode_requests(m.from, m.payload, t);
   }
   return paired;

@@ -31,7 +31,8 @@ Scenarios (every rank checks its own results and logs ``OK rank <r>`` at the end
 * ``timeline``: async allreduces large (ring) and small, an allgather and a
   broadcast, then shutdown; the test reads RINGREDUCE_TIMELINE.
 * ``small-calls``: 300 blocking small allreduces (named and unnamed, Sum and
-  Max, float32 and int64) and barriers, a random rank late now and then (a few
+  Max, float32 and int64), barriers, broadcasts, ragged allgathers and object
+  calls, a random rank late now and then (a few
   beyond the hold of paired rounds), each result checked; the engine's counts
   are logged (``small``: ``folded``, ``paired``).
 """
@@ -251,6 +252,23 @@ def timeline(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------- small calls
+def small_movement(i: int, kind: int, r: int, n: int) -> None:
+    """One small broadcast (root turning), ragged allgather or object call, checked."""
+    if kind == 4:
+        root = i % n
+        out = rr.broadcast_(np.full(5, r * 10 + i, np.int64), root, name="cfg")
+        check_equal(out, np.full(5, root * 10 + i, np.int64), f"call {i}: 'cfg'")
+    elif kind == 5:
+        out = rr.allgather(np.full((r + 1, 2), r, np.float32))  # unnamed, ragged
+        want = np.concatenate([np.full((q + 1, 2), q, np.float32) for q in range(n)])
+        check_equal(out, want, f"call {i}: allgather")
+    else:
+        got = (rr.broadcast_object({"step": i, "from": r}, i % n, name="obj"),
+               rr.allgather_object((r, i)))
+        check(got == ({"step": i, "from": i % n}, [(q, i) for q in range(n)]),
+              f"call {i}: objects {got}")
+
+
 def small_calls(args: argparse.Namespace) -> None:
     r, n = rr.rank(), rr.size()
     rng = random.Random(args.seed)  # the same draws on every rank
@@ -258,7 +276,7 @@ def small_calls(args: argparse.Namespace) -> None:
         late, pause = rng.randrange(n), rng.choice([0, 0, 0, 0, 1e-4, 3e-3])
         if late == r and pause:
             time.sleep(pause)
-        kind = i % 4
+        kind = i % 7
         if kind == 0:
             out = rr.allreduce(np.full(1, r + 1.0, np.float32), op=rr.Sum, name="loss")
             check_equal(out, np.full(1, n * (n + 1) / 2, np.float32), f"call {i}: 'loss'")
@@ -268,8 +286,10 @@ def small_calls(args: argparse.Namespace) -> None:
         elif kind == 2:
             out = rr.allreduce(np.full(3, float(r)), op=rr.Sum)  # unnamed: never cached
             check_equal(out, np.full(3, n * (n - 1) / 2), f"call {i}: unnamed")
-        else:
+        elif kind == 3:
             rr.barrier()
+        else:
+            small_movement(i, kind, r, n)
     stats = rr._comm()._engine.stats()
     event("small", folded=stats["folded"], paired=stats["paired"])
 

@@ -23,7 +23,7 @@ from typing import IO, Any, Callable, Optional
 from .exceptions import RingReduceError
 
 __all__ = ["CheckpointError", "atomic_save_path", "atomic_write", "fsync_dir", "load_on_root",
-           "remove_stale_temp_files", "save_on_root"]
+           "read_pickled_dict", "remove_stale_temp_files", "save_on_root"]
 
 
 class CheckpointError(RingReduceError):
@@ -251,4 +251,16 @@ def load_on_root(comm: Any, path: str, root_rank: int, read: Callable[[str], Any
     if error is not None:
         raise CheckpointError(f"load_checkpoint on rank {comm.rank()}: rank {root_rank} "
                               f"reports: {error}")
+    return data
+
+
+def read_pickled_dict(path: str) -> dict:
+    """The dict a layer's ``save_checkpoint`` pickled into ``path`` (``load_on_root``'s
+    ``read`` for the TensorFlow and JAX layers); CheckpointError if it holds anything else."""
+    import pickle
+
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path!r} is not a checkpoint written by save_checkpoint()")
     return data

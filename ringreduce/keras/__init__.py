@@ -18,6 +18,7 @@ Backends: TensorFlow (the one Horovod supported) and torch; see ``optimizer``.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import keras
@@ -67,16 +68,13 @@ if keras.backend.backend() == "tensorflow":
         grouped_allreduce,
         reducescatter,
     )
-else:  # the torch backend: ringreduce.torch's collectives and compressors
-    from ringreduce.torch import (
-        Compression,
-        allgather,
-        allreduce,
-        alltoall,
-        broadcast,
-        grouped_allreduce,
-        reducescatter,
-    )
+else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
+    _layer = importlib.import_module("ringreduce.jax" if keras.backend.backend() == "jax"
+                                     else "ringreduce.torch")
+    Compression = _layer.Compression
+    allgather, allreduce, alltoall = _layer.allgather, _layer.allreduce, _layer.alltoall
+    broadcast, reducescatter = _layer.broadcast, _layer.reducescatter
+    grouped_allreduce = _layer.grouped_allreduce
 
     def broadcast_variables(variables: Any, root_rank: int = 0) -> None:
         """Overwrite Keras ``variables`` with ``root_rank``'s values (eager)."""

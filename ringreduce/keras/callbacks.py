@@ -4,7 +4,7 @@ They run eagerly between steps, so they use the framework-neutral numpy collecti
 (one copy of each value, once per epoch or once per training): they work with any
 Keras backend. Every ringreduce callback also makes ``model.fit`` raise a failed
 collective's own ``RingReduceError`` (``PeerLostError``, ``MismatchError``...) instead
-of TensorFlow's wrapper around it.
+of TensorFlow's or JAX's wrapper around it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,15 @@ __all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
 
 def _translate_errors(model: Any) -> None:
     """Wrap the model's train/test functions so that a collective's error comes out as
-    itself (TensorFlow backend; other backends raise it directly)."""
-    if keras.backend.backend() != "tensorflow":
+    itself (TensorFlow and JAX backends wrap it in their own error; torch raises it
+    directly)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from ringreduce.tensorflow._bridge import run_translated
+    elif backend == "jax":
+        from ringreduce.jax._bridge import run_translated
+    else:
         return
-    from ringreduce.tensorflow._bridge import run_translated
 
     for attr in ("train_function", "test_function"):
         fn = getattr(model, attr, None)

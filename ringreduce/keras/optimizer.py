@@ -7,9 +7,10 @@ its state, hyper-parameters and serialization. The wrapped optimizer *is* the on
 passed in (its class is swapped for a subclass with the same name and module), so a
 model saved with it loads as the plain optimizer class, and ``load_model`` wraps it.
 
-Backends: TensorFlow (one fused graph op per step, see ringreduce.tensorflow) and
-torch (eager ``ringreduce.torch.grouped_allreduce``). JAX's trainer updates through
-``stateless_apply`` inside ``jax.jit``, which a host collective cannot join: refused.
+Backends: TensorFlow (one fused graph op per step, see ringreduce.tensorflow), torch
+(eager ``ringreduce.torch.grouped_allreduce``) and JAX (the trainer updates through
+``stateless_apply`` inside ``jax.jit``; ``ringreduce.jax.grouped_allreduce`` joins it as
+an ordered host callback).
 """
 
 from __future__ import annotations
@@ -28,37 +29,63 @@ __all__ = ["DistributedOptimizer"]
 _CLASSES: dict = {}
 
 
-class _TorchReducer:
-    """The torch backend's averaging: eager, one grouped allreduce of the dense gradients."""
+class _LayerReducer:
+    """A backend's averaging through a ringreduce framework layer (``layer``: its module):
+    one grouped allreduce of the dense gradients; None gradients stay None."""
+
+    def __init__(self, layer: Any, compression: type[Compressor], op: int,
+                 scales: tuple) -> None:
+        wire = getattr(compression, "wire", None)  # a torch, TensorFlow or JAX dtype
+        name = (getattr(wire, "name", None) or getattr(wire, "__name__", None)
+                or str(wire).rsplit(".", 1)[-1])
+        self.compression = {"float16": layer.Compression.fp16,
+                            "bfloat16": layer.Compression.bf16}.get(name, layer.Compression.none)
+        if compression is not NoneCompressor and self.compression is layer.Compression.none:
+            raise InvalidInputError(f"DistributedOptimizer: with the {keras.backend.backend()} "
+                                    "backend only Compression.none, .fp16 and .bf16 are "
+                                    "available")
+        self.op, self.scales, self.layer = op, scales, layer
+
+    def __call__(self, grads: list) -> list:
+        dense = [i for i, g in enumerate(grads) if g is not None]
+        if not dense:
+            return grads
+        out = list(grads)
+        for i, r in zip(dense, self._reduce([grads[i] for i in dense])):
+            out[i] = r
+        return out
+
+    def _reduce(self, grads: list) -> list:
+        return self.layer.grouped_allreduce(
+            grads, compression=self.compression, op=self.op, prescale_factor=self.scales[0],
+            postscale_factor=self.scales[1], name="DistributedOptimizer")
+
+
+class _TorchReducer(_LayerReducer):
+    """The torch backend's averaging: eager, on the communicator current at wrapping."""
 
     def __init__(self, compression: type[Compressor], op: int, scales: tuple) -> None:
         import ringreduce.torch as rrt
 
-        wire = getattr(compression, "wire", None)  # a torch or a TensorFlow dtype
-        name = getattr(wire, "name", None) or str(wire).rsplit(".", 1)[-1]
-        self.compression = {"float16": rrt.Compression.fp16,
-                            "bfloat16": rrt.Compression.bf16}.get(name, rrt.Compression.none)
-        if compression is not NoneCompressor and wire is None:
-            raise InvalidInputError("DistributedOptimizer: with the torch backend only "
-                                    "Compression.none, .fp16 and .bf16 are available")
-        self.op, self.scales, self.rrt = op, scales, rrt
-        self.get = self.rrt._tensors.binder()
+        super().__init__(rrt, compression, op, scales)
+        self.get = rrt._tensors.binder()
 
     def __call__(self, grads: list) -> list:
-        if self.get().size() == 1:
-            return grads
-        dense = [i for i, g in enumerate(grads) if g is not None]
-        if not dense:
-            return grads
-        with self.rrt.use_communicator(self.get()):
-            reduced = self.rrt.grouped_allreduce(
-                [grads[i].detach() for i in dense], compression=self.compression, op=self.op,
-                prescale_factor=self.scales[0], postscale_factor=self.scales[1],
-                name="DistributedOptimizer")
-        out = list(grads)
-        for i, r in zip(dense, reduced):
-            out[i] = r
-        return out
+        return grads if self.get().size() == 1 else super().__call__(grads)
+
+    def _reduce(self, grads: list) -> list:
+        with self.layer.use_communicator(self.get()):
+            return super()._reduce([g.detach() for g in grads])
+
+
+class _JaxReducer(_LayerReducer):
+    """The JAX backend's averaging, traced into the trainer's jitted step as an ordered
+    host callback (``ringreduce.jax``)."""
+
+    def __init__(self, compression: type[Compressor], op: int, scales: tuple) -> None:
+        import ringreduce.jax as rrj
+
+        super().__init__(rrj, compression, op, scales)
 
 
 class _DistributedKerasMixin:
@@ -128,10 +155,10 @@ def _reducer(what: str, compression: type[Compressor], sparse_as_dense: bool, op
 
         return GradientAverager(what, compression, sparse_as_dense, op,
                                 gradient_predivide_factor, num_groups, groups)
-    if backend == "torch":
+    if backend in ("torch", "jax"):
         scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
                                   "ringreduce.keras")
-        return _TorchReducer(compression, op, scales)
+        return (_TorchReducer if backend == "torch" else _JaxReducer)(compression, op, scales)
     raise InvalidInputError(
         f"{what}: Keras's {backend!r} backend is not supported: its trainer updates the "
         "weights inside a compiled function that a host collective cannot join; use the "
@@ -182,6 +209,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
     if isinstance(optimizer, _DistributedKerasMixin):
         raise InvalidInputError(f"{what}: this optimizer is already a DistributedOptimizer")
     passes = check_passes(what, backward_passes_per_step)
+    if passes > 1 and keras.backend.backend() == "jax":
+        raise InvalidInputError(f"{what}: backward_passes_per_step > 1 is not available with "
+                                "the jax backend (its step is one compiled function); use the "
+                                "Keras optimizer's gradient_accumulation_steps instead")
     reduce = _reducer(what, compression, sparse_as_dense, op, gradient_predivide_factor,
                       num_groups, groups)
     base = type(optimizer)

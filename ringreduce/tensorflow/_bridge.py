@@ -19,22 +19,22 @@ bfloat16 crosses as int16 bits (``tf.bitcast`` outside the Python call, a
 
 Errors: the body's ``RingReduceError`` becomes a TensorFlow ``OpError`` whose message
 carries ours; ``translate`` finds the original exception again (kept in a small
-registry), so eager calls, ``model.fit`` (through ringreduce.keras's callbacks) and
-``run_translated`` re-raise ``PeerLostError``, ``MismatchError``... themselves.
+registry, ``ringreduce._wrapped_errors``), so eager calls, ``model.fit`` (through
+ringreduce.keras's callbacks) and ``run_translated`` re-raise ``PeerLostError``,
+``MismatchError``... themselves.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
 
 import ringreduce as _rr
+from ringreduce import _wrapped_errors
 from ringreduce._arrays import ALIGNMENT
 from ringreduce._dtypes import SUPPORTED, dtype_code
 from ringreduce.exceptions import InvalidInputError, RingReduceError
@@ -89,32 +89,10 @@ def _to_tensor(a: np.ndarray, bf16: bool) -> tf.Tensor:
 
 
 # -------------------------------------------------------------------- errors
-class _Registry:
-    """The last few RingReduceErrors raised inside graph ops, to re-raise them outside."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.recent: deque = deque(maxlen=32)
-
-    def remember(self, err: RingReduceError) -> None:
-        with self.lock:
-            self.recent.append(err)
-
-    def find(self, message: str) -> Optional[RingReduceError]:
-        with self.lock:
-            for err in reversed(self.recent):
-                if str(err) and str(err) in message:
-                    return err
-        return None
-
-
-_ERRORS = _Registry()
-
-
 def translate(err: BaseException) -> BaseException:
     """The RingReduceError behind a TensorFlow ``OpError`` raised by a collective, or ``err``."""
     if isinstance(err, tf.errors.OpError):
-        found = _ERRORS.find(err.message)
+        found = _wrapped_errors.find(err.message)
         if found is not None:
             return found
     return err
@@ -178,7 +156,7 @@ def call(body: Body, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType]
         try:
             outs = body(arrays)
         except RingReduceError as err:
-            _ERRORS.remember(err)
+            _wrapped_errors.remember(err)
             raise
         return [_to_tensor(np.asarray(a), b) for a, b in zip(outs, out_bf16)]
 

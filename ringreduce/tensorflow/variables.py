@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from ringreduce._state import agree, wait_all
-from ringreduce.checkpoint import CheckpointError, load_on_root, save_on_root
+from ringreduce.checkpoint import CheckpointError, load_on_root, read_pickled_dict, save_on_root
 from ringreduce.exceptions import InvalidInputError
 
 from ._bridge import binder, call, check_tensor, comm
@@ -119,14 +119,6 @@ def save_checkpoint(path: str, root_rank: int = 0, **state: Any) -> bool:
     return save_on_root(comm(), path, root_rank, lambda f: pickle.dump(payload, f, protocol=4))
 
 
-def _read(path: str) -> dict:
-    with open(path, "rb") as f:
-        data = pickle.load(f)
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path!r} is not a checkpoint written by save_checkpoint()")
-    return data
-
-
 def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False,
                     **targets: Any) -> Optional[dict]:
     """Read ``path`` on ``root_rank``, broadcast it, and assign it to ``targets`` everywhere.
@@ -146,7 +138,7 @@ def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False,
         On every rank alike: missing or unreadable file, an absent key, or a target
         whose variables do not match the saved ones.
     """
-    data = load_on_root(comm(), path, root_rank, _read, missing_ok)
+    data = load_on_root(comm(), path, root_rank, read_pickled_dict, missing_ok)
     if data is None:
         return None
     absent = sorted(k for k in targets if k not in data)

@@ -1,4 +1,4 @@
-"""Keras 3 (TensorFlow or torch backend: KERAS_BACKEND) in real processes: fit equivalence,
+"""Keras 3 (TensorFlow, torch or JAX backend: KERAS_BACKEND) in real processes: fit equivalence,
 callbacks, load_model, faults.
 
     mpirun -np 2 python keras_worker.py DIR [check|die]
@@ -143,7 +143,8 @@ def main() -> None:
         die()
     for opt_name in ("sgd", "adam"):
         equivalence(opt_name, 1)
-    equivalence("sgd", 2)
+    if keras.backend.backend() != "jax":  # jax: the Keras optimizer's own accumulation
+        equivalence("sgd", 2)
     callbacks_and_checkpoints(sys.argv[1])
     rr.barrier()
     say(f"OK rank {rr.rank()}")

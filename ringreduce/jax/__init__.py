@@ -1,0 +1,145 @@
+"""ringreduce for JAX and optax, with Horovod's names::
+
+    import jax, optax
+    import ringreduce.jax as hvd
+
+    hvd.init()
+    tx = hvd.DistributedOptimizer(optax.adam(1e-3 * hvd.size()))
+    params = hvd.broadcast_parameters(init_params(jax.random.key(0)), root_rank=0)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)   # averaged over ranks
+        return optax.apply_updates(params, updates), opt_state
+
+    hvd.save_checkpoint("ckpt.pkl", params=params, opt_state=opt_state)   # rank 0 only
+
+Collectives take JAX arrays, eagerly and inside ``jax.jit`` (an ordered host callback
+that runs exactly once per execution; see ``_bridge``). Data moves on the host, through
+the same engine as every other layer; the C++ core is not compiled against JAX.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from ringreduce import (
+    Average,
+    HorovodInternalError,
+    InvalidInputError,
+    Max,
+    Min,
+    MismatchError,
+    NotInitializedError,
+    PeerLostError,
+    ProcessSet,
+    Product,
+    RingReduceError,
+    RingReduceTimeoutError,
+    Sum,
+    _on,
+    add_process_set,
+    cross_rank,
+    cross_size,
+    global_process_set,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from ringreduce import _comm as _default_comm
+from ringreduce.checkpoint import CheckpointError, load_on_root, read_pickled_dict, save_on_root
+from ringreduce.compression import Compressor
+
+from ._bridge import run_translated
+from .compression import Compression
+from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from .optimizer import (
+    DistributedOptimizer,
+    allreduce_gradients,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+
+__all__ = [
+    "Average", "CheckpointError", "Compression", "Compressor", "DistributedOptimizer",
+    "HorovodInternalError", "InvalidInputError", "Max", "Min", "MismatchError",
+    "NotInitializedError", "PeerLostError", "ProcessSet", "Product", "RingReduceError",
+    "RingReduceTimeoutError", "Sum", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "allreduce_gradients", "alltoall", "barrier", "broadcast", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "broadcast_variables", "cross_rank",
+    "cross_size", "global_process_set", "grouped_allreduce", "init", "is_initialized", "join",
+    "load_checkpoint", "local_rank", "local_size", "rank", "reducescatter",
+    "remove_process_set", "run_translated", "save_checkpoint", "shutdown", "size", "start_timeline",
+    "stop_timeline",
+]
+
+broadcast_variables = broadcast_parameters  # horovod.tensorflow's name
+
+
+def join() -> int:
+    """Declare that this rank has no more data; returns the last rank to join (eager).
+
+    Until every rank has joined, this rank takes part in the others' allreduces with
+    zeros (Average divides by the ranks that contributed).
+    """
+    return _default_comm().join()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank has called ``barrier()`` (eager)."""
+    _on(process_set, "barrier").barrier()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank (eager; JAX arrays included)."""
+    return _on(process_set, "broadcast_object").broadcast_object(obj, root_rank, name)
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Return every rank's picklable ``obj`` as a list in rank order (eager)."""
+    return _on(process_set, "allgather_object").allgather_object(obj, name)
+
+
+def save_checkpoint(path: str, root_rank: int = 0, **state: Any) -> bool:
+    """Write ``state`` (pytrees: parameters, optax state, the epoch...) to ``path`` on
+    ``root_rank`` only, atomically; other ranks return False at once.
+
+    Not collective. JAX arrays are saved as numpy arrays (``jax.device_get``); the file is
+    written beside ``path``, fsynced and renamed over it, so a crash leaves the previous
+    checkpoint or the new one.
+    """
+    c = _default_comm()
+    if c.rank() != root_rank:
+        return False
+    payload = {key: jax.device_get(value) for key, value in state.items()}
+    return save_on_root(c, path, root_rank, lambda f: pickle.dump(payload, f, protocol=4))
+
+
+def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False) -> Optional[dict]:
+    """Read ``path`` on ``root_rank`` and return its pytrees on every rank (collective).
+
+    Arrays come back as JAX arrays. ``missing_ok``: None on every rank if there is no file.
+    Any failure raises the same ``CheckpointError`` on every rank.
+    """
+    data = load_on_root(_default_comm(), path, root_rank, read_pickled_dict,
+                        missing_ok)
+    if data is None:
+        return None
+    return {key: jax.tree_util.tree_map(
+        lambda v: jax.numpy.asarray(v) if isinstance(v, np.ndarray) else v, value)
+        for key, value in data.items()}

@@ -1,0 +1,133 @@
+"""How a JAX array reaches the engine, eagerly or from inside ``jax.jit``.
+
+Eager (concrete arrays): the array is read where it lies (``np.asarray`` of a CPU array is
+a view, no copy), the blocking collective runs at once, and its result becomes a JAX
+array.
+
+Traced (inside ``jax.jit``, ``jax.grad``, ``lax.scan``...): the collective becomes an
+*ordered* ``io_callback``. Ordered effects run exactly once per execution, in program
+order, never dropped as dead code nor repeated by rematerialisation, which a collective
+needs: every rank must make the same calls. The callback blocks the computation while
+the engine runs (the GIL is released while it waits). Results need static shapes, so a
+traced allgather takes the same number of rows from every rank (``size() * rows``), and
+a traced alltoall splits evenly; both are checked when the collective runs.
+
+Errors: a collective failing inside compiled code reaches the caller as JAX's
+``JaxRuntimeError`` with ringreduce's message in it; ``run_translated(step, ...)`` (and
+ringreduce.keras's callbacks around ``model.fit``) re-raise the original
+``PeerLostError``, ``MismatchError``... instead. Eager calls raise them directly.
+
+Names: an unnamed eager call is matched across ranks by its order, as in the numpy API.
+A traced call runs on whatever thread executes the computation, possibly while the main
+thread makes eager calls, so order cannot match it: it gets ``jax.<n>.<kind>``, ``n``
+counting the collectives this process has traced. Every rank traces the same program in
+the same order, so ``n`` agrees; a call that must match a name across differently traced
+programs should pass ``name=``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from ringreduce import Communicator, _binder, _on, _wrapped_errors
+from ringreduce.exceptions import InvalidInputError, RingReduceError, call_label
+from ringreduce.process_sets import ProcessSet, global_process_set
+
+__all__ = ["Getter", "binder", "host_call", "is_traced", "run_translated", "to_host",
+           "traced_name", "translated"]
+
+Getter = Callable[[], Communicator]
+
+_lock = threading.Lock()
+_traced = itertools.count()
+
+
+def is_traced(*xs: Any) -> bool:
+    """Whether any of ``xs`` is a tracer (inside jit, grad, vmap, ...)."""
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def traced_name(kind: str, name: Optional[str]) -> str:
+    """The name of a collective traced now (see the module docstring)."""
+    if name is not None:
+        return str(name)
+    with _lock:
+        return f"jax.{next(_traced)}.{kind}"
+
+
+def binder(process_set: ProcessSet = global_process_set, what: str = "") -> Getter:
+    """A getter of the communicator current now, for ``process_set``: a traced call keeps it
+    and runs on it later, whatever thread executes the computation."""
+    get = _binder()
+    if process_set is global_process_set or process_set is None or \
+            process_set.process_set_id == 0:
+        return get
+    _on(process_set, what)  # refuses now, on a rank outside the set
+    return lambda: get().process_sets.communicator(process_set, what)
+
+
+def to_host(x: Any, what: str) -> np.ndarray:
+    """A concrete JAX array (or anything array-like) as a numpy array, a view where it can."""
+    if isinstance(x, jax.core.Tracer):
+        raise InvalidInputError(f"{what}: a traced value reached an eager call")
+    return np.asarray(x)
+
+
+def host_call(fn: Callable[..., Any], args: Sequence[Any], out: Any, what: str) -> Any:
+    """``fn(*numpy_args)``: at once for concrete ``args`` (``out`` may then be None: an
+    eager result's shape may be known only from the other ranks), as an ordered
+    ``io_callback`` with result ``out`` (a pytree of ``jax.ShapeDtypeStruct``) when any is
+    traced. Returns JAX arrays in the result's structure."""
+    if not is_traced(*args):
+        return jax.tree_util.tree_map(jax.numpy.asarray, fn(*[to_host(a, what) for a in args]))
+
+    def run(*host_args: Any) -> Any:
+        try:  # JAX may hand the callback its own (CPU) arrays: read them as numpy
+            result = fn(*[np.asarray(a) for a in host_args])
+        except RingReduceError as err:  # JAX re-raises it wrapped: see run_translated
+            _wrapped_errors.remember(err)
+            raise
+        return jax.tree_util.tree_map(lambda o, r: np.asarray(r, o.dtype).reshape(o.shape),
+                                      out, result)
+
+    return io_callback(run, out, *args, ordered=True)
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Re-raise a collective's RingReduceError itself instead of JAX's runtime error
+    around it (a traced collective fails inside compiled code)."""
+    try:
+        yield
+    except RingReduceError:
+        raise
+    except Exception as err:  # JaxRuntimeError (XlaRuntimeError in older releases)
+        original = _wrapped_errors.find(str(err))
+        if original is None:
+            raise
+        raise original.with_traceback(None) from err
+
+
+def run_translated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` (e.g. a jitted training step), re-raising the RingReduceError of a
+    collective that failed inside it (``PeerLostError``, ``MismatchError``...) as itself
+    rather than as ``jax.errors.JaxRuntimeError``."""
+    with translated():
+        return fn(*args, **kwargs)
+
+
+def spec(x: Any, shape: Optional[Sequence[int]] = None) -> jax.ShapeDtypeStruct:
+    """The result description of a collective returning ``x``'s dtype in ``shape``."""
+    return jax.ShapeDtypeStruct(tuple(x.shape if shape is None else shape), x.dtype)
+
+
+def label(kind: str, name: Optional[str]) -> str:
+    return call_label(kind, name)

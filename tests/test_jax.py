@@ -1,0 +1,51 @@
+"""ringreduce.jax (and optax) in real processes: every collective eagerly and inside
+jax.jit, their gradients, DistributedOptimizer against one process, the broadcasts,
+checkpoints, errors, and a rank dying inside a jitted step. One launch per case: JAX
+imports slowly, so each worker runs every check (tests/workers/jax_worker.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from procs import ROOT, run_env_launch, run_mpi
+
+pytest.importorskip("jax")
+pytest.importorskip("optax")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_jax_collectives_optimizer_and_checkpoints(tmp_path, n):
+    job = run_mpi(n, "jax_worker.py", [tmp_path, "check"], timeout=180)
+    job.check_ok(expect_ranks=n)
+    for r in range(n):
+        eq = {e["opt"]: e["diff"] for e in job.events("equivalence")[r]}
+        assert set(eq) == {"sgd", "adam", "sgd-k2"} and max(eq.values()) < 1e-5, eq
+    assert job.event(0, "checkpoint")["files"] == ["ckpt.pkl"]
+
+
+def test_a_rank_dying_inside_a_jitted_step_raises_peer_lost(tmp_path):
+    # the env-var launch: mpirun would kill rank 0 as soon as rank 1 exits
+    job = run_env_launch(2, "jax_worker.py", [tmp_path, "die"], timeout=120)
+    assert not job.timed_out, job.describe()
+    err = job.event(0, "step-error")
+    assert err is not None, job.describe()
+    assert err["cls"] == "PeerLostError" and err["rr"], err
+    assert "rank 1" in err["msg"], err
+    assert job.event(0, "step-error-after")["seconds"] < 30
+
+
+def test_jax_example_trains_checkpoints_and_resumes(tmp_path):
+    pytest.importorskip("sklearn")
+    script = ROOT / "examples" / "jax_train.py"
+    ckpt = tmp_path / "ckpt"
+    job = run_mpi(2, script, ["--checkpoint-dir", ckpt], timeout=180)
+    job.check_ok()
+    acc = [float(a) for a in re.findall(r"final test accuracy: ([0-9.]+)",
+                                        job.procs[0].stdout)]
+    assert len(acc) == 1 and acc[0] >= 0.95, job.describe()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt.pkl"]
+    again = run_mpi(2, script, ["--checkpoint-dir", ckpt, "--resume"], timeout=180)
+    again.check_ok()  # a finished run: no epoch trains, the same accuracy
+    assert "epoch " not in again.procs[0].stdout, again.describe()
+    assert f"final test accuracy: {acc[0]:.4f}" in again.procs[0].stdout, again.describe()

@@ -1,0 +1,236 @@
+"""ringreduce.jax in real processes: every collective eagerly and inside jax.jit, their
+gradients, DistributedOptimizer (optax) against one process on the whole batch, the
+broadcasts, checkpoints and errors. Each check raises on a wrong result.
+
+    mpirun -np N python jax_worker.py DIR check
+    python jax_worker.py DIR die        (env-var launch: rank 1 exits inside a jitted step)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+from workerlib import error_event, event, run, say, set_rank
+
+import ringreduce.jax as hvd
+
+RNG = np.random.default_rng(0)
+X, Y = RNG.normal(size=(48, 5)).astype(np.float32), RNG.normal(size=(48, 1)).astype(np.float32)
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(f"rank {hvd.rank()}: {what}")
+
+
+def close(a: object, b: object, what: str, tol: float = 1e-6) -> None:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    check(a.shape == b.shape and np.allclose(a, b, rtol=tol, atol=tol),
+          f"{what}: got {a.tolist()}, want {b.tolist()}")
+
+
+def eager_collectives() -> None:
+    r, n = hvd.rank(), hvd.size()
+    ranks = np.arange(n, dtype=np.float64)
+    for dtype in (jnp.float32, jnp.int32, jnp.float16, jnp.bfloat16):
+        x = jnp.full((2, 3), r + 1, dtype)
+        out = hvd.allreduce(x, op=hvd.Sum, name=f"sum.{np.dtype(dtype).name}")
+        check(out.dtype == dtype and out.shape == (2, 3), f"allreduce dtype {out.dtype}")
+        close(out, np.full((2, 3), n * (n + 1) / 2), f"allreduce Sum {dtype}")
+    close(hvd.allreduce(jnp.full(4, r + 1.0)), np.full(4, (n + 1) / 2), "Average")
+    close(hvd.allreduce(jnp.full(2, r + 1.0), op=hvd.Max), np.full(2, n), "Max")
+    close(hvd.allreduce(jnp.full(2, r + 1.0), op=hvd.Sum, prescale_factor=2.0,
+                        postscale_factor=0.5), np.full(2, n * (n + 1) / 2), "scales")
+    close(hvd.allreduce(jnp.full(3, r + 1.0), compression=hvd.Compression.fp16,
+                        op=hvd.Sum), np.full(3, n * (n + 1) / 2), "fp16 compression")
+    a, b = hvd.grouped_allreduce([jnp.full(2, float(r)), jnp.full(3, 1, jnp.int32)],
+                                 op=hvd.Sum)
+    close(a, np.full(2, ranks.sum()), "grouped 0")
+    close(b, np.full(3, n), "grouped 1")
+    g = hvd.allgather(jnp.full((r + 1, 2), r, jnp.float32))
+    close(g, np.concatenate([np.full((q + 1, 2), q) for q in range(n)]), "ragged allgather")
+    close(hvd.broadcast(jnp.full(3, r * 1.5), n - 1), np.full(3, (n - 1) * 1.5), "broadcast")
+    rows = 2 * n + 1
+    mine = rows // n + (r < rows % n)
+    start = sum(rows // n + (q < rows % n) for q in range(r))
+    rs = hvd.reducescatter(jnp.arange(rows, dtype=jnp.float32) + r, op=hvd.Sum)
+    close(rs, (np.arange(rows) * n + ranks.sum())[start:start + mine], "reducescatter")
+    out = hvd.alltoall(jnp.repeat(jnp.arange(n, dtype=jnp.float32)[:, None], 2, 1) + 10 * r)
+    close(out, np.repeat((np.full(n, r) + 10 * np.arange(n))[:, None], 2, 1), "alltoall")
+    out, received = hvd.alltoall(jnp.arange(n + 1, dtype=jnp.float32),
+                                 splits=[2] + [1] * (n - 1))
+    check(received.tolist() == ([2] * n if r == 0 else [1] * n), f"splits {received}")
+    hvd.barrier()
+    check(hvd.broadcast_object({"from": r}, 1) == {"from": 1}, "broadcast_object")
+    check(hvd.allgather_object(r * 2) == [2 * q for q in range(n)], "allgather_object")
+    check(isinstance(ml_dtypes.bfloat16(1), ml_dtypes.bfloat16), "ml_dtypes")
+
+
+def jitted_collectives() -> None:
+    r, n = hvd.rank(), hvd.size()
+
+    @jax.jit
+    def f(x: jax.Array) -> tuple:
+        return (hvd.allreduce(x, op=hvd.Sum) * 2, hvd.allgather(x[:2]), hvd.broadcast(x, 0),
+                hvd.reducescatter(jnp.stack([x] * n), op=hvd.Sum),
+                hvd.allreduce(x, op=hvd.Max, name="explicit"),
+                hvd.allreduce(x, compression=hvd.Compression.bf16, op=hvd.Sum))
+
+    for step in range(3):  # the same compiled collectives, run again
+        x = jnp.full(4, float(r + step))
+        s, gathered, b, rs, mx, bf = f(x)
+        total = sum(q + step for q in range(n))
+        close(s, np.full(4, 2 * total), "jit allreduce")
+        close(gathered, np.repeat([q + step for q in range(n)], 2), "jit allgather")
+        close(b, np.full(4, float(step)), "jit broadcast")
+        close(rs, np.full((1, 4), total), "jit reducescatter")
+        close(mx, np.full(4, n - 1 + step), "jit Max")
+        close(bf, np.full(4, total), "jit bf16 compression", tol=0.05)
+    # grads: allreduce's is the same allreduce; broadcast's the average on the root
+    x = jnp.full(3, r + 1.0)
+    g = jax.jit(jax.grad(lambda y: (hvd.allreduce(y, op=hvd.Sum) ** 2).sum()))(x)
+    close(g, np.full(3, 2 * n * n * (n + 1) / 2), "grad of allreduce Sum")
+    g = jax.grad(lambda y: (hvd.broadcast(y, 0) * (r + 1)).sum())(x)
+    close(g, np.full(3, (n + 1) / 2 if r == 0 else 0.0), "grad of broadcast")
+    g = jax.jit(jax.grad(lambda y: (hvd.allgather(y) * (r + 1)).sum()))(x)
+    close(g, np.full(3, (n + 1) / 2), "grad of allgather")
+    g = jax.grad(lambda y: hvd.reducescatter(jnp.stack([y] * n), op=hvd.Sum).sum())(x)
+    close(g, np.full((3,), float(n * n)), "grad of reducescatter")
+    failed = None
+    try:  # unequal rows inside jit: the ranks disagree on the traced shape
+        jax.jit(lambda y: hvd.allgather(y, name="unequal"))(jnp.ones((1 if r == 0 else 2, 2)))
+    except hvd.RingReduceError as err:
+        failed = f"a JAX runtime error was expected outside run_translated, got {err!r}"
+    except Exception as err:  # noqa: BLE001 - JAX's runtime error wraps ours
+        failed = "" if "every rank must send" in str(err) else f"unequal rows: {err}"
+    check(failed == "", failed or "unequal rows inside jit went through")
+    try:
+        hvd.run_translated(jax.jit(lambda y: hvd.allreduce(y, name="mm")),
+                           jnp.ones(2 + r))
+        check(n == 1, "a shape mismatch inside jit went through")
+    except hvd.MismatchError as err:
+        check("'mm'" in str(err), f"mismatch: {err}")
+
+
+def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def init_params(seed: int) -> dict:
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w1": jax.random.normal(k1, (5, 8)) * 0.5, "b1": jnp.zeros(8),
+            "w2": jax.random.normal(k2, (8, 1)) * 0.5}
+
+
+def train(tx: optax.GradientTransformation, params: dict, xs: np.ndarray, ys: np.ndarray,
+          batch: int) -> dict:
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p: dict, s: optax.OptState, x: jax.Array, y: jax.Array) -> tuple:
+        grads = jax.grad(loss_fn)(p, x, y)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    for i in range(0, len(xs), batch):
+        params, state = step(params, state, xs[i:i + batch], ys[i:i + batch])
+    return params
+
+
+def optimizer_equivalence() -> None:
+    """N ranks on interleaved shards of per-rank batch B == one process on batches of N*B."""
+    r, n = hvd.rank(), hvd.size()
+    per = 4
+    steps = len(X) // (per * n)
+    rows = np.concatenate([np.arange((s * n + r) * per, (s * n + r + 1) * per)
+                           for s in range(steps)])
+    for label, make, passes in (("sgd", lambda: optax.sgd(0.1, momentum=0.5), 1),
+                                ("adam", lambda: optax.adam(0.01), 1),
+                                ("sgd-k2", lambda: optax.sgd(0.1), 2)):
+        start = init_params(1234 + r)  # different per rank: the broadcast must fix it
+        params = hvd.broadcast_parameters(start, root_rank=0)
+        tx = hvd.DistributedOptimizer(make(), backward_passes_per_step=passes)
+        mine = train(tx, params, X[rows], Y[rows], per)
+        big = per * n * passes
+        ref_tx = make()
+        ref = train(ref_tx, init_params(1234), X[:steps * per * n], Y[:steps * per * n], big)
+        diff = max(float(jnp.abs(mine[k] - ref[k]).max()) for k in ref)
+        event("equivalence", opt=label, diff=diff)
+        check(diff < 1e-5, f"{label}: {diff} away from one process")
+    try:
+        bad = {"w": jnp.ones(2 + r)}
+        hvd.broadcast_parameters(bad, 0)
+        check(n == 1, "different parameter shapes went through")
+    except hvd.InvalidInputError as err:
+        check("ranks disagree" in str(err), f"broadcast_parameters: {err}")
+
+
+def checkpoints(directory: str) -> None:
+    params = hvd.broadcast_parameters(init_params(7), 0)
+    tx = hvd.DistributedOptimizer(optax.adam(0.01))
+    state = hvd.broadcast_optimizer_state(tx.init(params), 0)
+    path = os.path.join(directory, "ckpt.pkl")
+    wrote = hvd.save_checkpoint(path, params=params, opt_state=state, epoch=3)
+    check(wrote == (hvd.rank() == 0), f"save_checkpoint returned {wrote}")
+    hvd.barrier()
+    back = hvd.load_checkpoint(path)
+    check(back["epoch"] == 3, "epoch")
+    close(back["params"]["w1"], params["w1"], "loaded params")
+    check(type(back["opt_state"]) is type(state), f"optax state type {type(back['opt_state'])}")
+    check(hvd.load_checkpoint(os.path.join(directory, "none"), missing_ok=True) is None,
+          "missing_ok")
+    event("checkpoint", files=sorted(os.listdir(directory)))
+
+
+def die() -> None:
+    tx = hvd.DistributedOptimizer(optax.sgd(0.01))
+    params = hvd.broadcast_parameters(init_params(3), 0)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p: dict, s: optax.OptState) -> tuple:
+        updates, s = tx.update(jax.grad(loss_fn)(p, X[:4], Y[:4]), s, p)
+        return optax.apply_updates(p, updates), s
+
+    start = time.time()
+    try:
+        for i in range(100000):
+            if hvd.rank() == 1 and i == 20:
+                os._exit(17)
+            params, state = hvd.run_translated(step, params, state)
+    except Exception as err:  # noqa: BLE001 - the class is what is checked
+        error_event("step-error", err)
+        event("step-error-after", seconds=time.time() - start)
+        sys.exit(3)
+
+
+def main() -> None:
+    try:
+        hvd.rank()
+        raise AssertionError("rank() before init() went through")
+    except hvd.NotInitializedError:
+        pass
+    hvd.init()
+    set_rank(hvd.rank())
+    if sys.argv[2] == "die":
+        die()
+        return
+    eager_collectives()
+    jitted_collectives()
+    optimizer_equivalence()
+    checkpoints(sys.argv[1])
+    hvd.barrier()
+    say(f"OK rank {hvd.rank()}")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    run(main)

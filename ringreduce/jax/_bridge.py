@@ -19,16 +19,18 @@ ringreduce.keras's callbacks around ``model.fit``) re-raise the original
 
 Names: an unnamed eager call is matched across ranks by its order, as in the numpy API.
 A traced call runs on whatever thread executes the computation, possibly while the main
-thread makes eager calls, so order cannot match it: it gets ``jax.<n>.<kind>``, ``n``
-counting the collectives this process has traced. Every rank traces the same program in
-the same order, so ``n`` agrees; a call that must match a name across differently traced
-programs should pass ``name=``.
+thread makes eager calls, so order cannot match it: it is named after the line that made
+it, ``jax.<function>@<file>:<line>.<kind>`` (the first caller outside ringreduce, JAX and
+optax). Every rank runs the same program, so the names agree even when one rank retraces
+and another does not (a last, smaller batch); a line traced several times in one program
+(a Python loop) reuses its name, which is safe because ordered callbacks run one after
+another, in the same order on every rank. ``name=`` overrides it.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -46,21 +48,27 @@ __all__ = ["Getter", "binder", "host_call", "is_traced", "run_translated", "to_h
 
 Getter = Callable[[], Communicator]
 
-_lock = threading.Lock()
-_traced = itertools.count()
-
 
 def is_traced(*xs: Any) -> bool:
     """Whether any of ``xs`` is a tracer (inside jit, grad, vmap, ...)."""
     return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
+_LIBRARIES = ("ringreduce", "jax", "jaxlib", "optax", "keras", "flax", "equinox")
+
+
 def traced_name(kind: str, name: Optional[str]) -> str:
     """The name of a collective traced now (see the module docstring)."""
     if name is not None:
         return str(name)
-    with _lock:
-        return f"jax.{next(_traced)}.{kind}"
+    frame = sys._getframe(1)
+    while frame is not None and \
+            str(frame.f_globals.get("__name__", "")).split(".")[0] in _LIBRARIES:
+        frame = frame.f_back
+    if frame is None:
+        return f"jax.{kind}"
+    code = frame.f_code
+    return f"jax.{code.co_name}@{os.path.basename(code.co_filename)}:{frame.f_lineno}.{kind}"
 
 
 def binder(process_set: ProcessSet = global_process_set, what: str = "") -> Getter:

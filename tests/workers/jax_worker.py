@@ -93,6 +93,10 @@ def jitted_collectives() -> None:
         close(rs, np.full((1, 4), total), "jit reducescatter")
         close(mx, np.full(4, n - 1 + step), "jit Max")
         close(bf, np.full(4, total), "jit bf16 compression", tol=0.05)
+    if r == 0:  # traced on one rank only, never run: the names of later calls still agree
+        jax.jit(lambda y: hvd.allreduce(y) * 3).lower(jnp.ones(2))
+    close(jax.jit(lambda y: hvd.allreduce(y, op=hvd.Sum))(jnp.ones(2)), np.full(2, n),
+          "after a trace on one rank only")
     # grads: allreduce's is the same allreduce; broadcast's the average on the root
     x = jnp.full(3, r + 1.0)
     g = jax.jit(jax.grad(lambda y: (hvd.allreduce(y, op=hvd.Sum) ** 2).sum()))(x)

@@ -66,6 +66,18 @@ def test_small_calls_checks_every_call_against_mpi():
         assert any(line.startswith(row) for line in out.splitlines()), row
 
 
+def test_jax_step_runs_every_row_and_agrees():
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    out = stdout(run_mpi(2, BENCH / "jax_step.py",
+                         ["--width", "64", "--layers", "2", "--steps", "2", "--reps", "1"],
+                         timeout=120))
+    for row in ("no-comm ", "ringreduce ", "mpi-packed ", "mpi-loop "):
+        assert any(line.startswith(row) for line in out.splitlines()), row
+    checks = [line for line in out.splitlines() if line.startswith("# check")]
+    assert len(checks) == 2 and all(line.endswith("ok") for line in checks), out
+
+
 def test_ring_series_groups_the_rings():
     out = stdout(run_mpi(2, BENCH / "ring_series.py", ["--mib", "4", "--rings", "6",
                                                        "--period", "3"], timeout=120))

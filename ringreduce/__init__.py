@@ -466,10 +466,12 @@ def join(process_set: Optional[ProcessSet] = None) -> int:
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
-        np: int = 2, hosts: Any = None, timeout: Optional[float] = None,
-        env: Optional[dict] = None) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``np`` new ranks and return their values in rank order
-    (Horovod's ``horovod.run``; see ``ringreduce.launcher.run``). ``fn`` calls ``init()``."""
+        np: Optional[int] = None, hosts: Any = None, timeout: Optional[float] = None,
+        env: Optional[dict] = None, **horovod: Any) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``np`` (default 2) new ranks and return their values in
+    rank order (Horovod's ``horovod.run``, whose other arguments, ``num_proc``,
+    ``hostfile``, ``use_gloo``..., it takes too; see ``ringreduce.launcher.run``). ``fn``
+    calls ``init()``."""
     from .launcher import run as launch  # the launcher is imported only when used
 
-    return launch(fn, args, kwargs, np, hosts, timeout, env)
+    return launch(fn, args, kwargs, np, hosts, timeout, env, **horovod)

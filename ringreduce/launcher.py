@@ -583,10 +583,18 @@ class _RemoteTraceback(Exception):
         return str(self.args[0])
 
 
+_HOROVOD_REFUSED = ("min_num_proc", "max_num_proc", "min_np", "max_np", "slots", "reset_limit",
+                    "cooldown_range", "output_filename", "mpi_args", "ssh_identity_file")
+
+
 def run(fn: Callable[..., Any], args: Sequence[Any] = (),
-        kwargs: Optional[Mapping[str, Any]] = None, np: int = 2,
+        kwargs: Optional[Mapping[str, Any]] = None, np: Optional[int] = None,
         hosts: Optional[str | Sequence[HostSlots]] = None, timeout: Optional[float] = None,
-        env: Optional[Mapping[str, str]] = None) -> list:
+        env: Optional[Mapping[str, str]] = None, *, num_proc: Optional[int] = None,
+        hostfile: Optional[str | os.PathLike] = None, ssh_port: Optional[int] = None,
+        executable: Optional[str] = None, use_gloo: Optional[bool] = None,
+        use_mpi: Optional[bool] = None, verbose: Any = None, disable_cache: Any = None,
+        start_timeout: Any = None, network_interface: Any = None, **horovod: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``np`` new ranks; return their values in rank order.
 
     Like ``horovod.run``: ``fn`` runs in fresh processes started as by ``ringrun`` and
@@ -602,14 +610,25 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         A picklable function (module level).
     args, kwargs : optional
         Its arguments.
-    np : int
-        Number of ranks.
+    np : int, optional
+        Number of ranks (default 2).
     hosts : str or sequence of HostSlots, optional
         ``"host1:2,host2:2"`` or parsed entries; default all local.
     timeout : float, optional
         Seconds before the job is stopped (then RingReduceTimeoutError).
     env : mapping, optional
         Extra environment variables for the ranks.
+    num_proc, hostfile, ssh_port, executable :
+        Horovod's names: ``num_proc`` is ``np``; ``hostfile`` a file of ``host slots=N``
+        (or ``host:N``) lines, not with ``hosts``; ``ssh_port`` the port of remote ranks'
+        ssh; ``executable`` the Python that runs the ranks (default ``sys.executable``).
+    use_gloo, use_mpi, verbose, disable_cache, start_timeout, network_interface :
+        Horovod's; accepted and ignored (ringreduce has its own transport; both
+        ``use_gloo`` and ``use_mpi`` true is refused, as Horovod does).
+    **horovod :
+        Horovod's elastic arguments (``min_num_proc``, ``slots``, ``reset_limit``...),
+        ``output_filename``, ``mpi_args`` and ``ssh_identity_file`` are refused when set;
+        any other name is a TypeError.
 
     Returns
     -------
@@ -622,9 +641,28 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         The exception of the first rank that raised one, with that rank's traceback
         text as its ``__cause__``; RingReduceError if a rank died without one.
     """
+    unknown = sorted(set(horovod) - set(_HOROVOD_REFUSED))
+    if unknown:
+        raise TypeError(f"run() got an unexpected keyword argument {unknown[0]!r}")
+    refused = sorted(k for k, v in horovod.items() if v is not None)
+    if refused:
+        raise InvalidInputError(f"ringreduce.run: {', '.join(refused)} not supported (no "
+                                "elastic training, per-rank output files, MPI arguments or "
+                                "ssh identity files; ringrun's --ssh-command covers ssh)")
+    if use_gloo and use_mpi:
+        raise InvalidInputError("ringreduce.run: use_gloo and use_mpi cannot both be true")
+    if np is not None and num_proc is not None and np != num_proc:
+        raise InvalidInputError(f"ringreduce.run: np={np} and num_proc={num_proc} differ")
+    if hosts is not None and hostfile is not None:
+        raise InvalidInputError("ringreduce.run: give hosts or hostfile, not both")
+    np = np if np is not None else num_proc
+    host_list = parse_hosts(hosts) if isinstance(hosts, str) else hosts
+    if hostfile is not None:
+        host_list = parse_hostfile(hostfile)
+    if np is None:
+        np = 2
     from .exceptions import RingReduceTimeoutError
 
-    host_list = parse_hosts(hosts) if isinstance(hosts, str) else hosts
     main_mod = sys.modules.get("__main__")
     main_path = getattr(main_mod, "__file__", None) \
         if getattr(fn, "__module__", None) == "__main__" else None
@@ -634,8 +672,9 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
             pickle.dump({"sys_path": [p or os.getcwd() for p in sys.path],
                          "main_path": main_path and os.path.abspath(main_path),
                          "call": pickle.dumps((fn, tuple(args), dict(kwargs or {})))}, f)
-        outcome = launch([sys.executable, "-m", "ringreduce", "--run-pickled",
-                          str(payload)], np, host_list, env=env, timeout=timeout)
+        outcome = launch([executable or sys.executable, "-m", "ringreduce", "--run-pickled",
+                          str(payload)], np, host_list, env=env, timeout=timeout,
+                         ssh_port=ssh_port)
         results = {}
         for r in range(np):
             path = Path(tmp) / f"result-{r}.pkl"

@@ -217,12 +217,14 @@ class Job:
 
 
 def run_procs(specs: Sequence[tuple[str, list[str], Mapping[str, str]]], timeout: float,
-              log_dir: Path, delays: Optional[Sequence[float]] = None) -> Job:
+              log_dir: Path, delays: Optional[Sequence[float]] = None,
+              cwd: Optional[Path] = None) -> Job:
     """Start one process per (name, cmd, env) spec and wait for all of them.
 
     ``delays[i]`` seconds pass before spec i starts (counted from the start of
     the previous one). The job is killed when ``timeout`` seconds have passed
     since the first start; in any case nothing it started is left running.
+    The processes run in ``cwd`` (default: the repository root).
     """
     procs: list[Proc] = []
     popens = []
@@ -239,7 +241,7 @@ def run_procs(specs: Sequence[tuple[str, list[str], Mapping[str, str]]], timeout
             procs.append(Proc(name, list(cmd), started=time.time()))
             popens.append(subprocess.Popen(
                 list(cmd), env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                cwd=str(ROOT), start_new_session=True))
+                cwd=str(cwd or ROOT), start_new_session=True))
             tree.add_root(popens[-1].pid)
         _wait(popens, procs, tree, start + timeout, until_done=True)
         tree.scan()
@@ -325,14 +327,15 @@ def _new_log_dir(log_dir: Optional[Path]) -> Path:
 
 def run_mpi(np: int, script: str | Path, args: Sequence[object] = (),
             env: Optional[Mapping[str, object]] = None, timeout: float = 60,
-            log_dir: Optional[Path] = None) -> Job:
-    """``mpirun -np <np> python <script> <args>`` with a hard timeout."""
+            log_dir: Optional[Path] = None, cwd: Optional[Path] = None) -> Job:
+    """``mpirun -np <np> python <script> <args>`` with a hard timeout (in ``cwd``, by default
+    the repository root)."""
     mpirun = require_mpirun()
     log_dir = _new_log_dir(log_dir)
     cmd = [str(mpirun), "-np", str(np), *_script_cmd(script, args)]
     before = _mpich_segments()
     try:
-        job = run_procs([("mpirun", cmd, base_env(env, log_dir))], timeout, log_dir)
+        job = run_procs([("mpirun", cmd, base_env(env, log_dir))], timeout, log_dir, cwd=cwd)
     finally:
         left = _remove_orphaned_mpich_segments(before)
     job.mpich_leftovers = left

@@ -32,6 +32,10 @@ def test_keras_fit_equals_one_process_and_callbacks_work(tmp_path, backend):
         assert all(e["diff"] <= tol for e in eq.values()), eq
         if backend != "jax":  # k=2: one application per two batches, as the reference's
             assert eq[("sgd", 2)]["iterations"] == eq[("sgd", 2)]["ref_iterations"] == 4
+        # a model Keras builds on its first batch: broadcast after it, ranks end equal
+        lazy = job.event(r, "lazy")
+        assert lazy["spread"] == {"same": 0.0, "different": 0.0}, lazy
+        assert lazy["diff"] <= tol, lazy
     cb = [job.event(r, "callbacks") for r in range(2)]
     assert cb[0]["logs"] == cb[1]["logs"], "MetricAverageCallback left ranks' logs different"
     lrs = cb[0]["lrs"]  # 2 batches per epoch, warmup over 2 epochs from 0.08/2 to 0.08

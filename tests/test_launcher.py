@@ -373,6 +373,25 @@ def test_run_returns_each_ranks_value():
     assert rr.run(_rank_value, args=(10,), np=2, timeout=30) == [(10, 2, 2.0), (11, 2, 2.0)]
 
 
+def test_run_takes_horovods_arguments(tmp_path):
+    # Horovod's examples call horovod.run(train, np=..., hosts=..., use_gloo=..., use_mpi=...,
+    # verbose=2); num_proc, hostfile and executable are its other names that mean something.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    assert rr.run(_rank_value, args=(10,), num_proc=2, hostfile=str(hostfile), use_gloo=True,
+                  use_mpi=False, verbose=2, executable=PYTHON, timeout=30) \
+        == [(10, 2, 2.0), (11, 2, 2.0)]
+    for kwargs, match in [({"use_gloo": True, "use_mpi": True}, "use_gloo and use_mpi"),
+                          ({"np": 2, "num_proc": 3}, "differ"),
+                          ({"hosts": "localhost:2", "hostfile": str(hostfile)}, "not both"),
+                          ({"min_num_proc": 1, "output_filename": "out"},
+                           "min_num_proc, output_filename not supported")]:
+        with pytest.raises(rr.InvalidInputError, match=match):
+            rr.run(_rank_value, args=(0,), **kwargs)
+    with pytest.raises(TypeError, match="'bogus'"):
+        rr.run(_rank_value, args=(0,), bogus=1)
+
+
 def test_run_reraises_a_ranks_exception():
     start = time.monotonic()
     with pytest.raises(ValueError, match="boom on rank 1") as info:

@@ -49,7 +49,7 @@ def test_horovod_names_and_queries():
                  "broadcast_object", "allgather_object", "reducescatter", "alltoall", "join",
                  "barrier", "DistributedOptimizer", "DistributedGradientTape",
                  "BroadcastGlobalVariablesHook", "broadcast_global_variables", "Compression",
-                 "save_checkpoint", "load_checkpoint"):
+                 "save_checkpoint", "load_checkpoint", "Adasum"):
         assert hasattr(rtf, name), name
     assert rtf.nccl_built() is False and rtf.mpi_built() is False
     import ringreduce.keras as rk
@@ -310,6 +310,58 @@ def test_tf1_graph_optimizer_hook_and_local_aggregation(opt):
     for passes in (1, 2):
         for got in run(2, lambda rank, p=passes: fn(rank, 2, p)):
             np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_tf1_adasum_delta_optimizer():
+    """DistributedOptimizer(op=Adasum) on a TF1 optimizer is Horovod's delta optimizer: each
+    rank steps locally (k steps with backward_passes_per_step=k), then the variables become
+    the start plus the Adasum of the ranks' changes."""
+    from ringreduce._adasum import adasum_combine
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(2, 4, 3)), rng.normal(size=(2, 4, 1))  # each rank's rows
+    w0, lr = rng.normal(size=(3, 1)), 0.125  # exact in float32, as TF1 optimizers keep it
+
+    def grad(w, rank):
+        return 2 * x[rank].T @ (x[rank] @ w - y[rank]) / len(x[rank])
+
+    def fn(rank, passes):
+        with tf.Graph().as_default():
+            w = tf.compat.v1.get_variable("w", initializer=w0 * (rank + 1))  # differ: bcast
+            xs = tf.compat.v1.placeholder(tf.float64, [None, 3])
+            ys = tf.compat.v1.placeholder(tf.float64, [None, 1])
+            loss = tf.reduce_mean(tf.square(tf.matmul(xs, w) - ys))
+            opt = rtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(lr),
+                                           op=rtf.Adasum, backward_passes_per_step=passes)
+            train = opt.minimize(loss)
+            assert type(opt).__name__ == "DistributedAdasumTF1Optimizer"
+            assert opt.get_slot_names() == ["delta_start"] and len(opt.variables()) == 2
+            hooks = [rtf.BroadcastGlobalVariablesHook(0)]
+            with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+                for _ in range(2 * passes):  # two combinations
+                    sess.run(train, {xs: x[rank], ys: y[rank]})
+                return sess.run(w)
+
+    for passes in (1, 2):
+        want = w0.copy()
+        for _ in range(2):
+            deltas = []
+            for rank in range(2):
+                w = want.copy()
+                for _ in range(passes):
+                    w = w - lr * grad(w, rank)
+                deltas.append((w - want).ravel())
+            want = want + adasum_combine(*deltas).reshape(want.shape)
+        for got in run(2, lambda rank, p=passes: fn(rank, p)):
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+    (alone,) = run(1, lambda rank: fn(0, 1))  # one rank: plain SGD
+    want = w0.copy()
+    for _ in range(2):
+        want = want - lr * grad(want, 0)
+    np.testing.assert_allclose(alone, want, rtol=1e-12)
+    with pytest.raises(rr.InvalidInputError, match="gradient_predivide_factor"):
+        rtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                 op=rtf.Adasum, gradient_predivide_factor=2.0)
 
 
 def test_broadcast_variables_checkpoints_and_objects(tmp_path):

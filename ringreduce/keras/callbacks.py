@@ -70,8 +70,14 @@ def broadcast_keras_variables(comm: Any, variables: list, root_rank: int, what: 
 
 
 class BroadcastGlobalVariablesCallback(_Callback):
-    """At the start of training, copy ``root_rank``'s model and optimizer variables to
-    every rank (the optimizer is built first if it is not yet).
+    """Copy ``root_rank``'s model and optimizer variables to every rank, once.
+
+    At the start of training when the model is built (its optimizer is built first if it
+    is not yet), so every rank takes its first step from the same weights. A model that
+    Keras builds only on its first batch (a ``Sequential`` without an ``Input``, a
+    subclassed model: Horovod's examples) has no variables yet then: its broadcast
+    happens at the end of the first batch instead, when model and optimizer exist, which
+    is when Horovod's callback always broadcasts.
 
     Parameters
     ----------
@@ -87,10 +93,17 @@ class BroadcastGlobalVariablesCallback(_Callback):
         self.broadcast_done = False
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        """Broadcast once per callback."""
+        """Broadcast now if the model is built (every rank decides alike: same script)."""
         super().on_train_begin(logs)
-        if self.broadcast_done:
-            return
+        if not self.broadcast_done and self.model.built and self.model.variables:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        """Broadcast after the first batch if the model was not built at the start."""
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self) -> None:
         opt = getattr(self.model, "optimizer", None)
         variables = list(self.model.variables)
         if opt is not None:

@@ -25,6 +25,7 @@ from typing import Any
 import tensorflow as tf
 
 from ringreduce import (
+    Adasum,
     Average,
     HorovodInternalError,
     HostsUpdatedInterrupt,
@@ -59,7 +60,11 @@ from ._bridge import run_translated
 from .compression import Compression
 from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 from .tape import DistributedGradientTape
-from .tf1 import BroadcastGlobalVariablesHook, DistributedTF1Optimizer
+from .tf1 import (
+    BroadcastGlobalVariablesHook,
+    DistributedAdasumTF1Optimizer,
+    DistributedTF1Optimizer,
+)
 from .variables import (
     broadcast_global_variables,
     broadcast_variables,
@@ -68,8 +73,9 @@ from .variables import (
 )
 
 __all__ = [
-    "Average", "BroadcastGlobalVariablesHook", "CheckpointError", "Compression", "Compressor",
-    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError",
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "CheckpointError", "Compression",
+    "Compressor", "DistributedAdasumTF1Optimizer", "DistributedGradientTape",
+    "DistributedOptimizer", "HorovodInternalError",
     "HostsUpdatedInterrupt", "InvalidInputError", "Max", "Min",
     "MismatchError", "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
     "RingReduceTimeoutError", "Sum", "allgather", "allgather_object", "allreduce", "alltoall",
@@ -119,11 +125,20 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
     """Wrap an optimizer so that it applies gradients averaged over all ranks.
 
     A ``tf.compat.v1.train.Optimizer`` gets a ``DistributedTF1Optimizer`` (TF1
-    graphs); a Keras 3 optimizer gets ``ringreduce.keras.DistributedOptimizer``, as
+    graphs), or with ``op=Adasum`` Horovod's delta optimizer
+    (``DistributedAdasumTF1Optimizer``: ``compression`` and ``backward_passes_per_step``
+    apply, ``sparse_as_dense`` and ``average_aggregated_gradients`` do not); a Keras 3
+    optimizer gets ``ringreduce.keras.DistributedOptimizer``, as
     in Horovod. See those for the arguments; ``device_*`` and ``use_locking`` are
     Horovod's and ignored (``use_locking`` is passed to the TF1 base class).
     """
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if not isinstance(op, bool) and op == Adasum:  # Horovod's delta optimizer
+            if gradient_predivide_factor != 1.0:
+                raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor "
+                                        "needs op=Average")
+            return DistributedAdasumTF1Optimizer(optimizer, name, use_locking, compression,
+                                                 backward_passes_per_step)
         return DistributedTF1Optimizer(optimizer, name, use_locking, compression,
                                        sparse_as_dense, backward_passes_per_step, op,
                                        gradient_predivide_factor, average_aggregated_gradients,

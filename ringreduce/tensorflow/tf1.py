@@ -1,7 +1,8 @@
 """TF1-style graphs through ``tf.compat.v1``: DistributedOptimizer and the broadcast hook.
 
 The classic distributed-TensorFlow script (placeholders, a ``tf.compat.v1.train``
-optimizer, ``MonitoredTrainingSession``) keeps its shape::
+optimizer, ``MonitoredTrainingSession``) keeps its shape (``op=Adasum`` gives Horovod's
+delta optimizer, ``DistributedAdasumTF1Optimizer``)::
 
     opt = rr.DistributedOptimizer(tf.compat.v1.train.AdagradOptimizer(0.01 * rr.size()))
     train_op = opt.minimize(loss, global_step=global_step)
@@ -18,14 +19,18 @@ from typing import Any
 import tensorflow as tf
 
 from ringreduce import Average
+from ringreduce._adasum import Adasum
+from ringreduce._horovod import check_passes
 from ringreduce.compression import Compressor
 
-from ._bridge import run_translated
+from ._bridge import binder, run_translated
 from .compression import Compression
-from .gradients import GradientAverager, LocalAggregation
+from .gradients import GradientAverager, LocalAggregation, instance_name
+from .ops import _allreduce_dense
 from .variables import broadcast_global_variables
 
-__all__ = ["BroadcastGlobalVariablesHook", "DistributedTF1Optimizer"]
+__all__ = ["BroadcastGlobalVariablesHook", "DistributedAdasumTF1Optimizer",
+           "DistributedTF1Optimizer"]
 
 
 class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
@@ -87,6 +92,93 @@ class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
     def variables(self, *args: Any, **kwargs: Any) -> list:
         """The wrapped optimizer's ``variables``."""
         return self._optimizer.variables(*args, **kwargs)
+
+
+class DistributedAdasumTF1Optimizer(tf.compat.v1.train.Optimizer):
+    """Horovod's ``DistributedOptimizer(op=Adasum)`` for TF1 graphs: the delta optimizer.
+
+    Every rank applies its own gradients with the wrapped optimizer; then the change
+    each rank made to its variables since the last combination (the *delta*) is
+    combined across ranks with Adasum (``ringreduce._adasum``; one grouped allreduce of
+    all deltas, each combined on its own), and every rank sets its variables to the
+    start plus the combination. So the learning rate means what it means in one
+    process (Horovod's example does not scale it by ``size()`` with Adasum). With
+    ``backward_passes_per_step=k`` the combination happens on every k-th step only and
+    the steps between are local (Horovod's semantics).
+
+    The starts are a slot ``"delta_start"`` per variable (set from the variable on the
+    first step, so after ``BroadcastGlobalVariablesHook``), and the step count a
+    variable: both are global variables, saved in checkpoints and broadcast by the hook;
+    ``variables()`` returns them with the wrapped optimizer's (Horovod's returns only
+    the latter).
+    """
+
+    def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: Any = None,
+                 use_locking: bool = False, compression: type[Compressor] = Compression.none,
+                 backward_passes_per_step: int = 1) -> None:
+        what = "DistributedOptimizer(op=Adasum)"
+        self._optimizer = optimizer
+        self._compression = compression
+        self._passes = check_passes(what, backward_passes_per_step)
+        self._get = binder()
+        self._group = instance_name("DistributedOptimizer.adasum", self._get())
+        self._step_count: Any = None
+        super().__init__(name=name or f"DistributedDelta{type(optimizer).__name__}",
+                         use_locking=use_locking)
+
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
+        """The wrapped optimizer's gradients, as they are (the deltas are combined)."""
+        return self._optimizer.compute_gradients(*args, **kwargs)
+
+    def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
+                        name: Any = None) -> Any:
+        """Apply locally, then (on every k-th step) combine the deltas with Adasum."""
+        pairs = list(grads_and_vars)
+        variables = [v for g, v in pairs if g is not None]
+        with tf.init_scope():
+            if self._step_count is None:
+                self._step_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                               name=f"{self._name}_step_count")
+            starts = [self._zeros_slot(v, "delta_start", self._name) for v in variables]
+        first = tf.equal(self._step_count, 0)
+        init = tf.cond(first, lambda: tf.group([s.assign(v.read_value())
+                                                for s, v in zip(starts, variables)]),
+                       tf.no_op)
+        with tf.control_dependencies([init]):
+            update = self._optimizer.apply_gradients(pairs, global_step, name)
+        with tf.control_dependencies([update]):
+            # Created after the update, so the branches (which hang off it) read the
+            # variables as the local step left them.
+            combine_now = tf.equal(self._step_count % self._passes, self._passes - 1)
+
+        def combine() -> Any:
+            deltas = [v.read_value() - s for v, s in zip(variables, starts)]
+            packed = [self._compression.compress(d) for d in deltas]
+            combined = _allreduce_dense([t for t, _ in packed], Adasum, self._group, 1.0, 1.0,
+                                        self._get)
+            new_starts = [s.assign_add(self._compression.decompress(c, ctx))
+                          for s, c, (_, ctx) in zip(starts, combined, packed)]
+            return tf.group([v.assign(n) for v, n in zip(variables, new_starts)])
+
+        sync = tf.cond(combine_now, combine, tf.no_op) if variables else tf.no_op()
+        with tf.control_dependencies([sync]):
+            return self._step_count.assign_add(1).op if not tf.executing_eagerly() \
+                else self._step_count.assign_add(1)
+
+    def get_slot(self, var: Any, name: str) -> Any:
+        """``"delta_start"``, or the wrapped optimizer's slot."""
+        own = super().get_slot(var, name)
+        return own if own is not None else self._optimizer.get_slot(var, name)
+
+    def get_slot_names(self) -> list:
+        """``"delta_start"`` and the wrapped optimizer's slot names."""
+        return super().get_slot_names() + self._optimizer.get_slot_names()
+
+    def variables(self) -> list:
+        """The wrapped optimizer's variables, the delta starts and the step count."""
+        own = [self._step_count] if self._step_count is not None else []
+        starts = list(self._slots.get("delta_start", {}).values())
+        return self._optimizer.variables() + starts + own
 
 
 class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):

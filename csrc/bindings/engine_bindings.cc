@@ -305,6 +305,8 @@ py::object broadcast_array_now(T& eng, py::handle x, py::handle root_obj, py::ha
   const long root = PyLong_AsLongAndOverflow(root_obj.ptr(), &overflow);
   if (overflow != 0 || root < 0 || root >= set_size(eng)) return py::none();
   const auto arr = py::reinterpret_borrow<py::array>(x);
+  if (plain_dtype_code(arr.dtype()) < 0 || !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
+    return py::none();  // before any copy: the general path words what is wrong
   py::object buf = py::reinterpret_borrow<py::object>(x);
   if (!in_place) {
     if (static_cast<size_t>(arr.nbytes()) > max_new || !(arr.flags() & py::array::c_style))

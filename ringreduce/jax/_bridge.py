@@ -7,8 +7,10 @@ array.
 Traced (inside ``jax.jit``, ``jax.grad``, ``lax.scan``...): the collective becomes an
 *ordered* ``io_callback``. Ordered effects run exactly once per execution, in program
 order, never dropped as dead code nor repeated by rematerialisation, which a collective
-needs: every rank must make the same calls. The callback blocks the computation while
-the engine runs (the GIL is released while it waits). Results need static shapes, so a
+needs: every rank must make the same calls. The callback blocks the thread that executes
+the computation (on CPU, the caller's) while the engine runs, the GIL released; like any
+blocking collective, jitted steps and eager calls must therefore come in the same order
+on every rank. Results need static shapes, so a
 traced allgather takes the same number of rows from every rank (``size() * rows``), and
 a traced alltoall splits evenly; both are checked when the collective runs.
 
@@ -18,8 +20,8 @@ ringreduce.keras's callbacks around ``model.fit``) re-raise the original
 ``PeerLostError``, ``MismatchError``... instead. Eager calls raise them directly.
 
 Names: an unnamed eager call is matched across ranks by its order, as in the numpy API.
-A traced call runs on whatever thread executes the computation, possibly while the main
-thread makes eager calls, so order cannot match it: it is named after the line that made
+A traced call may run on another thread than the one making eager calls (an accelerator's
+asynchronous dispatch), so order cannot match it: it is named after the line that made
 it, ``jax.<function>@<file>:<line>.<kind>`` (the first caller outside ringreduce, JAX and
 optax). Every rank runs the same program, so the names agree even when one rank retraces
 and another does not (a last, smaller batch); a line traced several times in one program

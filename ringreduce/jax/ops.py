@@ -48,9 +48,11 @@ def _differentiable(primal: Callable[..., Any], grad: Callable[[Any], Any]) -> C
 
 
 def _check_arrays(xs: Sequence[Any], what: str) -> list:
+    """JAX arrays (or tracers). A numpy input is converted too: inside ``jax.jit`` that
+    stages it into the program, where left as it is it would run once, at trace time."""
     out = []
     for x in xs:
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        if not isinstance(x, (jax.Array, jax.core.Tracer)):
             try:
                 x = jnp.asarray(x)
             except TypeError as err:

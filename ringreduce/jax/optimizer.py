@@ -9,7 +9,7 @@ writing in place as torch does), after checking that every rank holds the same l
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,8 @@ from ._bridge import binder, is_traced
 from .compression import Compression
 from .ops import grouped_allreduce
 
-__all__ = ["DistributedOptimizer", "allreduce_gradients", "broadcast_optimizer_state",
-           "broadcast_parameters"]
+__all__ = ["AccumulationState", "DistributedOptimizer", "allreduce_gradients",
+           "broadcast_optimizer_state", "broadcast_parameters"]
 
 _MODULE = "ringreduce.jax"
 
@@ -68,8 +68,9 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None,  # noqa: N8
     compression : Compressor
         ``Compression.fp16`` / ``.bf16``: float gradients travel in 16 bits.
     backward_passes_per_step : int
-        Gradients of this many ``update`` calls are accumulated locally (optax's
-        ``MultiSteps``: their mean) before one allreduce and one step of ``optimizer``.
+        Gradients of this many ``update`` calls are accumulated locally (their mean, as
+        optax's ``MultiSteps``) before one allreduce and one step of ``optimizer``; the
+        calls in between return zero updates and communicate nothing.
     op : int
         ``Average`` (default) or ``Sum``.
     gradient_predivide_factor : float
@@ -98,10 +99,50 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None,  # noqa: N8
                                        name, process_set)
         return inner.update(averaged, state, params, **extra)
 
-    tx = optax.GradientTransformationExtraArgs(inner.init, update)
     if passes == 1:
-        return tx
-    return optax.MultiSteps(tx, every_k_schedule=passes).gradient_transformation()
+        return optax.GradientTransformationExtraArgs(inner.init, update)
+    return _accumulating(inner, update, passes, optax)
+
+
+class AccumulationState(NamedTuple):
+    """``DistributedOptimizer``'s state with ``backward_passes_per_step > 1``."""
+
+    count: Any  # update calls since the last step (int32 scalar)
+    grads: Any  # their gradients' sum (a pytree like the parameters)
+    inner: Any  # the wrapped optimizer's state
+
+
+def _accumulating(inner: Any, update: Any, passes: int, optax: Any) -> Any:
+    """Sum the gradients of ``passes`` update calls; on the last, average their mean over
+    the ranks and step. optax's MultiSteps would run the wrapped update (and so the
+    allreduce) on every call and keep its result only on the last; here the allreduce
+    sits in the branch of a ``lax.cond`` that runs only then."""
+
+    def init(params: Any) -> AccumulationState:
+        return AccumulationState(jnp.zeros([], jnp.int32),
+                                 jax.tree_util.tree_map(jnp.zeros_like, params),
+                                 inner.init(params))
+
+    def accumulate(grads: Any, state: AccumulationState, params: Any = None,
+                   **extra: Any) -> tuple:
+        total = jax.tree_util.tree_map(jnp.add, state.grads, grads)
+        count = state.count + 1
+        shapes = jax.eval_shape(lambda: update(grads, state.inner, params, **extra)[0])
+
+        def step(_: Any) -> tuple:
+            mean = jax.tree_util.tree_map(lambda g: g / passes, total)
+            updates, inner_state = update(mean, state.inner, params, **extra)
+            return updates, AccumulationState(jnp.zeros([], jnp.int32),
+                                              jax.tree_util.tree_map(jnp.zeros_like, total),
+                                              inner_state)
+
+        def hold(_: Any) -> tuple:
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return zeros, AccumulationState(count, total, state.inner)
+
+        return jax.lax.cond(count >= passes, step, hold, None)
+
+    return optax.GradientTransformationExtraArgs(init, accumulate)
 
 
 def _leaves(tree: Any, what: str) -> tuple[list, list, Any]:
@@ -134,9 +175,12 @@ def _broadcast_tree(tree: Any, root_rank: int, what: str, process_set: ProcessSe
 
 
 def _like(leaf: Any, value: np.ndarray) -> Any:
-    """``value`` in ``leaf``'s kind: numpy stays numpy, a Python scalar a Python scalar."""
+    """``value`` in ``leaf``'s kind: numpy stays numpy (a numpy scalar a numpy scalar), a
+    Python scalar a Python scalar."""
     if isinstance(leaf, np.ndarray):
         return value
+    if isinstance(leaf, np.generic):
+        return value[()]
     if isinstance(leaf, (bool, int, float, complex)):
         return type(leaf)(value.item())
     return jnp.asarray(value)

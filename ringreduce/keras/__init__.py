@@ -13,7 +13,7 @@
                                rr.callbacks.ModelCheckpoint("ckpt.keras")],  # rank 0 writes
               verbose=1 if rr.rank() == 0 else 0)
 
-Backends: TensorFlow (the one Horovod supported) and torch; see ``optimizer``.
+Backends: TensorFlow (the one Horovod supported), torch and JAX; see ``optimizer``.
 """
 
 from __future__ import annotations

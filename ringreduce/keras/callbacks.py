@@ -144,7 +144,8 @@ class LearningRateScheduleCallback(_Callback):
     initial_lr : float
         The base learning rate (already scaled by ``size()`` if you scale it).
     multiplier : float or callable
-        A constant factor, or ``multiplier(epoch)`` (epoch fractional unless ``staircase``).
+        ``multiplier(epoch)`` (epoch fractional unless ``staircase``), or a constant ``m``:
+        exponential decay, ``m ** epoch`` (Horovod's convention).
     start_epoch, end_epoch : int
         The epochs ``[start, end)`` this schedule applies to (end None: to the end).
     staircase : bool
@@ -156,7 +157,9 @@ class LearningRateScheduleCallback(_Callback):
     steps_per_epoch : int, optional
         Batches per epoch, for the fractional epoch; by default Keras's ``params["steps"]``.
     verbose : int
-        Print the rate when it changes at an epoch start (rank 0 only).
+        With ``staircase``, print the rate at each epoch start (rank 0 only).
+
+    The rate reached is logged as ``logs["lr"]`` at every epoch end, as Horovod does.
     """
 
     def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
@@ -165,11 +168,12 @@ class LearningRateScheduleCallback(_Callback):
                  verbose: int = 0) -> None:
         super().__init__()
         self.initial_lr = float(initial_lr)
-        self.multiplier = multiplier if callable(multiplier) else (lambda _e: multiplier)
+        self.multiplier = multiplier if callable(multiplier) else (lambda e: multiplier ** e)
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase, self.momentum_correction = staircase, momentum_correction
         self.steps_per_epoch, self.verbose = steps_per_epoch, verbose
         self.current_epoch = 0
+        self._steps: Optional[int] = None  # batches per epoch, once known
 
     def _active(self, epoch: float) -> bool:
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
@@ -183,7 +187,7 @@ class LearningRateScheduleCallback(_Callback):
         self.current_epoch = epoch
         if self._active(epoch):
             self._set(epoch)
-            if self.verbose and self._rr_get().rank() == 0:
+            if self.verbose and self.staircase and self._rr_get().rank() == 0:
                 lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
                 print(f"\nEpoch {epoch + 1}: learning rate {lr:.6g}")
 
@@ -194,11 +198,17 @@ class LearningRateScheduleCallback(_Callback):
         steps = self.steps_per_epoch or (self.params or {}).get("steps")
         if not steps:
             return
+        self._steps = steps
         epoch = self.current_epoch + batch / steps
         if self._active(epoch):
             self._set(epoch)
 
     on_train_batch_begin = on_batch_begin
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        """Log the rate (``logs["lr"]``), as Horovod's callback does."""
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -212,6 +222,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         size = _rr._binder()().size()
 
         def multiplier(epoch: float) -> float:
+            # Horovod's: one batch ahead, so that each epoch ends on a round number and
+            # the last batch of warmup already runs at initial_lr.
+            epoch += 1.0 / self._steps if self._steps else 0.0
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
@@ -223,6 +236,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         """At the end of warmup the rate is exactly ``initial_lr``."""
         if epoch + 1 == self.warmup_epochs:
             self.model.optimizer.learning_rate = self.initial_lr
+        super().on_epoch_end(epoch, logs)
+        if epoch + 1 == self.warmup_epochs:
             if self.verbose and self._rr_get().rank() == 0:
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                       f"{self.initial_lr:g}.")

@@ -160,9 +160,8 @@ def _reducer(what: str, compression: type[Compressor], sparse_as_dense: bool, op
                                   "ringreduce.keras")
         return (_TorchReducer if backend == "torch" else _JaxReducer)(compression, op, scales)
     raise InvalidInputError(
-        f"{what}: Keras's {backend!r} backend is not supported: its trainer updates the "
-        "weights inside a compiled function that a host collective cannot join; use the "
-        "tensorflow or torch backend (KERAS_BACKEND=tensorflow)")
+        f"{what}: Keras's {backend!r} backend is not supported; use the tensorflow, torch "
+        "or jax backend (KERAS_BACKEND=tensorflow)")
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None,  # noqa: N802
@@ -211,8 +210,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
     passes = check_passes(what, backward_passes_per_step)
     if passes > 1 and keras.backend.backend() == "jax":
         raise InvalidInputError(f"{what}: backward_passes_per_step > 1 is not available with "
-                                "the jax backend (its step is one compiled function); use the "
-                                "Keras optimizer's gradient_accumulation_steps instead")
+                                "the jax backend (its step is one compiled function); the "
+                                "Keras optimizer's gradient_accumulation_steps accumulates, "
+                                "though it averages over the ranks at every batch")
     reduce = _reducer(what, compression, sparse_as_dense, op, gradient_predivide_factor,
                       num_groups, groups)
     base = type(optimizer)

@@ -93,6 +93,12 @@ def jitted_collectives() -> None:
         close(rs, np.full((1, 4), total), "jit reducescatter")
         close(mx, np.full(4, n - 1 + step), "jit Max")
         close(bf, np.full(4, total), "jit bf16 compression", tol=0.05)
+    engine = hvd._default_comm()._engine
+    from_numpy = jax.jit(lambda: hvd.allreduce(np.full(2, r + 1.0, np.float32), op=hvd.Sum))
+    before = engine.stats()["tensors"]
+    for _ in range(3):  # a numpy input is staged into the program: it runs every time
+        close(from_numpy(), np.full(2, n * (n + 1) / 2), "jit of a numpy input")
+    check(engine.stats()["tensors"] - before == 3, "a numpy input inside jit ran at trace time")
     if r == 0:  # traced on one rank only, never run: the names of later calls still agree
         jax.jit(lambda y: hvd.allreduce(y) * 3).lower(jnp.ones(2))
     close(jax.jit(lambda y: hvd.allreduce(y, op=hvd.Sum))(jnp.ones(2)), np.full(2, n),
@@ -169,6 +175,16 @@ def optimizer_equivalence() -> None:
         diff = max(float(jnp.abs(mine[k] - ref[k]).max()) for k in ref)
         event("equivalence", opt=label, diff=diff)
         check(diff < 1e-5, f"{label}: {diff} away from one process")
+    engine = hvd._default_comm()._engine
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1), backward_passes_per_step=2)
+    params = init_params(5)
+    before = engine.stats()["tensors"]
+    train(tx, params, X[:16], Y[:16], 4)  # 4 calls: two steps of the 3 leaves
+    check(engine.stats()["tensors"] - before == 6, "accumulating calls communicated")
+    leaves = hvd.broadcast_parameters({"f": np.float32(r), "i": 3 + r, "a": np.ones(2) * r}, 0)
+    check(type(leaves["f"]) is np.float32 and type(leaves["i"]) is int
+          and isinstance(leaves["a"], np.ndarray) and leaves["i"] == 3
+          and float(leaves["f"]) == 0.0, f"leaf kinds {leaves}")
     try:
         bad = {"w": jnp.ones(2 + r)}
         hvd.broadcast_parameters(bad, 0)

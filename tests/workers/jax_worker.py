@@ -129,6 +129,30 @@ def jitted_collectives() -> None:
         check("'mm'" in str(err), f"mismatch: {err}")
 
 
+def process_sets() -> None:
+    """Collectives and the optimizer on a process set of ranks 0 and the last."""
+    r, n = hvd.rank(), hvd.size()
+    if n < 3:
+        return
+    ps = hvd.add_process_set([0, n - 1])
+    if r in (0, n - 1):
+        close(hvd.allreduce(jnp.full(2, r + 1.0), op=hvd.Sum, process_set=ps),
+              np.full(2, n + 1.0), "eager allreduce on a set")
+        f = jax.jit(lambda y: hvd.allreduce(y, op=hvd.Sum, process_set=ps))
+        close(f(jnp.full(2, float(r))), np.full(2, n - 1.0), "jit allreduce on a set")
+        tx = hvd.DistributedOptimizer(optax.sgd(1.0), op=hvd.Sum, process_set=ps)
+        p = {"w": jnp.zeros(2)}
+        updates, _ = jax.jit(tx.update)({"w": jnp.full(2, r + 1.0)}, tx.init(p), p)
+        close(updates["w"], np.full(2, -(n + 1.0)), "optimizer on a set")
+    else:
+        try:
+            hvd.allreduce(jnp.ones(2), process_set=ps)
+            check(False, "a rank outside the set took part")
+        except hvd.InvalidInputError as err:
+            check("not a member" in str(err) or "not in" in str(err), f"outside the set: {err}")
+    hvd.remove_process_set(ps)
+
+
 def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     return jnp.mean((h @ params["w2"] - y) ** 2)
@@ -238,7 +262,7 @@ def main() -> None:
         raise AssertionError("rank() before init() went through")
     except hvd.NotInitializedError:
         pass
-    hvd.init()
+    hvd.init(process_sets="dynamic")
     set_rank(hvd.rank())
     if sys.argv[2] == "die":
         die()
@@ -246,6 +270,7 @@ def main() -> None:
     eager_collectives()
     jitted_collectives()
     optimizer_equivalence()
+    process_sets()
     checkpoints(sys.argv[1])
     hvd.barrier()
     say(f"OK rank {hvd.rank()}")

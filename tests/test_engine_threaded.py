@@ -218,6 +218,25 @@ def test_grouped_in_place_errors_keep_their_context():
     assert run_threaded(2, body) == [True, True]
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_grouped_calls_of_different_lengths_fail_on_every_rank(in_place):
+    """Rank 1 groups one tensor more than rank 0 under one name: both ranks raise
+    MismatchError naming the groups (the extra member is failed too), and the name works
+    again afterwards."""
+
+    def body(c):
+        xs = [np.ones(3, np.float32) for _ in range(3 + c.rank())]
+        with pytest.raises(rr.MismatchError, match="group='g#3'.*group='g#4'"):
+            if in_place:  # the C++ path of grouped_allreduce_arrays
+                c.grouped_allreduce_async_(xs, op=rr.Sum, name="g").wait()
+            else:
+                c.grouped_allreduce(xs, op=rr.Sum, name="g")
+        again = c.grouped_allreduce([np.ones(2, np.float32)] * 2, op=rr.Sum, name="g")
+        return [a.tolist() for a in again]
+
+    assert run_threaded(2, body, timeout=30) == [[[2.0, 2.0]] * 2] * 2
+
+
 def test_duplicate_name_in_flight_is_refused_until_synchronized():
     # Rank 1 submits only once rank 0 has checked: until then 'dup' cannot complete
     # (were rank 1 first, rank 0's call could finish before its second submit).

@@ -254,6 +254,10 @@ std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
   // own tensor table): two sets may use one name at the same time.
   for (Entry& e : entries)
     if (!e.meta.name.empty()) e.meta.name = set_name(e.meta.name, e.meta.members);
+  // A group's tag carries its member count: ranks that group different numbers of
+  // tensors under one name disagree on it, and the negotiator fails the whole group.
+  for (Entry& e : entries)
+    if (!e.meta.group.empty()) e.meta.group = cat(e.meta.group, "#", entries.size());
   try {
     for (Entry& e : entries)
       if (!e.meta.name.empty() || e.join) validate(e);

@@ -196,6 +196,55 @@ Response Negotiator::verdict(Pending& p) const {
   return r;
 }
 
+void Negotiator::end_negotiation(const Response& r) const {
+  if (!timeline_ || !timeline_->active()) return;
+  const std::string& name = r.tensors[0].name;
+  timeline_->negotiate_end(name);
+  if (r.type == RespType::kError) timeline_->end(name);  // nothing will run
+}
+
+// The group tags (grouped_allreduce: name and member count) the ranks submitted p with.
+std::vector<std::string> Negotiator::group_tags(const Pending& p) {
+  std::vector<std::string> tags;
+  for (size_t r = 0; r < p.metas.size(); ++r)
+    if (p.submitted[r] && !p.metas[r].group.empty() &&
+        std::find(tags.begin(), tags.end(), p.metas[r].group) == tags.end())
+      tags.push_back(p.metas[r].group);
+  return tags;
+}
+
+// A grouped call whose member failed (ranks grouped different tensors, or different
+// numbers of them) fails as a whole: its members that not every rank submitted will
+// never be ready, so they fail too, on the ranks that have them. A rank submits all
+// members of a group in one message, so none of them can still be on its way.
+void Negotiator::fail_groups(const std::map<std::string, std::string>& groups,
+                             std::vector<Response>* out, std::vector<Pending::Later>* later) {
+  if (groups.empty()) return;
+  std::vector<std::pair<uint64_t, decltype(table_)::iterator>> orphans;
+  for (auto it = table_.begin(); it != table_.end(); ++it)
+    for (const std::string& t : group_tags(it->second))
+      if (groups.count(t)) {
+        orphans.emplace_back(it->second.order, it);
+        break;
+      }
+  std::sort(orphans.begin(), orphans.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [order, it] : orphans) {
+    Pending& p = it->second;
+    Response r;
+    r.type = RespType::kError;
+    r.error_kind = ErrorKind::kMismatch;
+    r.contributors = p.count;
+    for (const std::string& t : group_tags(p))
+      if (r.message.empty() && groups.count(t)) r.message = groups.at(t);
+    r.tensors.push_back(std::move(p.metas[first_submitted(p)]));
+    for (Pending::Later& l : p.later) later->push_back(std::move(l));
+    table_.erase(it);
+    end_negotiation(r);
+    out->push_back(std::move(r));
+  }
+}
+
 // The calls that waited for a refused instance of their name to be decided
 // (Pending::later) start the next instance, in the order they came.
 void Negotiator::replay(std::vector<Pending::Later>& later, double now) {
@@ -218,15 +267,17 @@ std::vector<Response> Negotiator::decide(double now) {
     std::sort(done.begin(), done.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
     std::vector<Pending::Later> later;
+    std::map<std::string, std::string> failed_groups;  // group tag -> why
     for (auto& [order, it] : done) {
+      std::vector<std::string> tags = group_tags(it->second);
       ready_list.push_back(verdict(it->second));
+      if (ready_list.back().type == RespType::kError)
+        for (std::string& t : tags) failed_groups.emplace(std::move(t), ready_list.back().message);
       for (Pending::Later& l : it->second.later) later.push_back(std::move(l));
       table_.erase(it);
-      if (!timeline_ || !timeline_->active()) continue;
-      const std::string& name = ready_list.back().tensors[0].name;
-      timeline_->negotiate_end(name);
-      if (ready_list.back().type == RespType::kError) timeline_->end(name);  // nothing will run
+      end_negotiation(ready_list.back());
     }
+    fail_groups(failed_groups, &ready_list, &later);
     if (later.empty()) break;
     replay(later, now);
   }

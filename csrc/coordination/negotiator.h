@@ -79,6 +79,10 @@ class Negotiator {
     std::vector<Later> later;
   };
   void replay(std::vector<Pending::Later>& later, double now);
+  static std::vector<std::string> group_tags(const Pending& p);
+  void fail_groups(const std::map<std::string, std::string>& groups, std::vector<Response>* out,
+                   std::vector<Pending::Later>* later);
+  void end_negotiation(const Response& r) const;
   static size_t first_submitted(const Pending& p);
   static const RequestMeta& any_meta(const Pending& p);
   bool ready(const Pending& p) const;

@@ -364,6 +364,35 @@ def test_tf1_adasum_delta_optimizer():
                                  op=rtf.Adasum, gradient_predivide_factor=2.0)
 
 
+def test_tape_with_adasum_combines_the_gradients():
+    """DistributedGradientTape(op=Adasum) (Horovod's): the ranks' gradients combined with
+    Adasum, unscaled; an IndexedSlices gradient is densified first."""
+    from ringreduce._adasum import adasum_combine
+
+    def fn(rank):
+        v = tf.Variable([1.0, 2.0, -1.0], dtype=tf.float64)
+        table = tf.Variable(tf.ones([3, 2], tf.float64))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * v * (rank + 1) + v * rank) + tf.reduce_sum(
+                tf.gather(table, [rank]) * (rank + 2))
+        grads = rtf.DistributedGradientTape(tape, op=rtf.Adasum).gradient(loss, [v, table])
+        return [tf.convert_to_tensor(g).numpy() for g in grads]
+
+    v = np.array([1.0, 2.0, -1.0])
+    want_v = adasum_combine(*[2 * v * (r + 1) + r for r in range(2)])
+    rows = [np.zeros((3, 2)) for _ in range(2)]
+    for r in range(2):
+        rows[r][r] = r + 2
+    want_t = adasum_combine(*[t.ravel() for t in rows]).reshape(3, 2)
+    for got_v, got_t in run(2, fn):
+        np.testing.assert_allclose(got_v, want_v, rtol=1e-12)
+        np.testing.assert_allclose(got_t, want_t, rtol=1e-12)
+    with pytest.raises(rr.InvalidInputError, match="gradient_predivide_factor"):
+        with tf.GradientTape() as tape:
+            pass
+        rtf.DistributedGradientTape(tape, op=rtf.Adasum, gradient_predivide_factor=2.0)
+
+
 def test_broadcast_variables_checkpoints_and_objects(tmp_path):
     path = str(tmp_path / "ckpt.pkl")
 

@@ -26,9 +26,11 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from ringreduce import Communicator
+from ringreduce import Average, Communicator
+from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.compression import Compressor
+from ringreduce.exceptions import InvalidInputError
 
 from ._bridge import binder
 from .ops import _allreduce_dense, _allreduce_sparse
@@ -60,7 +62,8 @@ class GradientAverager:
     sparse_as_dense : bool
         Reduce IndexedSlices as dense tensors.
     op : int
-        ``Average`` or ``Sum``.
+        ``Average``, ``Sum`` or ``Adasum`` (Horovod's adaptive summation: the gradients are
+        combined as they are, IndexedSlices densified first).
     gradient_predivide_factor : float
         With Average: divide by it before the sum, by ``size / factor`` after.
     num_groups, groups :
@@ -74,9 +77,17 @@ class GradientAverager:
     def __init__(self, what: str, compression: type[Compressor], sparse_as_dense: bool,
                  op: int, gradient_predivide_factor: float, num_groups: Any = 0,
                  groups: Any = None, unique: bool = True) -> None:
-        self.scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
+        adasum = not isinstance(op, bool) and op == Adasum
+        if adasum and gradient_predivide_factor != 1.0:
+            raise InvalidInputError(f"{what}: gradient_predivide_factor needs op=Average; "
+                                    "Adasum combines the gradients as they are")
+        self.scales = optimizer_scales(what, Average if adasum else op,
+                                       gradient_predivide_factor, num_groups, groups,
                                        "ringreduce.tensorflow")
+        if adasum:
+            self.scales = (1.0, 1.0)
         self.what, self.op = what, op
+        sparse_as_dense = sparse_as_dense or adasum  # Adasum needs whole tensors
         self.compression, self.sparse_as_dense = compression, bool(sparse_as_dense)
         self.get = binder()
         self.name = instance_name(what, self.get()) if unique else what

@@ -153,6 +153,27 @@ def process_sets() -> None:
     hvd.remove_process_set(ps)
 
 
+def uneven_join() -> None:
+    """Rank r runs 2 + r jitted steps, then join(): the others' later steps average over
+    the ranks still contributing (Horovod's join)."""
+    r, n = hvd.rank(), hvd.size()
+    tx = hvd.DistributedOptimizer(optax.sgd(1.0))
+    p = {"w": jnp.zeros(2)}
+    s = tx.init(p)
+
+    @jax.jit
+    def step(p: dict, s: optax.OptState) -> tuple:
+        u, s = tx.update({"w": jnp.full(2, r + 1.0)}, s, p)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(2 + r):
+        p, s = step(p, s)
+    last = hvd.join()
+    want = -sum(np.mean([q + 1.0 for q in range(n) if q + 2 > i]) for i in range(2 + r))
+    close(p["w"], np.full(2, want), "steps after other ranks joined")
+    check(last == n - 1, f"last joined {last}")
+
+
 def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     return jnp.mean((h @ params["w2"] - y) ** 2)
@@ -271,6 +292,7 @@ def main() -> None:
     jitted_collectives()
     optimizer_equivalence()
     process_sets()
+    uneven_join()
     checkpoints(sys.argv[1])
     hvd.barrier()
     say(f"OK rank {hvd.rank()}")

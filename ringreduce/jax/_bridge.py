@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ringreduce import Communicator, _binder, _on, _wrapped_errors
-from ringreduce.exceptions import InvalidInputError, RingReduceError, call_label
+from ringreduce.exceptions import InvalidInputError, RingReduceError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
 __all__ = ["Getter", "binder", "host_call", "is_traced", "run_translated", "to_host",
@@ -137,7 +137,3 @@ def run_translated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def spec(x: Any, shape: Optional[Sequence[int]] = None) -> jax.ShapeDtypeStruct:
     """The result description of a collective returning ``x``'s dtype in ``shape``."""
     return jax.ShapeDtypeStruct(tuple(x.shape if shape is None else shape), x.dtype)
-
-
-def label(kind: str, name: Optional[str]) -> str:
-    return call_label(kind, name)

@@ -155,19 +155,29 @@ py::object wait_array(ArrayHandle& h) {
   return h.array;
 }
 
-// An allreduce entry for `x` if it is a C-contiguous numpy array of a plain
-// dtype, writable when the result goes into it (`result` None: in place; else
-// an array like `x` for the result); false otherwise (the general path
+// An entry of `kind` reading `x` and writing `out` if `x` is a C-contiguous numpy
+// array of a plain dtype, writable if `writable`; false otherwise (the general path
 // converts or raises with context).
-bool plain_array_entry(py::handle x, std::string name, int32_t op, double pre, double post,
-                       Entry* out, py::handle result = py::none()) {
+bool plain_entry_named(CollKind kind, py::handle x, std::string name, bool writable, py::handle out,
+                       Entry* e) {
   if (!py::isinstance<py::array>(x)) return false;
   const auto arr = py::reinterpret_borrow<py::array>(x);
-  if (!(arr.flags() & py::array::c_style) || (result.is_none() && !arr.writeable())) return false;
+  if (!(arr.flags() & py::array::c_style) || (writable && !arr.writeable())) return false;
   const int32_t code = plain_dtype_code(arr.dtype());
   if (code < 0) return false;
-  *out = entry(CollKind::kAllreduce, x, result.is_none() ? x : result,
-               std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code, std::move(name));
+  *e = entry(kind, x, out, std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code,
+             std::move(name));
+  return true;
+}
+
+// An allreduce entry for `x` (`result` None: in place, so `x` must be writable; else
+// an array like `x` for the result).
+bool plain_array_entry(py::handle x, std::string name, int32_t op, double pre, double post,
+                       Entry* out, py::handle result = py::none()) {
+  const bool in_place = result.is_none();
+  if (!plain_entry_named(CollKind::kAllreduce, x, std::move(name), in_place, in_place ? x : result,
+                         out))
+    return false;
   reducing(*out, op, pre, post);
   return true;
 }
@@ -260,19 +270,13 @@ py::array owned_array(HandleState& h, size_t i, const py::dtype& dtype, bool fla
   return py::array(dtype, std::move(shape), o.data.get(), owner);
 }
 
-// A C-contiguous numpy array of a plain dtype (writable if `writable`), as an
-// entry of `kind` reading it and writing `out`; false: the general path.
+// plain_entry_named with the name as Python passed it (None or a str; anything else:
+// false, for the general path).
 bool plain_entry(CollKind kind, py::handle x, py::handle name, bool writable, py::handle out,
                  Entry* e) {
-  if (!py::isinstance<py::array>(x) || !(name.is_none() || PyUnicode_CheckExact(name.ptr())))
-    return false;
-  const auto arr = py::reinterpret_borrow<py::array>(x);
-  if (!(arr.flags() & py::array::c_style) || (writable && !arr.writeable())) return false;
-  const int32_t code = plain_dtype_code(arr.dtype());
-  if (code < 0) return false;
-  *e = entry(kind, x, out, std::vector<int64_t>(arr.shape(), arr.shape() + arr.ndim()), code,
-             name.is_none() ? std::string() : name.cast<std::string>());
-  return true;
+  return (name.is_none() || PyUnicode_CheckExact(name.ptr())) &&
+         plain_entry_named(kind, x, name.is_none() ? std::string() : name.cast<std::string>(),
+                           writable, out, e);
 }
 
 int set_size(Engine& e) {

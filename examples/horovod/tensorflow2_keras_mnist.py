@@ -30,8 +30,7 @@ from __future__ import annotations
 import sys
 
 import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from _digits_data import load_data, report_ranks
 
 import ringreduce as horovod  # was: import horovod
 import ringreduce.keras as hvd  # was: import horovod.tensorflow.keras as hvd
@@ -40,26 +39,12 @@ EPOCHS = 8
 STEPS = 48  # per epoch, for one rank
 
 
-def load_data() -> tuple:
-    """The digits as (images, labels) for training and for testing (a fixed 80/20 split)."""
-    digits = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(digits.images, digits.target, test_size=0.2,
-                                              random_state=0, stratify=digits.target)
-    return (x_tr, y_tr), (x_te, y_te)
-
-
 def report(model: tf.keras.Model, test: tuple) -> float:
     """Score the test split on every rank; rank 0 prints every rank's accuracy and weights."""
     images, labels = test
     _, accuracy = model.evaluate(tf.cast(images[..., tf.newaxis] / 16.0, tf.float32), labels,
                                  verbose=0)
-    checksum = tf.add_n([tf.reduce_sum(tf.cast(v, tf.float64)) for v in model.weights])
-    ranks = hvd.allgather(tf.stack([[tf.constant(accuracy, tf.float64), checksum]])).numpy()
-    if hvd.rank() == 0:
-        print(f"final test accuracy: {accuracy:.4f} (ranks: "
-              f"{', '.join(f'{a:.4f}' for a in ranks[:, 0])}; weight checksums: "
-              f"{', '.join(f'{c:.10g}' for c in ranks[:, 1])})", flush=True)
-    return accuracy
+    return report_ranks(hvd, accuracy, model)
 
 
 def train() -> tf.keras.Model:

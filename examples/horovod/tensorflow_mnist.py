@@ -34,8 +34,7 @@ import argparse
 
 import numpy as np
 import tensorflow.compat.v1 as tf  # was: import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from _digits_data import load_data
 
 import ringreduce.tensorflow as hvd  # was: import horovod.tensorflow as hvd
 
@@ -139,14 +138,6 @@ def train_input_generator(x_train, y_train, batch_size=64):
             yield x_train[index:index + batch_size], \
                 y_train[index:index + batch_size],
             index += batch_size
-
-
-def load_data():
-    """The digits as ((x_train, y_train), (x_test, y_test)) (a fixed 80/20 split)."""
-    digits = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(digits.images, digits.target, test_size=0.2,
-                                              random_state=0, stratify=digits.target)
-    return (x_tr, y_tr), (x_te, y_te)
 
 
 def main(_):

@@ -145,10 +145,11 @@ def _accumulating(inner: Any, update: Any, passes: int, optax: Any) -> Any:
     return optax.GradientTransformationExtraArgs(init, accumulate)
 
 
-def _leaves(tree: Any, what: str) -> tuple[list, list, Any]:
-    """(paths, leaves as numpy arrays, treedef); a leaf that is not an array is refused."""
+def _leaves(tree: Any, what: str) -> tuple[list, list, list, Any]:
+    """(paths, leaves, the leaves as numpy arrays, treedef); a leaf that is not an array is
+    refused."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths, arrays = [], []
+    paths, leaves, arrays = [], [], []
     for path, leaf in pairs:
         key = jax.tree_util.keystr(path)
         if is_traced(leaf):
@@ -159,24 +160,22 @@ def _leaves(tree: Any, what: str) -> tuple[list, list, Any]:
             raise InvalidInputError(f"{what}: {key} is a {type(leaf).__name__}, not an array; "
                                     "use broadcast_object() for other values") from err
         paths.append(key)
-    return paths, arrays, treedef
+        leaves.append(leaf)
+    return paths, leaves, arrays, treedef
 
 
 def _broadcast_tree(tree: Any, root_rank: int, what: str, process_set: ProcessSet) -> Any:
-    paths, arrays, treedef = _leaves(tree, what)
+    paths, leaves, arrays, treedef = _leaves(tree, what)
     c = binder(process_set, what)()
     agree(c, what, [(p, (a.shape, a.dtype.str)) for p, a in zip(paths, arrays)],
           " on the pytree to broadcast")
     wait_all([c.broadcast_async_(a, root_rank, f"{what}.{p}") for p, a in zip(paths, arrays)])
-    kinds = [leaf for leaf in jax.tree_util.tree_leaves(tree)]
-    return jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(a) if isinstance(k, jax.Array) else _like(k, a)
-                  for k, a in zip(kinds, arrays)])
+    return jax.tree_util.tree_unflatten(treedef, [_like(k, a) for k, a in zip(leaves, arrays)])
 
 
 def _like(leaf: Any, value: np.ndarray) -> Any:
     """``value`` in ``leaf``'s kind: numpy stays numpy (a numpy scalar a numpy scalar), a
-    Python scalar a Python scalar."""
+    Python scalar a Python scalar, anything else (a JAX array) becomes a JAX array."""
     if isinstance(leaf, np.ndarray):
         return value
     if isinstance(leaf, np.generic):

@@ -94,10 +94,16 @@ def peers(cp: Any, op: str) -> dict:
             impls["torch-nccl"] = lambda buf: dist.all_reduce(torch.from_dlpack(buf)) or buf
     except Exception as e:  # noqa: BLE001 - a peer that cannot start is left out, said why
         print(f"# torch.distributed NCCL left out on rank {rr.rank()}: {e}")
-    from cupy.cuda import nccl
+    try:
+        from cupy.cuda import nccl
 
-    uid = rr.broadcast_object(nccl.get_unique_id() if rr.rank() == 0 else None, 0, "bench.uid")
-    comm = nccl.NcclCommunicator(rr.size(), uid, rr.rank())
+        uid = rr.broadcast_object(nccl.get_unique_id() if rr.rank() == 0 else None, 0,
+                                  "bench.uid")
+        comm = nccl.NcclCommunicator(rr.size(), uid, rr.rank())
+    except Exception as e:  # noqa: BLE001 - as for torch above
+        print(f"# CuPy NCCL left out on rank {rr.rank()}: {e}")
+        return impls
+
     def cupy_allgather(buf: Any) -> Any:
         out = cp.empty(buf.size * rr.size(), cp.float32)
         comm.allGather(buf.data.ptr, out.data.ptr, buf.size, nccl.NCCL_FLOAT32,
@@ -146,13 +152,22 @@ def main() -> None:
     import cupy as cp
 
     rr.init()
-    cp.cuda.Device(rr.local_rank()).use()
+    gpus = cp.cuda.runtime.getDeviceCount()
+    if rr.local_size() > gpus:
+        # Ranks share a GPU (one lent GPU): NCCL refuses that within one host, so each rank
+        # claims a host of its own and every byte goes over NCCL's loopback sockets. A check
+        # that everything runs on a real GPU, not a measurement of GPU bandwidth.
+        os.environ["NCCL_HOSTID"] = f"rr-bench-{rr.rank()}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    cp.cuda.Device(rr.local_rank() % gpus).use()
     impls = peers(cp, args.op)
     names = list(impls)
     say = print if rr.rank() == 0 else (lambda *a, **k: None)
     n = rr.size()
     what = "allgather, new output" if args.op == "allgather" else "allreduce, Sum, in place"
-    say(f"# gpu_allreduce: {n} ranks, float32, {what}; {rr.gpu_info()['nccl_path']}")
+    shared = " (ranks share a GPU: NCCL over loopback sockets)" if n > gpus else ""
+    say(f"# gpu_allreduce: {n} ranks on {gpus} GPU(s){shared}, float32, {what}; "
+        f"{rr.gpu_info()['nccl_path']}")
     say(f"{'size (B)':>12} {'count':>11} " + "".join(
         f"| {name + ' time(us)':>22} {'algbw':>8} {'busbw':>8} " for name in names) + "| check")
     nbytes = args.min_bytes

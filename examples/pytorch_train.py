@@ -5,6 +5,10 @@ Run with any number of processes::
     mpirun -np 2 python examples/pytorch_train.py
     mpirun -np 2 python examples/pytorch_train.py --resume      # continue from checkpoints/
 
+On a machine with NVIDIA GPUs each rank trains on GPU ``local_rank()`` (``--device auto``,
+the default, picks CUDA when torch sees a GPU; one process per GPU) and the gradients are
+averaged by NCCL on the GPU; ``--device cpu`` keeps everything on the host.
+
 Horovod's recipe: every rank keeps a fixed per-rank batch (so the global batch, and
 the learning rate with it, scale with the number of ranks), the training set is
 sharded by rank, the initial weights and optimizer state are broadcast from rank 0,
@@ -48,6 +52,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default="checkpoints",
                    help=f"where rank 0 writes {CKPT_NAME} after every epoch")
     p.add_argument("--resume", action="store_true", help=f"resume from <dir>/{CKPT_NAME}")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where to train: auto (default) is cuda when torch sees a GPU")
     args = p.parse_args(argv)
     if args.epochs < 0 or args.batch_size <= 0 or args.lr <= 0:
         p.error("--epochs must be >= 0, --batch-size and --lr > 0")
@@ -70,13 +76,22 @@ class Net(nn.Module):
         return self.head(self.features(x))
 
 
-def load_data() -> tuple[torch.Tensor, ...]:
-    """The digits as float images in [0, 1] and int64 labels: x_train, y_train, x_test, y_test."""
+def pick_device(choice: str) -> torch.device:
+    """This rank's device: GPU ``local_rank()`` (Horovod's recipe) or the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(rr.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def load_data(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The digits as float images in [0, 1] and int64 labels on ``device``: x_train,
+    y_train, x_test, y_test."""
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[:, None]
     xtr, xte, ytr, yte = train_test_split(x, digits.target.astype(np.int64), test_size=0.2,
                                           random_state=SPLIT_SEED, stratify=digits.target)
-    return tuple(torch.from_numpy(a) for a in (xtr, ytr, xte, yte))
+    return tuple(torch.from_numpy(a).to(device) for a in (xtr, ytr, xte, yte))
 
 
 def shard(n: int, batch: int, seed: int, epoch: int) -> list[torch.Tensor]:
@@ -85,7 +100,7 @@ def shard(n: int, batch: int, seed: int, epoch: int) -> list[torch.Tensor]:
     The permutation depends only on (seed, epoch): the same on every rank and after
     a resume. Rank r takes perm[r::size]; every rank gets the same number of batches.
     """
-    perm = torch.from_numpy(np.random.default_rng([seed, epoch]).permutation(n))
+    perm = torch.from_numpy(np.random.default_rng([seed, epoch]).permutation(n))  # host indices
     mine = perm[rr.rank()::rr.size()][: n // rr.size()]
     return [mine[i:i + batch] for i in range(0, len(mine) - batch + 1, batch)]
 
@@ -97,14 +112,16 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     xs, ys = x[rr.rank()::rr.size()], y[rr.rank()::rr.size()]
     correct = int((model(xs).argmax(1) == ys).sum()) if len(ys) else 0
     model.train()
-    totals = rr.allreduce(torch.tensor([correct, len(ys)]), op=rr.Sum, name="eval")
+    totals = rr.allreduce(torch.tensor([correct, len(ys)], device=x.device), op=rr.Sum,
+                          name="eval")
     return float(totals[0]) / max(float(totals[1]), 1.0)
 
 
-def setup(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+def setup(args: argparse.Namespace,
+          device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """Model and DistributedOptimizer, identical on every rank; returns the start epoch."""
     torch.manual_seed(args.seed + rr.rank())  # different on purpose: the broadcast fixes it
-    model = Net()
+    model = Net().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * rr.size(), momentum=0.9)
     opt = rr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                   compression=getattr(rr.Compression, args.compression))
@@ -118,8 +135,11 @@ def setup(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, i
 
 def train(args: argparse.Namespace) -> float:
     """Train and evaluate (ringreduce initialised); returns the final test accuracy."""
-    xtr, ytr, xte, yte = load_data()
-    model, opt, start = setup(args)
+    device = pick_device(args.device)
+    if rr.rank() == 0:
+        print(f"{rr.size()} rank(s); rank 0 trains on {device}", flush=True)
+    xtr, ytr, xte, yte = load_data(device)
+    model, opt, start = setup(args, device)
     loss_fn = nn.CrossEntropyLoss()
     steps = len(shard(len(xtr), args.batch_size, args.seed, 0))
     bar = tqdm(total=args.epochs * steps, initial=min(start, args.epochs) * steps,
@@ -127,13 +147,13 @@ def train(args: argparse.Namespace) -> float:
     for epoch in range(start, args.epochs):
         for group in opt.param_groups:  # decay by epoch number alone: resumes stay exact
             group["lr"] = args.lr * rr.size() * LR_DECAY ** epoch
-        total = torch.zeros(2, dtype=torch.float64)  # loss sum, batches
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, batches
         for idx in shard(len(xtr), args.batch_size, args.seed, epoch):
             opt.zero_grad()
             loss = loss_fn(model(xtr[idx]), ytr[idx])
             loss.backward()
             opt.step()
-            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            total += torch.stack([loss.detach().double(), total.new_ones(())])
             bar.update(1)
         mean = rr.allreduce(total, op=rr.Sum, name="epoch_loss")
         acc = evaluate(model, xte, yte)

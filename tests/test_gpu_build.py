@@ -237,8 +237,10 @@ def test_nccl_loads_from_the_wheel_without_a_gpu():
     lib = _gpu.nccl_library()
     assert Path(lib.path).resolve() == Path(dirs[0], "libnccl.so.2").resolve()
     # The version ncclGetVersion reports is the wheel's (2.x.y -> 2 * 10000 + x * 100 + y).
-    major, minor, patch = (int(p) for p in
-                           importlib.metadata.version("nvidia-nccl-cu12").split(".")[:3])
+    # nvidia-nccl-cu12 here and in CI; a CUDA 13 machine may have nvidia-nccl-cu13 instead.
+    wheel = next(d for d in importlib.metadata.distributions()
+                 if (d.metadata["Name"] or "").lower().startswith("nvidia-nccl-cu"))
+    major, minor, patch = (int(p) for p in wheel.version.split(".")[:3])
     assert rr.nccl_version() == major * 10000 + minor * 100 + patch
     assert G.nccl_version_string(rr.nccl_version()) == f"{major}.{minor}.{patch}"
     info = rr.gpu_info()

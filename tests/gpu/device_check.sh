@@ -1,42 +1,52 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a lent GPU machine (the `device` tool; its image has
-# python3 with torch, CuPy, nvcc, pybind11 and the NCCL wheel, and no network):
+# python3 with torch, CuPy, pytest-xdist, nvcc, pybind11 and the NCCL wheel, and no network):
 #
-#     bash tests/gpu/device_check.sh            # in the repository root; ~5-8 minutes
+#     bash tests/gpu/device_check.sh            # in the repository root; ~4-6 minutes
 #
 # Builds the extension in place with nvcc (no pip: nothing can be fetched there), prints
-# what the build and the machine have, runs the GPU build tests and the GPU tier
-# (tests/gpu: np = the visible GPUs, at most 2; a single GPU runs every check at np=1),
-# then the GPU benchmark at np = the visible GPUs (at most 2). Everything it prints also
-# goes to $OUT/gpu_check.log (the device tool brings $OUT back), or to
-# /tmp/rr-gpu-check/gpu_check.log.
+# what the build and the machine have, runs the GPU build tests and the GPU tier (tests/gpu,
+# its tests side by side; on fewer GPUs than a test's ranks the ranks share them, see
+# test_gpu_real.py), then the GPU benchmark at np=1 and at np=2 (on one GPU the two ranks
+# share it: a run that checks, not a measurement). Everything it prints also goes to
+# $OUT/gpu_check.log (the device tool brings $OUT back), or to /tmp/rr-gpu-check/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT:-/tmp/rr-gpu-check}
 mkdir -p "$OUT_DIR"
 exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_DEBUG=WARN
 PY=${PYTHON:-python3}
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
-echo "== machine"; date; nvidia-smi -L; nvcc --version | tail -1; "$PY" --version
+stamp "== machine"; nvidia-smi -L; nvcc --version | tail -1; "$PY" --version; nproc
 "$PY" -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
-echo "== build"
-start=$(date +%s)
-RINGREDUCE_WITH_CUDA=1 "$PY" setup.py -q build_ext --inplace || { echo "BUILD FAILED"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+stamp "== build"
+RINGREDUCE_WITH_CUDA=1 "$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.log" 2>&1 \
+    || { tail -40 "$OUT_DIR/build.log"; echo "BUILD FAILED"; exit 1; }
+grep -i "nvcc:\|warning" "$OUT_DIR/build.log" | head -20
 "$PY" -c "import ringreduce as rr; print(rr.gpu_info())"
-echo "== tests"
-timeout 420 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_build.py tests/gpu
+stamp "== tests"
+xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 6")
+timeout 330 "$PY" -m pytest -q -rs -p no:cacheprovider $xdist --durations=12 \
+    tests/test_gpu_build.py tests/gpu
 tests=$?
-echo "== benchmark"
-n=$("$PY" -c "import ringreduce as rr; print(min(2, rr.gpu_info()['cuda_device_count']))")
-if [ "$n" -ge 1 ]; then
-  timeout 180 "$PY" -m ringreduce -np "$n" "$PY" benchmarks/gpu_allreduce.py \
-      --max-bytes $((256 << 20)) --reps 3
-  timeout 120 "$PY" -m ringreduce -np "$n" "$PY" benchmarks/gpu_allreduce.py \
-      --op allgather --max-bytes $((64 << 20)) --reps 3
-else
-  echo "no CUDA device: no benchmark"
+stamp "== compute-sanitizer memcheck: the kernel self-test, then the worker at np=1"
+san="compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20"
+timeout 120 $san "$PY" -c "from ringreduce import _core; print('selftest:', repr(_core.gpu.kernel_selftest(0)))"
+echo "sanitizer (selftest) exit $?"
+RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+    timeout 200 $san "$PY" tests/workers/gpu_worker.py --arrays cupy
+echo "sanitizer (worker) exit $?"
+stamp "== benchmark"
+if [ "${RR_SKIP_BENCH:-0}" = 0 ]; then
+  for n in 1 2; do
+    timeout 100 "$PY" -m ringreduce -np $n "$PY" benchmarks/gpu_allreduce.py \
+        --min-bytes 8 --factor 8 --max-bytes $(( n == 1 ? 128 << 20 : 16 << 20 )) --reps 3
+    timeout 60 "$PY" -m ringreduce -np $n "$PY" benchmarks/gpu_allreduce.py \
+        --op allgather --max-bytes $(( n == 1 ? 64 << 20 : 4 << 20 )) --reps 3
+  done
 fi
-echo "== done: tests exit $tests"
+stamp "== done: tests exit $tests"
 exit $tests

@@ -44,7 +44,7 @@ def main() -> None:
     rr.init()
     rank, size = rr.rank(), rr.size()
     set_rank(rank)
-    torch.cuda.set_device(rr.local_rank())
+    torch.cuda.set_device(rr.local_rank() % torch.cuda.device_count())
     torch.manual_seed(1234 + rank)  # different initial weights: the broadcast must fix them
     model = rr.SyncBatchNorm.convert_sync_batchnorm(net()).cuda()
     opt = rr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

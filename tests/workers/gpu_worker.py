@@ -6,7 +6,7 @@ __cuda_array_interface__) go through the real intake, engine, GPU executor (plan
 buffer, pack/unpack, scaling) and NCCL bootstrap, with ringreduce's CPU collectives
 standing in for NCCL. Rank r's arrays are on "GPU r", as with one GPU per process.
 ``--arrays cupy`` / ``--arrays torch`` (tests/gpu/, a real GPU per rank): the same checks on
-CuPy arrays or torch CUDA tensors on GPU ``local_rank``.
+CuPy arrays or torch CUDA tensors on GPU ``local_rank`` (mod the GPUs there are).
 
     RINGREDUCE_GPU_EMULATE=1 python gpu_worker.py --arrays emulated
 """
@@ -56,12 +56,12 @@ class Arrays:
         if kind == "cupy":
             import cupy
 
-            cupy.cuda.Device(rr.local_rank()).use()
+            cupy.cuda.Device(rr.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
             self.xp = cupy
         elif kind == "torch":
             import torch
 
-            torch.cuda.set_device(rr.local_rank())
+            torch.cuda.set_device(rr.local_rank() % torch.cuda.device_count())
             self.xp = torch
 
     def make(self, a: np.ndarray, cai: bool = False):

@@ -3,7 +3,8 @@ broadcast_optimizer_state and SyncBatchNorm, unchanged from the CPU recipe but f
 ``.cuda()``. Every rank trains on its slice of the batch; the weights must equal one
 process training on the whole batch (computed here with plain torch), and be identical on
 every rank. Also DistributedOptimizer with Compression.fp16 through the GPU executor's
-casts. Logs ``OK rank <r>``.
+casts, and Horovod's AMP recipe (autocast, GradScaler, synchronize / unscale_ /
+skip_synchronize) with a step that overflows on one rank. Logs ``OK rank <r>``.
 
     python gpu_torch_worker.py        # one process per GPU
 """
@@ -40,6 +41,44 @@ def check_compressed_optimizer(rank: int, size: int) -> None:
     assert torch.equal(w.detach().cpu(), -(wsum * torch.tensor(1 / size))), w
 
 
+def check_amp_grad_scaler(rank: int, size: int) -> None:
+    """autocast(float16) and GradScaler on CUDA, Horovod's way: synchronize(), unscale_(),
+    step() under skip_synchronize(). The weights follow one process on the whole batch; at
+    step 1 the last rank's loss is inf, so the averaged gradient is not finite on every rank:
+    every rank skips that step and halves its scale."""
+    torch.manual_seed(5)
+    model = torch.nn.Linear(16, 4).cuda()
+    ref = copy.deepcopy(model)
+    opt = rr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=[(f"amp.{n}", p)
+                                                    for n, p in model.named_parameters()])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(3):
+        x = torch.randn(4 * size, 16, generator=gen).cuda()
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x[rank * 4:(rank + 1) * 4]).float().pow(2).mean()
+        if step == 1 and rank == size - 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        if step != 1:
+            ref_opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                ref(x).float().pow(2).mean().backward()
+            ref_opt.step()
+    assert scaler.get_scale() == 2.0 ** 9, scaler.get_scale()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-3, atol=1e-5), (p, q)
+        assert torch.equal(rr.broadcast(p.detach(), root_rank=0, name="amp.check"), p.detach())
+
+
 def main() -> None:
     rr.init()
     rank, size = rr.rank(), rr.size()
@@ -71,6 +110,7 @@ def main() -> None:
         assert torch.equal(same, p.detach()), f"rank {rank}: {name} differs from rank 0"
     copy.deepcopy(model.state_dict())  # the state is ordinary CUDA tensors
     check_compressed_optimizer(rank, size)
+    check_amp_grad_scaler(rank, size)
     rr.shutdown()
     say(f"OK rank {rank}")
 

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import sys
 import time
 from typing import Any, Callable
+
+from gpu_common import init_torch_nccl, require_gpu, this_rank_gpu
 
 import ringreduce as rr
 
@@ -53,17 +53,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def require_gpu() -> None:
-    """Exit with status 2 and the reason unless a CUDA device and NCCL are usable."""
-    info = rr.gpu_info()
-    missing = info["cuda_error"] or ("" if info["cuda_device_count"] else "no CUDA device")
-    if not missing and not info["nccl_version"]:
-        missing = f"no NCCL ({info['nccl_error']})"
-    if missing:
-        print(f"gpu_allreduce: needs one CUDA GPU per rank and NCCL; {missing}", file=sys.stderr)
-        sys.exit(2)
-
-
 def peers(cp: Any, op: str) -> dict:
     """The implementations of ``op``: ringreduce always; torch NCCL and CuPy NCCL when
     importable. Each returns its result (allgather: a new array of every rank's buffer)."""
@@ -75,14 +64,7 @@ def peers(cp: Any, op: str) -> dict:
         import torch
         import torch.distributed as dist
 
-        addr = "127.0.0.1" if rr.cross_size() == 1 else socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        addr, port = rr.broadcast_object((addr, port), root_rank=0, name="bench.tcp")
-        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=rr.rank(),
-                                world_size=rr.size(), device_id=torch.device("cuda", cp.cuda
-                                                                             .Device().id))
+        init_torch_nccl(cp.cuda.Device().id)
         if op == "allgather":
             def torch_allgather(buf: Any) -> Any:
                 t = torch.from_dlpack(buf)
@@ -148,18 +130,12 @@ def correct(cp: Any, fn: Fn, n: int, op: str) -> bool:
 
 def main() -> None:
     args = parse_args()
-    require_gpu()
+    require_gpu("gpu_allreduce")
     import cupy as cp
 
     rr.init()
-    gpus = cp.cuda.runtime.getDeviceCount()
-    if rr.local_size() > gpus:
-        # Ranks share a GPU (one lent GPU): NCCL refuses that within one host, so each rank
-        # claims a host of its own and every byte goes over NCCL's loopback sockets. A check
-        # that everything runs on a real GPU, not a measurement of GPU bandwidth.
-        os.environ["NCCL_HOSTID"] = f"rr-bench-{rr.rank()}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    cp.cuda.Device(rr.local_rank() % gpus).use()
+    device, gpus = this_rank_gpu()
+    cp.cuda.Device(device).use()
     impls = peers(cp, args.op)
     names = list(impls)
     say = print if rr.rank() == 0 else (lambda *a, **k: None)

@@ -156,15 +156,16 @@ def test_keras_scaling_runs_both_libraries_at_both_sizes():
     assert "intra-op 1, inter-op 1" in out, out
 
 
-def test_gpu_allreduce_says_what_is_missing_without_a_gpu():
+@pytest.mark.parametrize("program", ["gpu_allreduce", "gpu_step"])
+def test_gpu_benchmarks_say_what_is_missing_without_a_gpu(program):
     import ringreduce as rr
 
     if rr.gpu_info()["cuda_device_count"] and rr.nccl_built():
-        pytest.skip("this machine has a GPU: tests/gpu/ runs the GPU tier")
-    job = run_single(BENCH / "gpu_allreduce.py", timeout=60)
+        pytest.skip("this machine has a GPU: tests/gpu/device_check.sh runs the benchmarks")
+    job = run_single(BENCH / f"{program}.py", timeout=60)
     (proc,) = job.procs
     assert proc.returncode == 2, job.describe()
-    assert "gpu_allreduce: needs one CUDA GPU per rank and NCCL; " in proc.stderr, proc.stderr
+    assert f"{program}: needs one CUDA GPU per rank and NCCL; " in proc.stderr, proc.stderr
     assert rr.gpu_info()["cuda_error"] or "no CUDA device" in proc.stderr
 
 

@@ -8,7 +8,9 @@
 # what the build and the machine have, runs the GPU build tests and the GPU tier (tests/gpu,
 # its tests side by side; on fewer GPUs than a test's ranks the ranks share them, see
 # test_gpu_real.py), then the GPU benchmark at np=1 and at np=2 (on one GPU the two ranks
-# share it: a run that checks, not a measurement). Everything it prints also goes to
+# share it: a run that checks, not a measurement), and the ResNet-50 training step
+# (benchmarks/gpu_step.py). RR_SKIP_TESTS=1 / RR_SKIP_BENCH=1 leave out the tests and
+# the sanitizer / the benchmarks. Everything it prints also goes to
 # $OUT/gpu_check.log (the device tool brings $OUT back), or to /tmp/rr-gpu-check/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +29,8 @@ RINGREDUCE_WITH_CUDA=1 "$PY" setup.py -q build_ext --inplace >"$OUT_DIR/build.lo
     || { tail -40 "$OUT_DIR/build.log"; echo "BUILD FAILED"; exit 1; }
 grep -i "nvcc:\|warning" "$OUT_DIR/build.log" | head -20
 "$PY" -c "import ringreduce as rr; print(rr.gpu_info())"
+tests=0
+if [ "${RR_SKIP_TESTS:-0}" = 0 ]; then
 stamp "== tests"
 xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 6")
 timeout 330 "$PY" -m pytest -q -rs -p no:cacheprovider $xdist --durations=12 \
@@ -51,6 +55,7 @@ fails=0
 for pid in "${pids[@]}"; do wait "$pid" || fails=$((fails + 1)); done
 tail -n 3 "$OUT_DIR/sanitizer_rank0.log" "$OUT_DIR/sanitizer_rank1.log"
 echo "sanitizer (worker, np=2): $fails rank(s) failed"
+fi
 stamp "== benchmark"
 if [ "${RR_SKIP_BENCH:-0}" = 0 ]; then
   for n in 1 2; do
@@ -59,6 +64,8 @@ if [ "${RR_SKIP_BENCH:-0}" = 0 ]; then
     timeout 60 "$PY" -m ringreduce -np $n "$PY" benchmarks/gpu_allreduce.py \
         --op allgather --max-bytes $(( n == 1 ? 64 << 20 : 4 << 20 )) --reps 3
   done
+  timeout 150 "$PY" -m ringreduce -np 1 "$PY" benchmarks/gpu_step.py --steps 20
+  timeout 100 "$PY" -m ringreduce -np 2 "$PY" benchmarks/gpu_step.py --model small --steps 5
 fi
 stamp "== done: tests exit $tests"
 exit $tests

@@ -611,7 +611,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
     args, kwargs : optional
         Its arguments.
     np : int, optional
-        Number of ranks (default 2).
+        Number of ranks (default 1, as ``horovod.run``'s ``num_proc``).
     hosts : str or sequence of HostSlots, optional
         ``"host1:2,host2:2"`` or parsed entries; default all local.
     timeout : float, optional
@@ -660,7 +660,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
     if hostfile is not None:
         host_list = parse_hostfile(hostfile)
     if np is None:
-        np = 2
+        np = 1  # horovod.run's num_proc default
     from .exceptions import RingReduceTimeoutError
 
     main_mod = sys.modules.get("__main__")

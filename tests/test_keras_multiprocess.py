@@ -24,14 +24,24 @@ def test_keras_fit_equals_one_process_and_callbacks_work(tmp_path, backend):
                   env=backend_env(backend))
     job.check_ok(expect_ranks=2)
     for r in range(2):
-        eq = {(e["opt"], e["passes"]): e for e in job.events("equivalence")[r]}
-        # jax: backward_passes_per_step > 1 is refused (the optimizer's own accumulation)
-        assert set(eq) == {("sgd", 1), ("adam", 1)} | ({("sgd", 2)} if backend != "jax"
-                                                        else set())
+        eq = {(e["opt"], e["passes"], e["keras_steps"]): e
+              for e in job.events("equivalence")[r]}
+        assert set(eq) == {("sgd", 1, 0), ("adam", 1, 0), ("sgd", 2, 0), ("sgd", 1, 2)}
         tol = 1e-7 if backend == "torch" else 1e-10  # see keras_worker.equivalence
         assert all(e["diff"] <= tol for e in eq.values()), eq
-        if backend != "jax":  # k=2: one application per two batches, as the reference's
-            assert eq[("sgd", 2)]["iterations"] == eq[("sgd", 2)]["ref_iterations"] == 4
+        k2 = eq[("sgd", 2, 0)]
+        # k=2: one application per two batches, as the reference's (jax: Keras's own
+        # accumulation, whose iterations count applications too)
+        assert k2["iterations"] == k2["ref_iterations"] == 4
+        if backend == "jax":
+            assert job.event(r, "accumulation-refusals")["ok"]
+        # k=2 averages once per two batches: half the gradient allreduces of k=1 (the
+        # broadcast callback's tensors are the same in both runs)
+        assert k2["tensors"] < 0.75 * eq[("sgd", 1, 0)]["tensors"], eq
+        # the user's own gradient_accumulation_steps=2: the same result; on jax the ranks
+        # talk on update steps only (tensorflow, torch: apply averages every batch)
+        if backend == "jax":
+            assert eq[("sgd", 1, 2)]["tensors"] == k2["tensors"], eq
         # a model Keras builds on its first batch: broadcast after it, ranks end equal
         lazy = job.event(r, "lazy")
         assert lazy["spread"] == {"same": 0.0, "different": 0.0}, lazy

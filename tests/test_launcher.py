@@ -371,6 +371,8 @@ def _fail_on_rank_1() -> int:
 
 def test_run_returns_each_ranks_value():
     assert rr.run(_rank_value, args=(10,), np=2, timeout=30) == [(10, 2, 2.0), (11, 2, 2.0)]
+    # No np, num_proc, hosts or hostfile: one rank, as horovod.run's num_proc=1.
+    assert rr.run(_rank_value, args=(10,), timeout=30) == [(10, 1, 1.0)]
 
 
 def test_run_takes_horovods_arguments(tmp_path):

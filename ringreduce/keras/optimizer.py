@@ -87,6 +87,19 @@ class _JaxReducer(_LayerReducer):
 
         super().__init__(rrj, compression, op, scales)
 
+    def on_update_steps(self, grads: list, is_update_step: Any, factor: float) -> list:
+        """With Keras's gradient accumulation: ``grads`` (the local mean of the steps)
+        times ``factor``, averaged over the ranks on the steps that update, and left as
+        they are on the others. Keras's JAX optimizer runs its update on every step and
+        keeps the result only on update steps; the averaging sits in the branch of a
+        ``lax.cond``, so the ranks talk once per update."""
+        import jax
+
+        def update() -> list:
+            return self([g * factor for g in grads] if factor != 1 else list(grads))
+
+        return jax.lax.cond(is_update_step, update, lambda: list(grads))
+
 
 class _DistributedKerasMixin:
     """Put in front of the optimizer's class (see the module docstring)."""
@@ -107,6 +120,8 @@ class _DistributedKerasMixin:
         and applied on every k-th call only; ``iterations`` counts applications.
         """
         grads = list(grads)
+        if self._rr_reduces_on_update_steps():
+            return super().apply(grads, trainable_variables)  # see _clip_gradients
         if self._rr_passes == 1:
             return super().apply(self._rr_reduce(grads), trainable_variables)
         if trainable_variables is not None and not self.built:
@@ -114,6 +129,21 @@ class _DistributedKerasMixin:
         if keras.backend.backend() == "tensorflow":
             return self._rr_aggregate_graph(grads, trainable_variables)
         return self._rr_aggregate_eager(grads, trainable_variables)
+
+    def _rr_reduces_on_update_steps(self) -> bool:
+        return isinstance(self._rr_reduce, _JaxReducer) and bool(self.gradient_accumulation_steps)
+
+    def _clip_gradients(self, grads: Any) -> Any:
+        """On the JAX backend with gradient accumulation (Keras's own
+        ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets): the
+        accumulated gradients are averaged over the ranks here, before clipping, as
+        ``apply`` averages them otherwise."""
+        if self._rr_reduces_on_update_steps():
+            steps = self.gradient_accumulation_steps
+            factor = steps if self._rr_passes > 1 and not self._rr_average_aggregated else 1
+            grads = self._rr_reduce.on_update_steps(
+                list(grads), (self._iterations + 1) % steps == 0, factor)
+        return super()._clip_gradients(grads)
 
     def _rr_aggregate_graph(self, grads: list, trainable_variables: Any) -> Any:
         from ringreduce.tensorflow.gradients import LocalAggregation
@@ -208,13 +238,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
     if isinstance(optimizer, _DistributedKerasMixin):
         raise InvalidInputError(f"{what}: this optimizer is already a DistributedOptimizer")
     passes = check_passes(what, backward_passes_per_step)
-    if passes > 1 and keras.backend.backend() == "jax":
-        raise InvalidInputError(f"{what}: backward_passes_per_step > 1 is not available with "
-                                "the jax backend (its step is one compiled function); the "
-                                "Keras optimizer's gradient_accumulation_steps accumulates, "
-                                "though it averages over the ranks at every batch")
     reduce = _reducer(what, compression, sparse_as_dense, op, gradient_predivide_factor,
                       num_groups, groups)
+    if passes > 1 and isinstance(reduce, _JaxReducer):
+        _accumulate_in_keras(what, optimizer, passes)
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
@@ -224,6 +251,23 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
     optimizer.__class__ = cls
     optimizer._rr_setup(reduce, passes, average_aggregated_gradients)
     return optimizer
+
+
+def _accumulate_in_keras(what: str, optimizer: keras.optimizers.Optimizer, passes: int) -> None:
+    """backward_passes_per_step on the JAX backend: Keras's own gradient accumulation
+    (its step is one compiled function, so the local sum lives in the optimizer's
+    variables), with the averaging on update steps only (_clip_gradients)."""
+    if optimizer.gradient_accumulation_steps:
+        raise InvalidInputError(
+            f"{what}: the optimizer already has gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}; give backward_passes_per_step or "
+            "gradient_accumulation_steps, not both")
+    if optimizer.built:
+        raise InvalidInputError(
+            f"{what}: backward_passes_per_step={passes} with the jax backend needs an "
+            "optimizer that has not been built yet (its accumulators are made in build()); "
+            "wrap it before compile() or the first step")
+    optimizer.gradient_accumulation_steps = passes
 
 
 def is_distributed(optimizer: Any) -> bool:

@@ -46,9 +46,19 @@ def batches(per_rank: int) -> tuple:
     return X[mine], Y[mine]
 
 
-def equivalence(opt_name: str, passes: int) -> None:
-    make_opt = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.5),
-                "adam": lambda: keras.optimizers.Adam(0.01)}[opt_name]
+def engine_tensors() -> int:
+    """Tensors the engine has reduced, broadcast or gathered so far on this rank."""
+    import ringreduce
+
+    return ringreduce._comm()._engine.stats()["tensors"]
+
+
+def equivalence(opt_name: str, passes: int, keras_steps: int = 0) -> None:
+    """fit at np=n equals one process on batches of n x per_rank x k, k = passes (ours) or
+    keras_steps (the Keras optimizer's own gradient_accumulation_steps, set by the user)."""
+    acc = {"gradient_accumulation_steps": keras_steps} if keras_steps else {}
+    make_opt = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.5, **acc),
+                "adam": lambda: keras.optimizers.Adam(0.01, **acc)}[opt_name]
     per_rank = 4
     model = make_model()
     if rr.rank() == 1:  # different start: the broadcast callback must fix it
@@ -57,13 +67,18 @@ def equivalence(opt_name: str, passes: int) -> None:
                                   average_aggregated_gradients=True)
     model.compile(optimizer=opt, loss="mse")
     xs, ys = batches(per_rank)
+    before = engine_tensors()
     model.fit(xs, ys, batch_size=per_rank, epochs=2, shuffle=False, verbose=0,
               callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0)])
+    reduced = engine_tensors() - before
     ref = make_model()
-    ref.compile(optimizer=make_opt(), loss="mse")
-    ref.fit(X, Y, batch_size=per_rank * rr.size() * passes, epochs=2, shuffle=False, verbose=0)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5) if keras_steps else make_opt(),
+                loss="mse")
+    ref.fit(X, Y, batch_size=per_rank * rr.size() * max(passes, keras_steps), epochs=2,
+            shuffle=False, verbose=0)
     diff = float(np.abs(weights(model) - weights(ref)).max())
-    event("equivalence", opt=opt_name, passes=passes, diff=diff,
+    event("equivalence", opt=opt_name, passes=passes, keras_steps=keras_steps, diff=diff,
+          tensors=reduced,
           iterations=int(keras.ops.convert_to_numpy(opt.iterations)),
           ref_iterations=int(keras.ops.convert_to_numpy(ref.optimizer.iterations)))
     # Keras's torch backend computes something of the loss in float32 even with floatx
@@ -71,6 +86,22 @@ def equivalence(opt_name: str, passes: int) -> None:
     # 1.7e-8 without ringreduce (measured at -np 1 with backward_passes_per_step=2).
     if diff > (1e-10 if keras.backend.backend() == "tensorflow" else 1e-7):
         raise AssertionError(f"{opt_name} k={passes}: weights differ from one process by {diff}")
+
+
+def accumulation_refusals() -> None:
+    """jax: backward_passes_per_step becomes Keras's gradient_accumulation_steps, so it
+    cannot be given twice, nor to an optimizer that was built without accumulators."""
+    for opt, match in [(keras.optimizers.SGD(0.1, gradient_accumulation_steps=3), "not both"),
+                       (keras.optimizers.SGD(0.1), "has not been built yet")]:
+        if match.startswith("has"):
+            opt.build(make_model().trainable_variables)
+        try:
+            rr.DistributedOptimizer(opt, backward_passes_per_step=2)
+        except rr.InvalidInputError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"not refused: {match}")
+    event("accumulation-refusals", ok=True)
 
 
 def lazily_built() -> None:
@@ -170,8 +201,10 @@ def main() -> None:
         die()
     for opt_name in ("sgd", "adam"):
         equivalence(opt_name, 1)
-    if keras.backend.backend() != "jax":  # jax: the Keras optimizer's own accumulation
-        equivalence("sgd", 2)
+    equivalence("sgd", 2)
+    equivalence("sgd", 1, keras_steps=2)
+    if keras.backend.backend() == "jax":
+        accumulation_refusals()
     lazily_built()
     callbacks_and_checkpoints(sys.argv[1])
     rr.barrier()

@@ -40,6 +40,7 @@ from .exceptions import InvalidInputError, call_label
 
 KDL_CUDA, KDL_CUDA_MANAGED = 2, 13
 _LEGACY_DEFAULT_STREAM = 1  # DLPack's and CAI's number for CUDA's legacy default stream
+_PER_THREAD_DEFAULT_STREAM = 2  # cudaStreamPerThread: the calling thread's default stream
 
 # (DLPack type code, bits) -> the core's dtype code
 _DL_DTYPES = {(0, 8): INT8, (0, 32): INT32, (0, 64): INT64, (1, 8): UINT8, (2, 16): FLOAT16,
@@ -96,6 +97,26 @@ def _cupy_empty(x: Any, shape: tuple) -> Any:
         return cupy.empty(shape, x.dtype)
 
 
+def _ordering_stream(stream: int) -> int:
+    """The stream whose work the executor waits for, for work enqueued on ``stream``.
+
+    The executor records its event on the engine thread, where cudaStreamPerThread would
+    name that thread's own, empty, default stream: no ordering at all. The legacy default
+    stream (0) synchronizes with every blocking stream, the caller's per-thread default
+    stream included, so an event recorded there follows the caller's work (and possibly
+    more: correct, if conservative).
+    """
+    return 0 if stream == _PER_THREAD_DEFAULT_STREAM else stream
+
+
+def _gpu_code(code: int, what: str, dtype: Any) -> int:
+    """``code`` if the GPU executor handles it, else InvalidInputError before submitting
+    (NCCL has no 16-bit integers; the unsigned wider ones are not wired in the kernels)."""
+    if code not in _ITEMSIZE:
+        raise _dtype_error(what, str(dtype))
+    return code
+
+
 def is_gpu_array(x: Any) -> bool:
     """True if ``x`` lives in CUDA device memory (cheap for host arrays)."""
     device = getattr(x, "__dlpack_device__", None)
@@ -129,8 +150,8 @@ def _torch_view(t: Any, what: str) -> CudaArray:
     if not t.is_contiguous():
         raise _strided_error(what, tuple(t.stride()), tuple(t.shape))
     device = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(device).cuda_stream
-    return CudaArray(t, int(t.data_ptr()), tuple(t.shape), code, int(device), int(stream), t,
+    stream = _ordering_stream(int(torch.cuda.current_stream(device).cuda_stream))
+    return CudaArray(t, int(t.data_ptr()), tuple(t.shape), code, int(device), stream, t,
                      _torch_empty)
 
 
@@ -139,9 +160,10 @@ def _cupy_view(a: Any, what: str) -> CudaArray:
 
     if not a.flags.c_contiguous:
         raise _strided_error(what, a.strides, a.shape)
-    code = dtype_code(a.dtype, what)
-    return CudaArray(a, int(a.data.ptr), tuple(a.shape), code, int(a.device.id),
-                     int(cupy.cuda.get_current_stream().ptr), a, _cupy_empty)
+    code = _gpu_code(dtype_code(a.dtype, what), what, a.dtype)
+    stream = _ordering_stream(int(cupy.cuda.get_current_stream().ptr))
+    return CudaArray(a, int(a.data.ptr), tuple(a.shape), code, int(a.device.id), stream, a,
+                     _cupy_empty)
 
 
 class _DLDevice(ctypes.Structure):
@@ -190,12 +212,12 @@ def _cai_view(x: Any, what: str) -> CudaArray:
         dtype = np.dtype(cai["typestr"])
     except TypeError as err:
         raise _dtype_error(what, str(cai["typestr"])) from err
-    code = dtype_code(dtype, what)
+    code = _gpu_code(dtype_code(dtype, what), what, dtype)
     shape = tuple(int(d) for d in cai["shape"])
     if cai.get("strides") is not None:
         _check_contiguous(what, tuple(cai["strides"]), shape, dtype.itemsize)
     stream = cai.get("stream")
-    stream = 0 if stream in (None, _LEGACY_DEFAULT_STREAM) else int(stream)
+    stream = 0 if stream in (None, _LEGACY_DEFAULT_STREAM) else _ordering_stream(int(stream))
     device = -1  # the interface does not say; the communicator assumes its GPU
     return CudaArray(x, int(cai["data"][0]), shape, code, device, stream, x,
                      _ALLOCATORS.get(type(x)))

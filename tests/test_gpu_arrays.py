@@ -142,3 +142,25 @@ def test_hierarchical_gpu_allreduce_within_a_process_set():
         np.testing.assert_allclose(x, np.mean([data(r, 1001) for r in range(3)], axis=0),
                                    rtol=1e-6)
         np.testing.assert_array_equal(y, sum(data(r, 9) for r in range(3)))  # fp16-rounded
+
+
+class _Cai:
+    """A GPU array through __cuda_array_interface__ v3 alone (never read here)."""
+
+    def __init__(self, typestr: str = "<f4", stream=None) -> None:
+        self.__cuda_array_interface__ = {"shape": (4,), "typestr": typestr, "version": 3,
+                                         "data": (0x1000, False), "stream": stream}
+
+
+def test_intake_orders_after_the_callers_stream_and_refuses_what_nccl_lacks():
+    from ringreduce._cuda_arrays import cuda_view
+
+    # The executor records its event on the engine thread: cudaStreamPerThread (2) would
+    # be that thread's own empty stream there, so it becomes the legacy default stream (0),
+    # which follows every blocking stream's work. Other streams pass through as they are.
+    for given, used in [(None, 0), (1, 0), (2, 0), (7, 7)]:
+        assert cuda_view(_Cai(stream=given), "allreduce", "s").stream == used
+    # Refused at intake, before anything is enqueued (NCCL has no 16-bit integers).
+    for typestr in ("<i2", "<u2", "<u4", "<u8"):
+        with pytest.raises(rr.InvalidInputError, match="is not supported on GPU"):
+            cuda_view(_Cai(typestr), "allreduce", "s")

@@ -83,3 +83,10 @@ def test_horovod_style_example():
     job = run_mpi(2, HOROVOD_STYLE, timeout=120)
     job.check_ok()
     assert "weights equal on all 2 ranks: True" in job.procs[0].stdout, job.describe()
+
+
+def test_dataloader_workers_forked_after_init():
+    # DataLoader(num_workers=2) forks children after init() every epoch: training through
+    # them equals num_workers=0 bitwise, and the job goes on (tests/workers/dataloader_worker.py).
+    job = run_mpi(2, "dataloader_worker.py", timeout=120)
+    job.check_ok(expect_ranks=2)

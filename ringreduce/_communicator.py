@@ -567,7 +567,7 @@ class Communicator(GpuCalls, CompositeCalls):
         Until every rank has joined, this rank's engine takes part in the other
         ranks' allreduce / allgather / broadcast with neutral contributions.
         """
-        core = self._engine.join()
+        core = self._engine.join(self._gpu.join_device(self.local_rank()))
         core.wait()
         return core.join_result
 

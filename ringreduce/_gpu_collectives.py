@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from . import _core
 from ._cuda_arrays import CudaArray, cuda_view
+from ._gpu import cuda_device_count
 from .exceptions import InvalidInputError, call_label
 
 ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL = 1, 2, 3, 4, 5  # CollKind (op_header.h)
@@ -51,6 +52,15 @@ class GpuCollectives:
         self._rank = rank
         self._members = list(members or [])
         self._device: Optional[int] = None
+
+    def join_device(self, local_rank: int) -> int:
+        """The GPU this rank takes part on in GPU collectives once it has joined: the one
+        its GPU calls used, else GPU ``local_rank`` (mod the visible GPUs: one process
+        per GPU, as with Horovod)."""
+        if self._device is not None:
+            return self._device
+        count = cuda_device_count()
+        return local_rank % count if count else local_rank
 
     def views(self, xs: Sequence[Any], op: str, name: Optional[str]) -> list[CudaArray]:
         """The arrays as CudaArrays on this rank's GPU, with one dtype."""

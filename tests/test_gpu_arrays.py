@@ -164,3 +164,34 @@ def test_intake_orders_after_the_callers_stream_and_refuses_what_nccl_lacks():
     for typestr in ("<i2", "<u2", "<u4", "<u8"):
         with pytest.raises(rr.InvalidInputError, match="is not supported on GPU"):
             cuda_view(_Cai(typestr), "allreduce", "s")
+
+
+JOIN_FIRST = """
+import sys
+import numpy as np
+sys.path.insert(0, {workers!r})
+import ringreduce as rr
+from gpu_worker import DlpackGpu
+rr.init()
+rr.register_gpu_array_type(DlpackGpu, lambda x, shape: DlpackGpu(np.empty(shape, x.a.dtype),
+                                                                  x.device))
+if rr.rank() == 1:
+    last = rr.join()  # before any GPU call of its own
+else:
+    x = DlpackGpu(np.arange(6, dtype=np.float32), 0)  # rank 0 on GPU 0
+    assert rr.allreduce_(x, op=rr.Sum, name="g").a.tolist() == list(range(6))
+    last = rr.join()
+assert last == 0, last
+# The joined rank took part on its own GPU (local_rank 1), not on rank 0's.
+print("DEVICE", rr.rank(), rr._comm()._engine.stats()["gpu_device"])
+rr.shutdown()
+"""
+
+
+def test_a_rank_that_joins_before_any_gpu_call_uses_its_own_gpu(tmp_path):
+    script = tmp_path / "join_first.py"
+    script.write_text(JOIN_FIRST.format(workers=str(WORKERS)))
+    job = run_env_launch(2, script, env={"RINGREDUCE_GPU_EMULATE": "1"}, timeout=60)
+    job.check_ok()
+    out = job.describe()
+    assert "DEVICE 0 0" in out and "DEVICE 1 1" in out, out

@@ -512,6 +512,7 @@ void bind_engine_class(py::module_& m) {
              d["caller_rounds"] = s.caller_rounds;
              d["folded"] = s.folded;
              d["paired"] = s.paired;
+             d["gpu_device"] = s.gpu_device;
              return d;
            })
       .def("create_shared",
@@ -526,7 +527,8 @@ void bind_engine_class(py::module_& m) {
       .def("reject", [](Engine& eng, const std::string& kind, const std::string& name,
                         const std::string& why) { reject_call(eng, {}, kind, name, why); })
       .def(
-          "join", [](Engine& eng) { return eng.join(); }, py::call_guard<py::gil_scoped_release>())
+          "join", [](Engine& eng, int32_t gpu_device) { return eng.join({}, gpu_device); },
+          py::arg("gpu_device") = -1, py::call_guard<py::gil_scoped_release>())
       .def("join_epoch", &Engine::join_epoch)
       .def("start_timeline", &Engine::start_timeline, py::arg("path"),
            py::call_guard<py::gil_scoped_release>())
@@ -537,8 +539,9 @@ void bind_engine_class(py::module_& m) {
   set.def_readonly("members", &SetEngine::members)
       .def("stats", [](SetEngine& s) { return py::cast(s.eng).attr("stats")(); })
       .def(
-          "join", [](SetEngine& s) { return s.eng->join(s.members); },
-          py::call_guard<py::gil_scoped_release>())
+          "join",
+          [](SetEngine& s, int32_t gpu_device) { return s.eng->join(s.members, gpu_device); },
+          py::arg("gpu_device") = -1, py::call_guard<py::gil_scoped_release>())
       .def("join_epoch", [](SetEngine& s) { return s.eng->join_epoch(); })
       .def("reject",
            [](SetEngine& s, const std::string& kind, const std::string& name,

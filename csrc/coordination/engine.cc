@@ -315,9 +315,10 @@ uint64_t Engine::join_epoch() const {
   return join_epoch_;
 }
 
-std::shared_ptr<HandleState> Engine::join(const std::vector<int32_t>& members) {
+std::shared_ptr<HandleState> Engine::join(const std::vector<int32_t>& members, int32_t gpu_device) {
   Entry e;
   e.join = true;
+  e.join_device = gpu_device;
   e.meta.kind = CollKind::kBarrier;
   e.meta.name = "join";
   e.meta.members = members;
@@ -384,6 +385,7 @@ EngineStats Engine::stats() const {
   s.caller_rounds = caller_rounds_.load();
   s.folded = folded_.load();
   s.paired = paired_.load();
+  s.gpu_device = gpu_device_.load();
   return s;
 }
 

@@ -78,6 +78,7 @@ struct EngineStats {
   uint64_t caller_rounds = 0;            // of `rounds`, run by a waiting caller (engine_drive.cc)
   uint64_t folded = 0;                   // of `responses`, finished in their round (engine_fold.cc)
   uint64_t paired = 0;                   // of `folded`, without a RESPONSES (engine_pair.cc)
+  int64_t gpu_device = -1;               // the device of this rank's first GPU executor
 };
 
 class Engine : private DriveToken::Driver {
@@ -92,7 +93,9 @@ class Engine : private DriveToken::Driver {
   std::shared_ptr<HandleState> submit(std::vector<Entry> entries);
   // Horovod's join(): `members` names a process set (empty: the job); the
   // handle's join_result is the global rank that joined the set last.
-  std::shared_ptr<HandleState> join(const std::vector<int32_t>& members = {});
+  // `gpu_device`: this rank's GPU (see Entry::join_device; -1: none).
+  std::shared_ptr<HandleState> join(const std::vector<int32_t>& members = {},
+                                    int32_t gpu_device = -1);
   // The caller refused a call of `kind` under `name` ("" = the next unnamed
   // call's name) for `why` before submitting it (the Python layer's checks):
   // rank 0 hears of it, so the other ranks' matching calls fail naming this
@@ -255,6 +258,8 @@ class Engine : private DriveToken::Driver {
   std::unordered_multiset<std::string> refused_names_;
   std::vector<Entry> joins_;
   bool joined_ = false;
+  int32_t join_device_ = -1;                       // driver only: the last join()'s gpu_device
+  std::atomic<int32_t> gpu_device_{-1};            // EngineStats::gpu_device
   std::vector<std::vector<int32_t>> joined_sets_;  // join(process_set=)s not done yet
   // Rank 0: the workers' folded contributions, by tensor name (engine_fold.cc).
   struct Folds {

@@ -62,6 +62,7 @@ void Engine::release_names(const std::vector<std::string>& names) {
 void Engine::record_local(std::vector<Entry>& fresh) {
   for (Entry& e : fresh) {
     if (e.join) {
+      if (e.join_device >= 0) join_device_ = e.join_device;
       if (e.meta.members.empty())
         joined_ = true;
       else
@@ -378,7 +379,8 @@ void Engine::execute(const Response& r) {
   // Each rank's own GPU: ranks agree only that the tensors are on a GPU
   // (compatible() in request.cc), rank r typically uses GPU local_rank. A
   // joined rank has no tensor here: on GPU it takes part through the GPU
-  // executor it already has (every rank made theirs at the same response).
+  // executor it already has, else on the GPU its join() named (another rank's
+  // ordinal, the response's, would put two ranks of one host on one GPU).
   int32_t device = r.tensors.front().device;
   Executor* ex = nullptr;
   for (Entry* e : local)
@@ -386,12 +388,14 @@ void Engine::execute(const Response& r) {
       device = e->meta.device;
       break;
     }
-  if (device >= 0 && std::none_of(local.begin(), local.end(), [](Entry* e) { return e; }))
+  if (device >= 0 && std::none_of(local.begin(), local.end(), [](Entry* e) { return e; })) {
     for (auto& x : executors_)
       if (!x->handles(-1)) {
         ex = x.get();
         break;
       }
+    if (!ex && join_device_ >= 0) device = join_device_;
+  }
   bool done;
   try {
     done = (ex ? *ex : executor_for(r, device)).execute(r, local);
@@ -427,6 +431,7 @@ Executor& Engine::executor_for(const Response& r, int32_t device) {
         throw_error(ErrorKind::kInternal, "no executor handles device ", device);
       executors_.push_back(std::move(ex));
       async_ = true;
+      if (device >= 0 && gpu_device_.load() < 0) gpu_device_.store(device);
       return *executors_.back();
     } catch (const Error& e) {
       it = unusable_.emplace(device, e.what()).first;

@@ -113,6 +113,9 @@ struct Entry {
   // caller learnt before submitting (it allocates the output).
   std::vector<int64_t> peer_rows;
   bool join = false;  // a join() marker rather than a tensor
+  // join(): this rank's GPU, on which it takes part in GPU collectives while
+  // joined if it has no GPU executor yet (-1: none known).
+  int32_t join_device = -1;
   // GPU tensors (meta.device >= 0): the stream that produced `in` (the
   // framework's current stream at submit time; nullptr: the default stream)
   // and, if the submitter recorded one there, the event marking the point

@@ -525,3 +525,35 @@ def test_hierarchical_allreduce_on_hosts_of_unequal_rank_counts():
         assert work[5].split()[1:4] == [f"{FUSION:#x}", "11", "float32"]  # then 1 / 5
         inits = [c for c in f.calls() if c.startswith("nccl_comm_init")]
         assert inits[1].endswith(f"size={2 if r < 2 else 3} rank={local}")  # the host's
+
+
+def test_a_broken_gpu_on_one_rank_fails_every_rank_at_once():
+    # Rank 0's communicator reports an NCCL asynchronous error; rank 1's NCCL call would
+    # wait for rank 0 forever (over P2P nothing tells it: its fake event never fires).
+    # Rank 0's engine fails as a whole and tells every peer, so rank 1's call raises
+    # within seconds, naming rank 0 and NCCL's message, instead of hanging.
+    fakes = [gt.FakeGpuOps(id_seed=0x90 + r) for r in range(2)]
+    world = make_world(2)
+    for r, c in enumerate(world):
+        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
+
+    def fn(c):
+        h = gt.submit(c._engine, tensor("g", 8), c.rank())
+        end = time.monotonic() + 10
+        while not any(x.startswith("nccl_allreduce") for x in fakes[c.rank()].calls()):
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        if c.rank() == 0:
+            fakes[0].set_async_error("unhandled cuda error (1)")
+        t = time.monotonic()
+        with pytest.raises(rr.RingReduceError) as err:
+            h.wait()
+        return str(err.value), time.monotonic() - t
+
+    try:
+        (m0, _), (m1, t1) = run_threaded(2, fn, world=world, timeout=60)
+    finally:
+        for c in world:
+            c.close()
+    assert "rank 0: NCCL failed on GPU 0: unhandled cuda error (1)" in m0, m0
+    assert "rank 0" in m1 and "unhandled cuda error (1)" in m1 and t1 < 10, (m1, t1)

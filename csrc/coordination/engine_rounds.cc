@@ -449,16 +449,28 @@ bool Engine::async_busy() const {
   return false;
 }
 
+// A failed completion means a broken device or communicator (a CUDA error,
+// an NCCL asynchronous error): the peers' NCCL calls may wait for this rank
+// forever (over P2P or NVLink nothing tells them), so the engine fails as a
+// whole and its last words reach every peer (fail_engine -> Context::
+// mark_broken), as when a rank dies; its own calls fail with the message.
 void Engine::poll_executors() {
+  std::optional<Error> broken;
   for (auto& ex : executors_) {
     if (!ex->busy()) continue;
     for (Completion& c : ex->poll()) {
-      if (c.ok)
+      if (c.ok) {
         resolve_names(c.names);
-      else
-        fail_names(c.names, c.kind, c.message);
+        continue;
+      }
+      fail_names(c.names, c.kind, c.message);
+      if (!broken)
+        broken.emplace(c.kind, c.message.rfind("rank ", 0) == 0
+                                   ? c.message
+                                   : cat("rank ", rank_, ": ", c.message));
     }
   }
+  if (broken) fail_engine(*broken);
 }
 
 // Names are released (one lock for the response) before handles resolve:

@@ -43,7 +43,8 @@
 // Errors: an event that reports a CUDA error, or an NCCL asynchronous error
 // (checked on every poll while work is in flight), fails every response in
 // flight with that message, aborts the communicator, and fails every later
-// response on this device.
+// response on this device; the engine then fails as a whole and tells every
+// peer (Engine::poll_executors), whose NCCL calls might otherwise wait forever.
 #pragma once
 
 #include <deque>

@@ -557,3 +557,22 @@ def test_a_broken_gpu_on_one_rank_fails_every_rank_at_once():
             c.close()
     assert "rank 0: NCCL failed on GPU 0: unhandled cuda error (1)" in m0, m0
     assert "rank 0" in m1 and "unhandled cuda error (1)" in m1 and t1 < 10, (m1, t1)
+
+
+def test_a_failure_reports_once_enqueued_work_has_drained_or_the_bound_passed():
+    # After an NCCL error the communicator is aborted and the work queued behind it still
+    # runs (an unpack writes the outputs): the handles fail only once it has, else the
+    # framework could reuse their memory under a late write. A device that never drains
+    # is reported after drain_seconds.
+    for drains, least in [(True, 0.0), (False, 0.3)]:
+        ops = gt.FakeGpuOps(NCCL_2_27)
+        ops.set_abort_drains(drains)
+        ex = gt.GpuExecutor(ops, device=0, rank=0, size=2, drain_seconds=0.3)
+        ex.init_comm(bytes(128))
+        ex.execute([tensor("a", 8, 0), tensor("b", 8, 1)])
+        ops.set_async_error("unhandled system error (2)")
+        t = time.monotonic()
+        (c,) = ex.poll()
+        took = time.monotonic() - t
+        assert not c["ok"] and c["names"] == ["a", "b"]
+        assert least <= took < least + 0.25, (drains, took)

@@ -87,16 +87,18 @@ void bind_gpu_testing(py::module_& parent) {
           },
           py::arg("id"), py::arg("state"), py::arg("error") = "")
       .def("set_async_error", &FakeGpuOps::set_async_error)
+      .def("set_abort_drains", &FakeGpuOps::set_abort_drains)
       .def("fail_next", &FakeGpuOps::fail_next);
 
   py::class_<ExecutorUnderTest>(m, "GpuExecutor")
       .def(py::init([](std::shared_ptr<FakeGpuOps> ops, int device, int rank, int size,
-                       uint64_t chunk_bytes) {
+                       uint64_t chunk_bytes, double drain_seconds) {
              gpu::GpuExecutorOptions o;
              o.device = device;
              o.rank = rank;
              o.size = size;
              o.pack.chunk_bytes = chunk_bytes;
+             o.drain_seconds = drain_seconds;
              auto t = std::make_unique<ExecutorUnderTest>();
              t->ops = ops;
              t->ex = std::make_unique<GpuExecutor>(ops, o);
@@ -104,7 +106,7 @@ void bind_gpu_testing(py::module_& parent) {
              return t;
            }),
            py::arg("ops"), py::arg("device") = 0, py::arg("rank") = 0, py::arg("size") = 2,
-           py::arg("chunk_bytes") = 0)
+           py::arg("chunk_bytes") = 0, py::arg("drain_seconds") = 10.0)
       .def("init_comm",
            [](ExecutorUnderTest& t, py::bytes id) { t.ex->init_comm(std::string(id)); })
       // One response of `tensors` (dicts, see entry_from); returns execute()'s answer.

@@ -308,6 +308,14 @@ std::string FakeGpuOps::nccl_async_error() {
 void FakeGpuOps::nccl_abort() {
   std::lock_guard<std::mutex> lock(mu_);
   log("nccl_abort", "nccl_abort");
+  if (!abort_drains_) return;
+  for (auto& [id, st] : events_)
+    if (st == EventState::kPending) st = EventState::kDone;
+}
+
+void FakeGpuOps::set_abort_drains(bool drains) {
+  std::lock_guard<std::mutex> lock(mu_);
+  abort_drains_ = drains;
 }
 
 }  // namespace gpu

@@ -32,6 +32,9 @@ class FakeGpuOps : public GpuOps {
   // Event number `id` ("event#<id>") answers `state`; with kError, `error`.
   void set_event(uint64_t id, EventState state, const std::string& error = "");
   void set_async_error(const std::string& message);
+  // nccl_abort() completes every pending event (default: like a real device, whose
+  // stream runs on once the aborted NCCL call returns); false: a device that hangs.
+  void set_abort_drains(bool drains);
   // The next call named `call` (e.g. "nccl_allreduce") throws rr::Error(kInternal, message).
   void fail_next(const std::string& call, const std::string& message);
 
@@ -87,6 +90,7 @@ class FakeGpuOps : public GpuOps {
   std::map<uint64_t, EventState> events_;  // recorded events and their state
   std::map<uint64_t, std::string> event_errors_;
   bool sticky_done_ = false;
+  bool abort_drains_ = true;
   std::string async_error_;
   std::map<std::string, std::string> fail_next_;
 };

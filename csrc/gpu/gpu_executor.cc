@@ -1,7 +1,9 @@
 #include "gpu/gpu_executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
+#include <thread>
 
 #include "common/error.h"
 
@@ -263,6 +265,8 @@ void GpuExecutor::release(InFlight& f) {
 
 void GpuExecutor::fail_in_flight(const std::string& why) {
   broken_ = why;
+  abort_comms();  // ends NCCL calls waiting for a peer: the stream then runs on
+  drain_in_flight();
   for (InFlight& f : in_flight_) {
     Completion c;
     c.names = std::move(f.names);
@@ -271,7 +275,23 @@ void GpuExecutor::fail_in_flight(const std::string& why) {
     finished_.push_back(std::move(c));
   }
   in_flight_.clear();  // their events may never complete: not reused
-  abort_comms();
+}
+
+// Work enqueued behind the failed call still runs once the communicator is
+// aborted (an unpack writes its outputs): the handles fail only after it has,
+// or the framework could hand their memory to new tensors under a late write.
+// Bounded: a device that never drains is reported after drain_seconds anyway.
+// A CUDA error is sticky, so its events answer at once.
+void GpuExecutor::drain_in_flight() {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(opt_.drain_seconds);
+  for (const InFlight& f : in_flight_) {
+    std::string ignored;
+    while (ops_->event_query(f.done, &ignored) == EventState::kPending) {
+      if (std::chrono::steady_clock::now() >= deadline) return;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
 }
 
 std::vector<Completion> GpuExecutor::poll() {

@@ -41,8 +41,9 @@
 // of gpu_bootstrap.h at the first response that needs it, on its members only.
 //
 // Errors: an event that reports a CUDA error, or an NCCL asynchronous error
-// (checked on every poll while work is in flight), fails every response in
-// flight with that message, aborts the communicator, and fails every later
+// (checked on every poll while work is in flight), aborts the communicator,
+// waits (bounded) for the work enqueued behind it to run, fails every response
+// in flight with that message, and fails every later
 // response on this device; the engine then fails as a whole and tells every
 // peer (Engine::poll_executors), whose NCCL calls might otherwise wait forever.
 #pragma once
@@ -77,6 +78,7 @@ struct GpuExecutorOptions {
   int rank = 0;  // in the job
   int size = 1;
   PackOptions pack;
+  double drain_seconds = 10;  // fail_in_flight's bound on waiting for enqueued work
 };
 
 // The GpuOps of one more NCCL communicator on this GPU, among the ranks of
@@ -164,6 +166,7 @@ class GpuExecutor : public Executor {
   GpuEvent take_event();
   void release(InFlight& f);
   void fail_in_flight(const std::string& why);
+  void drain_in_flight();
 
   std::shared_ptr<GpuOps> ops_;  // streams, events, memory, kernels; the job's NCCL calls
   GpuExecutorOptions opt_;

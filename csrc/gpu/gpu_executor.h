@@ -43,9 +43,9 @@
 // Errors: an event that reports a CUDA error, or an NCCL asynchronous error
 // (checked on every poll while work is in flight), aborts the communicator,
 // waits (bounded) for the work enqueued behind it to run, fails every response
-// in flight with that message, and fails every later
-// response on this device; the engine then fails as a whole and tells every
-// peer (Engine::poll_executors), whose NCCL calls might otherwise wait forever.
+// in flight with that message and every later response on this device; the
+// engine then fails as a whole and tells every peer (Engine::poll_executors),
+// whose NCCL calls might otherwise wait forever.
 #pragma once
 
 #include <deque>

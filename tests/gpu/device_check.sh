@@ -65,6 +65,9 @@ if [ "${RR_SKIP_BENCH:-0}" = 0 ]; then
         --op allgather --max-bytes $(( n == 1 ? 64 << 20 : 4 << 20 )) --reps 3
   done
   timeout 150 "$PY" -m ringreduce -np 1 "$PY" benchmarks/gpu_step.py --steps 20
+  # The same with a batching window as long as a backward pass: fewer, larger responses.
+  RINGREDUCE_BATCH_US=1000 RINGREDUCE_BATCH_MAX_US=20000 timeout 150 \
+      "$PY" -m ringreduce -np 1 "$PY" benchmarks/gpu_step.py --steps 20
   timeout 100 "$PY" -m ringreduce -np 2 "$PY" benchmarks/gpu_step.py --model small --steps 5
 fi
 stamp "== done: tests exit $tests"

@@ -51,13 +51,16 @@ def test_keras_fit_equals_one_process_and_callbacks_work(tmp_path, backend):
     lrs = cb[0]["lrs"]  # 2 batches per epoch, warmup over 2 epochs from 0.08/2 to 0.08
     # Horovod's warmup runs one batch ahead: the last warmup batch is at the full rate
     assert lrs[:4] == pytest.approx([0.05, 0.06, 0.07, 0.08]) and lrs[4:] == [0.08, 0.08], lrs
-    # staircase from epoch 1: epoch 0 keeps the rate warmup left (0.08), then 0.04, 0.02
+    # staircase from epoch 1: epoch 0 keeps the rate warmup left (0.08); Horovod's decay
+    # counts from start_epoch: 0.08 * 0.5 ** (epoch - 1) = 0.08, then 0.04
     schedule = job.event(0, "schedule")["lrs"]
-    assert schedule == pytest.approx([0.08, 0.08, 0.04, 0.04, 0.02, 0.02]), schedule
+    assert schedule == pytest.approx([0.08, 0.08, 0.08, 0.08, 0.04, 0.04]), schedule
     loaded = job.event(0, "loaded")
     assert loaded["same"] and loaded["distributed"] == "_DistributedKerasMixin"
     assert loaded["backend"] == backend
     assert loaded["files"] == ["ckpt.keras"], loaded
+    h5 = job.event(0, "h5")
+    assert h5 == {**h5, "magic": b"\x89HDF".hex(), "same": True}, h5
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])

@@ -414,6 +414,32 @@ def test_broadcast_variables_checkpoints_and_objects(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pkl"]
 
 
+def test_broadcast_variables_traced_then_retraced_on_one_rank_only():
+    # A tf.function holding broadcast_variables that rank 1 traces twice (its last batch is
+    # smaller): the broadcasts are named when they run, so the eager one after it matches
+    # (it used to be named at trace time, and the ranks waited on different names).
+    def fn(rank):
+        w = tf.Variable(tf.ones([3]) * (rank + 1))
+
+        @tf.function
+        def step(x, first):
+            if first:
+                rtf.broadcast_variables([w], root_rank=0)
+            return tf.reduce_sum(x)
+
+        n = 8 if rank == 0 else 7
+        for i, start in enumerate(range(0, n, 4)):
+            step(tf.ones([min(4, n - start), 3]), tf.constant(i == 0))
+        w.assign(tf.ones([3]) * (rank + 5))
+        rtf.broadcast_variables([w], root_rank=0)
+        return step.experimental_get_tracing_count(), w.numpy()
+
+    (t0, w0), (t1, w1) = run(2, fn)
+    assert (t0, t1) == (1, 2)
+    np.testing.assert_array_equal(w0, [5, 5, 5])
+    np.testing.assert_array_equal(w1, [5, 5, 5])
+
+
 def test_errors_are_ringreduce_errors_on_every_rank():
     def mismatch(rank):
         return rtf.allreduce(tf.ones([2 + rank]), name="bad")

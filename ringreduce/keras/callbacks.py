@@ -18,6 +18,8 @@ import ringreduce as _rr
 from ringreduce._state import agree, wait_all
 from ringreduce.checkpoint import atomic_save_path
 
+from .saving import model_suffix
+
 __all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "MetricAverageCallback", "ModelCheckpoint"]
 
@@ -145,7 +147,7 @@ class LearningRateScheduleCallback(_Callback):
         The base learning rate (already scaled by ``size()`` if you scale it).
     multiplier : float or callable
         ``multiplier(epoch)`` (epoch fractional unless ``staircase``), or a constant ``m``:
-        exponential decay, ``m ** epoch`` (Horovod's convention).
+        exponential decay, ``m ** (epoch - start_epoch)`` (Horovod's convention).
     start_epoch, end_epoch : int
         The epochs ``[start, end)`` this schedule applies to (end None: to the end).
     staircase : bool
@@ -168,7 +170,9 @@ class LearningRateScheduleCallback(_Callback):
                  verbose: int = 0) -> None:
         super().__init__()
         self.initial_lr = float(initial_lr)
-        self.multiplier = multiplier if callable(multiplier) else (lambda e: multiplier ** e)
+        # A constant is exponential decay from start_epoch on (Horovod's).
+        self.multiplier = (multiplier if callable(multiplier)
+                           else (lambda e: multiplier ** (e - start_epoch)))
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase, self.momentum_correction = staircase, momentum_correction
         self.steps_per_epoch, self.verbose = steps_per_epoch, verbose
@@ -263,7 +267,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         real_save, real_weights = model.save, model.save_weights
 
         def save(filepath: str, *a: Any, **kw: Any) -> None:
-            atomic_save_path(filepath, lambda tmp: real_save(tmp, *a, **kw), ".keras")
+            atomic_save_path(filepath, lambda tmp: real_save(tmp, *a, **kw),
+                             model_suffix(filepath))
 
         def save_weights(filepath: str, *a: Any, **kw: Any) -> None:
             atomic_save_path(filepath, lambda tmp: real_weights(tmp, *a, **kw), ".weights.h5")

@@ -18,6 +18,13 @@ from .optimizer import DistributedOptimizer, is_distributed
 __all__ = ["load_model", "save_model"]
 
 
+def model_suffix(filepath: str) -> str:
+    """The suffix that tells Keras which format to write or read: ``.h5`` (legacy HDF5)
+    for ``.h5`` / ``.hdf5`` paths, else ``.keras``. A temporary file must carry it, or
+    Keras writes its zip format under an ``.h5`` name."""
+    return ".h5" if filepath.lower().endswith((".h5", ".hdf5")) else ".keras"
+
+
 def save_model(model: keras.Model, filepath: str, root_rank: int = 0, **kwargs: Any) -> bool:
     """``model.save(filepath)`` on ``root_rank`` only, atomically; other ranks return False.
 
@@ -29,7 +36,7 @@ def save_model(model: keras.Model, filepath: str, root_rank: int = 0, **kwargs: 
     model : keras.Model
         The model (its optimizer's state is saved with it).
     filepath : str
-        A ``.keras`` file.
+        A ``.keras`` file (or a legacy ``.h5`` one).
     root_rank : int
         The rank that writes.
     **kwargs
@@ -38,7 +45,7 @@ def save_model(model: keras.Model, filepath: str, root_rank: int = 0, **kwargs: 
     get = _binder()
     if get().rank() != root_rank:
         return False
-    atomic_save_path(filepath, lambda tmp: model.save(tmp, **kwargs), ".keras")
+    atomic_save_path(filepath, lambda tmp: model.save(tmp, **kwargs), model_suffix(filepath))
     return True
 
 
@@ -83,7 +90,7 @@ def load_model(filepath: str, custom_optimizers: Optional[list] = None,
         objects.setdefault(cls.__name__, cls)
     directory = tempfile.mkdtemp(prefix="ringreduce-load-")
     try:
-        local = os.path.join(directory, "model.keras")
+        local = os.path.join(directory, "model" + model_suffix(filepath))
         with open(local, "wb") as f:
             f.write(data)
         model = keras.models.load_model(local, custom_objects=objects)

@@ -52,10 +52,11 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
         agree(get(), what, _signature(variables), " on the variables to broadcast")
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
-    group = instance_name(what, get())
-
     def run(arrays: list) -> list:
         c = get()
+        # Named when it runs, not when traced: a rank that retraces (a smaller last batch)
+        # must not shift the names of every later broadcast.
+        group = instance_name(what, c)
         outs = [c.broadcast_async(a, root, f"{group}.{i}") for i, a in enumerate(arrays)]
         return wait_all(outs)
 

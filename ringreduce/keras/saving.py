@@ -18,11 +18,11 @@ from .optimizer import DistributedOptimizer, is_distributed
 __all__ = ["load_model", "save_model"]
 
 
-def model_suffix(filepath: str) -> str:
+def model_suffix(filepath: Any) -> str:
     """The suffix that tells Keras which format to write or read: ``.h5`` (legacy HDF5)
     for ``.h5`` / ``.hdf5`` paths, else ``.keras``. A temporary file must carry it, or
     Keras writes its zip format under an ``.h5`` name."""
-    return ".h5" if filepath.lower().endswith((".h5", ".hdf5")) else ".keras"
+    return ".h5" if os.fspath(filepath).lower().endswith((".h5", ".hdf5")) else ".keras"
 
 
 def save_model(model: keras.Model, filepath: str, root_rank: int = 0, **kwargs: Any) -> bool:

@@ -40,12 +40,12 @@ from .exceptions import InvalidInputError, call_label
 
 KDL_CUDA, KDL_CUDA_MANAGED = 2, 13
 _LEGACY_DEFAULT_STREAM = 1  # DLPack's and CAI's number for CUDA's legacy default stream
-_PER_THREAD_DEFAULT_STREAM = 2  # cudaStreamPerThread: the calling thread's default stream
+PER_THREAD_DEFAULT_STREAM = 2  # cudaStreamPerThread: the calling thread's default stream
 
 # (DLPack type code, bits) -> the core's dtype code
 _DL_DTYPES = {(0, 8): INT8, (0, 32): INT32, (0, 64): INT64, (1, 8): UINT8, (2, 16): FLOAT16,
               (2, 32): FLOAT32, (2, 64): FLOAT64, (4, 16): BFLOAT16, (6, 8): BOOL, (1, 1): BOOL}
-_TORCH_DTYPES = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32,
+TORCH_DTYPES = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32,
                  "float64": FLOAT64, "int8": INT8, "int32": INT32, "int64": INT64,
                  "uint8": UINT8, "bool": BOOL}
 _ITEMSIZE = {UINT8: 1, INT8: 1, INT32: 4, INT64: 8, FLOAT16: 2, BFLOAT16: 2, FLOAT32: 4,
@@ -106,7 +106,7 @@ def _ordering_stream(stream: int) -> int:
     stream included, so an event recorded there follows the caller's work (and possibly
     more: correct, if conservative).
     """
-    return 0 if stream == _PER_THREAD_DEFAULT_STREAM else stream
+    return 0 if stream == PER_THREAD_DEFAULT_STREAM else stream
 
 
 def _gpu_code(code: int, what: str, dtype: Any) -> int:
@@ -144,13 +144,15 @@ def cuda_view(x: Any, op: str, name: Optional[str]) -> CudaArray:
 def _torch_view(t: Any, what: str) -> CudaArray:
     import torch
 
-    code = _TORCH_DTYPES.get(str(t.dtype).replace("torch.", ""))
+    code = TORCH_DTYPES.get(str(t.dtype).replace("torch.", ""))
     if code is None:
         raise _dtype_error(what, str(t.dtype))
     if not t.is_contiguous():
         raise _strided_error(what, tuple(t.stride()), tuple(t.shape))
-    device = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    stream = _ordering_stream(int(torch.cuda.current_stream(device).cuda_stream))
+    device = t.get_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: 3 us less
+    stream = raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
+    stream = _ordering_stream(int(stream))
     return CudaArray(t, int(t.data_ptr()), tuple(t.shape), code, int(device), stream, t,
                      _torch_empty)
 

@@ -23,7 +23,10 @@ from ._gpu_collectives import (
     ALLREDUCE,
     ALLTOALL,
     BROADCAST,
+    FLOAT32,
+    FLOAT64,
     REDUCESCATTER,
+    WIRES,
     wire_code,
 )
 from ._handles import Handle, _HandleGroup
@@ -56,6 +59,43 @@ class GpuCalls:
             self._groups += grouped and name is None
         results = [o.obj for o in outs] if outs else list(xs)
         return self._track(core, lambda _: result(results), (ins, outs))
+
+    def allreduce_gpu_view_(self, x: Any, ptr: int, shape: Sequence[int], code: int,
+                            device: int, stream: int, op: int, name: str, prescale: float,
+                            postscale: float, compression: Optional[str] = None) -> Any:
+        """Start an in-place allreduce of GPU array ``x``, described by the caller.
+
+        The per-gradient path of a framework layer (``DistributedOptimizer`` on CUDA):
+        the layer reads the array's address, shape, dtype and stream from its own tensor
+        type (a few attribute reads) and vouches for them, so nothing is converted or
+        checked here but the device.
+
+        Parameters
+        ----------
+        x : GPU array
+            Kept alive by the handle until it is done; ``wait()`` returns it.
+        ptr, shape, code, device, stream : int, sequence of int, int, int, int
+            Its C-contiguous memory's device address, its shape, its dtype's core code
+            (``ringreduce._gpu_collectives``), its CUDA device, and the stream that
+            produced it (0: the legacy default stream).
+        op, name, prescale, postscale
+            As for ``allreduce_async_``; ``op`` a plain int (not Adasum), ``name`` a str.
+        compression : {None, 'fp16', 'bf16'}
+            float32 / float64 travel as float16 / bfloat16, cast by the GPU kernels.
+
+        Returns
+        -------
+        handle
+            ``wait()`` returns ``x`` once it holds the result; ``done()`` polls.
+        """
+        wire = WIRES[compression] if compression and code in (FLOAT32, FLOAT64) else -1
+        h = self._gpu.allreduce_view_(x, ptr, shape, code, device, stream, name, op, prescale,
+                                      postscale, wire)
+        q = self._in_flight  # as allreduce_async_'s numpy path: the length cap only
+        q.append(h)
+        if len(q) >= self._prune_at:
+            self.release_done()
+        return h
 
     def _gpu_broadcast(self, x: Any, in_place: bool, root_rank: int, name: Optional[str],
                        what: str) -> Handle:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from . import _core
-from ._cuda_arrays import CudaArray, cuda_view
+from ._cuda_arrays import PER_THREAD_DEFAULT_STREAM, CudaArray, cuda_view
 from ._gpu import cuda_device_count
 from .exceptions import InvalidInputError, call_label
 
@@ -69,17 +69,34 @@ class GpuCollectives:
         for v in views:
             if v.device < 0:  # __cuda_array_interface__ alone does not say
                 v.device = self._device if self._device is not None else 0
-            if self._device is None:
-                self._device = v.device
-            elif v.device != self._device:
-                raise InvalidInputError(
-                    f"{what}: the array is on CUDA device {v.device}, but this rank's GPU "
-                    f"collectives run on device {self._device} (one GPU per process: "
-                    "torch.cuda.set_device(rr.local_rank()) / "
-                    "cupy.cuda.Device(rr.local_rank()).use())")
+            self._claim(v.device, what)
         if len({v.code for v in views}) > 1:
             raise InvalidInputError(f"{what}: the GPU arrays of one group must share a dtype")
         return views
+
+    def _claim(self, device: int, what: str) -> None:
+        """Fix this rank's GPU at its first GPU array; InvalidInputError for another one."""
+        if self._device is None:
+            self._device = device
+        elif device != self._device:
+            raise InvalidInputError(
+                f"{what}: the array is on CUDA device {device}, but this rank's GPU "
+                f"collectives run on device {self._device} (one GPU per process: "
+                "torch.cuda.set_device(rr.local_rank()) / "
+                "cupy.cuda.Device(rr.local_rank()).use())")
+
+    def allreduce_view_(self, x: Any, ptr: int, shape: Sequence[int], code: int, device: int,
+                        stream: int, name: str, op: int, pre: float, post: float,
+                        wire: int) -> Any:
+        """An in-place allreduce of GPU array ``x`` that the caller has described (C-contiguous
+        at ``ptr``, ``shape``, dtype ``code`` on ``device``, produced on ``stream``); a
+        handle whose ``wait()`` returns ``x``. A framework layer's per-gradient path."""
+        if device != self._device:
+            self._claim(device, call_label("allreduce_", name))
+        if stream == PER_THREAD_DEFAULT_STREAM:
+            stream = 0  # see _cuda_arrays._ordering_stream
+        return _core.gpu.allreduce_(self._engine, x, ptr, shape, code, name, device, stream, op,
+                                    pre, post, self._members, wire)
 
     def results(self, views: list[CudaArray], op: str, name: Optional[str],
                 shapes: Optional[list[tuple]] = None) -> list[CudaArray]:

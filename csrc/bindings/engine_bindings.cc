@@ -119,18 +119,6 @@ int32_t plain_dtype_code(const py::dtype& dt) {
   return -1;
 }
 
-// The handle of an in-place allreduce of a numpy array (the hot path below):
-// wait() returns the array itself. It holds the array, so the Python side
-// keeps the buffer alive for as long as it keeps the handle (the
-// Communicator keeps every handle until it is done). Python's Handle
-// (ringreduce/_communicator.py) does the same for every other call; this
-// one skips its Python frames, a few microseconds per gradient.
-struct ArrayHandle {
-  std::shared_ptr<HandleState> state;
-  py::object array;  // what wait() returns: the array, or the new result
-  py::object input;  // out of place: the input, read until the collective is done
-};
-
 // A completed handle (the common case in a synchronize loop after the last
 // one) needs no GIL hand-off. Otherwise the wait runs in slices without the
 // GIL, and between slices the main thread runs Python's signal handlers, so

@@ -66,6 +66,20 @@ std::shared_ptr<HandleState> submit_gpu(Engine& eng, int32_t kind, const std::ve
   return eng.submit(std::move(es));
 }
 
+// The per-gradient hot path of a framework layer (DistributedOptimizer's hooks on
+// CUDA): one in-place allreduce of GPU tensor `obj`, which the layer has already
+// described (address, shape, dtype code, device, producing stream) at a few
+// attribute reads. The handle keeps `obj` alive and its wait() returns it.
+ArrayHandle allreduce_gpu_(Engine& eng, py::object obj, uint64_t ptr, std::vector<int64_t> shape,
+                           int32_t dtype, std::string name, int32_t device, uint64_t stream,
+                           int32_t op, double pre, double post, const std::vector<int32_t>& members,
+                           int32_t wire) {
+  std::shared_ptr<HandleState> state = submit_gpu(
+      eng, static_cast<int32_t>(CollKind::kAllreduce), {ptr}, {0}, {std::move(shape)}, dtype,
+      {std::move(name)}, "", device, stream, op, pre, post, -1, {}, {}, members, wire);
+  return ArrayHandle{std::move(state), obj, obj};
+}
+
 }  // namespace
 
 void bind_gpu_engine(py::module_& m) {
@@ -75,6 +89,9 @@ void bind_gpu_engine(py::module_& m) {
         py::arg("root") = -1, py::arg("splits") = std::vector<int64_t>{},
         py::arg("peer_rows") = std::vector<int64_t>{}, py::arg("members") = std::vector<int32_t>{},
         py::arg("wire") = -1);
+  m.def("allreduce_", &allreduce_gpu_, py::arg("engine"), py::arg("obj"), py::arg("ptr"),
+        py::arg("shape"), py::arg("dtype"), py::arg("name"), py::arg("device"), py::arg("stream"),
+        py::arg("op"), py::arg("pre"), py::arg("post"), py::arg("members"), py::arg("wire"));
   // Testing aid: this engine's GPUs become emulated ones (emulated_gpu_ops.h),
   // their communicator bootstrapped like a real one.
   m.def(

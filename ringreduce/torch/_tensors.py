@@ -19,6 +19,7 @@ import torch
 
 import ringreduce as _rr
 from ringreduce import Communicator
+from ringreduce._cuda_arrays import TORCH_DTYPES
 from ringreduce._dtypes import SUPPORTED
 from ringreduce._refusals import reports_refusals
 from ringreduce.exceptions import InvalidInputError
@@ -99,6 +100,31 @@ def to_numpy(t: torch.Tensor, what: str) -> Any:
         return t.numpy()
     raise InvalidInputError(f"{what}: {t.dtype} tensors are not supported; supported dtypes "
                             f"are {SUPPORTED} (convert first, e.g. t.to(torch.float32))")
+
+
+#: torch dtypes the GPU executor reduces, and their core codes (NCCL has no 16-bit ints).
+_CUDA_CODES = {getattr(torch, name): code for name, code in TORCH_DTYPES.items()}
+
+try:  # the current stream's handle as an int, without a torch.cuda.Stream object (3 us)
+    _raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - a torch without it (or without CUDA)
+    def _raw_stream(device: int) -> int:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def allreduce_cuda_(c: Communicator, t: torch.Tensor, op: int, name: str, prescale: float,
+                    postscale: float, compression: Optional[str]) -> Any:
+    """Start an in-place allreduce of CUDA tensor ``t`` on ``c``'s GPU path, described
+    here at a few attribute reads (DistributedOptimizer's per-gradient path: about 5 us
+    instead of 25 through the general intake); None when ``t`` is not a contiguous
+    CUDA tensor of a dtype the GPU reduces (the general path then converts or refuses).
+    The producing stream is the current one, as for every torch tensor."""
+    code = _CUDA_CODES.get(t.dtype) if t.is_cuda else None
+    if code is None or t.layout != torch.strided or not t.is_contiguous():
+        return None
+    device = t.get_device()
+    return c.allreduce_gpu_view_(t, t.data_ptr(), t.shape, code, device, _raw_stream(device),
+                                 op, name, prescale, postscale, compression)
 
 
 def to_torch(a: Any) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._tensors import binder, to_numpy
+from ._tensors import allreduce_cuda_, binder, to_numpy
 from .adasum import _AdasumMixin
 from .broadcast import agree
 from .buckets import GradientBuckets, bucket_slots
@@ -288,11 +288,14 @@ class _DistributedMixin:
             # CUDA gradients with fp16 / bf16: the GPU executor casts in its fusion kernels.
             wire = device_compression(self._rr_compression, grad)
             buf, ctx = (grad, None) if wire else self._rr_compression.compress(grad)
-            if not buf.is_contiguous() or (buf is grad and not grad.is_contiguous()):
-                buf = buf.contiguous()
-            s.handle = self._rr_comm().allreduce_async_(to_numpy(buf, s.label), self._rr_op,
-                                                        s.name, *self._rr_scale,
-                                                        compression=wire)
+            c = self._rr_comm()
+            s.handle = allreduce_cuda_(c, grad, self._rr_op, s.name, *self._rr_scale, wire) \
+                if buf is grad and grad.is_cuda else None
+            if s.handle is None:
+                if not buf.is_contiguous() or (buf is grad and not grad.is_contiguous()):
+                    buf = buf.contiguous()
+                s.handle = c.allreduce_async_(to_numpy(buf, s.label), self._rr_op, s.name,
+                                              *self._rr_scale, compression=wire)
             s.grad, s.buf, s.ctx, s.version = grad, buf, ctx, grad._version
         self._rr_inflight.append(s)
 

@@ -36,6 +36,7 @@ def check_compressed_optimizer(rank: int, size: int) -> None:
         return (torch.arange(64) % 7 / 8 + r + 1 + 2.0 ** -12).float()
 
     (w * grad(rank).cuda()).sum().backward()
+    assert [type(s.handle).__name__ for s in opt._rr_inflight] == ["ArrayHandle"]
     opt.step()
     wsum = sum(grad(r).half().float() for r in range(size))
     assert torch.equal(w.detach().cpu(), -(wsum * torch.tensor(1 / size))), w
@@ -100,6 +101,8 @@ def main() -> None:
         mine = slice(rank * 8, (rank + 1) * 8)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        kinds = {type(s.handle).__name__ for s in opt._rr_inflight}
+        assert kinds == {"ArrayHandle"}, kinds  # the described CUDA path, allreduce_cuda_
         opt.step()
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()

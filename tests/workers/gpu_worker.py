@@ -99,6 +99,38 @@ def check_allreduce(g: Arrays, rank: int, size: int) -> None:
     np.testing.assert_allclose(g.host(x), want, rtol=1e-6)
 
 
+def check_described_allreduce(g: Arrays, rank: int, size: int) -> None:
+    """Communicator.allreduce_gpu_view_, DistributedOptimizer's per-gradient CUDA path: the
+    caller describes each array; several in flight (fused), scales, an fp16 wire, and an
+    array on another device refused before anything is submitted."""
+    from ringreduce._cuda_arrays import cuda_view
+
+    c = rr._comm()
+
+    def start(x, name, op=rr.Sum, pre=1.0, post=1.0, compression=None):
+        v = cuda_view(x, "allreduce_", name)
+        return c.allreduce_gpu_view_(x, v.ptr, v.shape, v.code, v.device, v.stream, op, name,
+                                     pre, post, compression)
+
+    xs = [g.make(inputs(rank, 3 + 40 * i, np.float32)) for i in range(6)]
+    hs = [start(x, f"view.{i}", pre=2.0, post=0.5) for i, x in enumerate(xs)]
+    for i, (x, h) in enumerate(zip(xs, hs)):
+        assert h.wait() is x
+        want = sum(inputs(r, 3 + 40 * i, np.float32) for r in range(size))
+        np.testing.assert_allclose(g.host(x), want, rtol=1e-6)
+    x = g.make(np.full(5, 1 + 2.0 ** -12, np.float32))  # 1.0 in float16
+    start(x, "view.fp16", compression="fp16").wait()
+    np.testing.assert_array_equal(g.host(x), np.full(5, size, np.float32))
+    v = cuda_view(x, "allreduce_", "view.other")
+    try:
+        c.allreduce_gpu_view_(x, v.ptr, v.shape, v.code, v.device + 1, v.stream, rr.Sum,
+                              "view.other", 1.0, 1.0, None)
+    except rr.InvalidInputError as err:
+        assert f"on CUDA device {v.device + 1}" in str(err), err
+    else:
+        raise AssertionError("an array on another device was not refused")
+
+
 def check_out_of_place_and_fused(g: Arrays, rank: int, size: int) -> None:
     src = g.make(inputs(rank, 10, np.float32), cai=True)
     before = g.host(src).copy()
@@ -447,6 +479,7 @@ def main() -> None:
     rr.register_gpu_array_type(CaiGpu, lambda x, shape: CaiGpu(np.empty(shape, x.a.dtype)))
     check_process_sets(g, rank, pair, solo)
     check_allreduce(g, rank, size)
+    check_described_allreduce(g, rank, size)
     check_out_of_place_and_fused(g, rank, size)
     check_broadcast(g, rank, size)
     check_reducescatter(g, rank, size)

@@ -42,6 +42,10 @@ def test_keras_fit_equals_one_process_and_callbacks_work(tmp_path, backend):
         # talk on update steps only (tensorflow, torch: apply averages every batch)
         if backend == "jax":
             assert eq[("sgd", 1, 2)]["tensors"] == k2["tensors"], eq
+        # loss scaling: mixed_float16's LossScaleOptimizer and a user's; rank 1 overflowed
+        scaled = {e["how"]: e for e in job.events("loss-scaling")[r]}
+        assert set(scaled) == {"compile", "user"}, scaled
+        assert all(e["spread"] == 0 and e["scale"] < e["initial"] for e in scaled.values())
         # a model Keras builds on its first batch: broadcast after it, ranks end equal
         lazy = job.event(r, "lazy")
         assert lazy["spread"] == {"same": 0.0, "different": 0.0}, lazy

@@ -11,10 +11,20 @@ Backends: TensorFlow (one fused graph op per step, see ringreduce.tensorflow), t
 (eager ``ringreduce.torch.grouped_allreduce``) and JAX (the trainer updates through
 ``stateless_apply`` inside ``jax.jit``; ``ringreduce.jax.grouped_allreduce`` joins it as
 an ordered host callback).
+
+Loss scaling: a ``LossScaleOptimizer`` skips a step when its gradients are not finite, so
+that check must see the averaged gradients, the same on every rank (a rank that skipped
+alone would leave its peers waiting in the averaging). Wrapping a LossScaleOptimizer
+(Horovod's recipe) averages before its check on every backend. ``compile()`` under the
+``mixed_float16`` policy wraps the optimizer it is given in a new LossScaleOptimizer, the
+other way round; ringreduce.keras then moves the averaging out to that LossScaleOptimizer
+(a hook on ``LossScaleOptimizer.__init__``, acting only when the inner optimizer is a
+DistributedOptimizer).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import keras
@@ -133,6 +143,15 @@ class _DistributedKerasMixin:
     def _rr_reduces_on_update_steps(self) -> bool:
         return isinstance(self._rr_reduce, _JaxReducer) and bool(self.gradient_accumulation_steps)
 
+    def stateless_apply(self, optimizer_variables: Any, grads: Any,
+                        trainable_variables: Any) -> Any:
+        """The JAX trainer's update. The base class's calls ``apply`` (which averages);
+        a LossScaleOptimizer's checks and applies without it, so it averages here first."""
+        if isinstance(self, keras.optimizers.LossScaleOptimizer) and \
+                not self._rr_reduces_on_update_steps():
+            grads = self._rr_reduce(list(grads))
+        return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+
     def _clip_gradients(self, grads: Any) -> Any:
         """On the JAX backend with gradient accumulation (Keras's own
         ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets): the
@@ -242,6 +261,13 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
                       num_groups, groups)
     if passes > 1 and isinstance(reduce, _JaxReducer):
         _accumulate_in_keras(what, optimizer, passes)
+    _wrap(optimizer, reduce, passes, average_aggregated_gradients)
+    return optimizer
+
+
+def _wrap(optimizer: keras.optimizers.Optimizer, reduce: Any, passes: int,
+          average_aggregated: bool) -> None:
+    """Swap ``optimizer``'s class for its distributed subclass and set it up."""
     base = type(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
@@ -249,14 +275,49 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
                                     {"__module__": base.__module__,
                                      "__qualname__": base.__qualname__})
     optimizer.__class__ = cls
-    optimizer._rr_setup(reduce, passes, average_aggregated_gradients)
-    return optimizer
+    optimizer._rr_setup(reduce, passes, average_aggregated)
+
+
+def _move_into_loss_scaling(inner: Any, outer: keras.optimizers.LossScaleOptimizer) -> None:
+    """The averaging of DistributedOptimizer ``inner`` moves out to ``outer``, the
+    LossScaleOptimizer that ``compile()`` (mixed_float16) just wrapped around it, so that
+    its finite check sees averaged gradients; ``inner`` becomes its plain class again."""
+    reduce, passes = inner._rr_reduce, inner._rr_passes
+    if passes > 1 and isinstance(reduce, _JaxReducer):
+        raise _no_loss_scaled_accumulation("DistributedOptimizer", passes)
+    average_aggregated = inner._rr_average_aggregated
+    inner.__class__ = type(inner).__bases__[1]  # (_DistributedKerasMixin, base)
+    _wrap(outer, reduce, passes, average_aggregated)
+
+
+def _hook_loss_scaling() -> None:
+    """Make ``LossScaleOptimizer(distributed)`` move the averaging out (see the module
+    docstring); once per process."""
+    cls = keras.optimizers.LossScaleOptimizer
+    original = cls.__init__
+    if getattr(original, "_rr_hook", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, inner_optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(self, inner_optimizer, *args, **kwargs)
+        if isinstance(inner_optimizer, _DistributedKerasMixin) and \
+                not isinstance(self, _DistributedKerasMixin):
+            _move_into_loss_scaling(inner_optimizer, self)
+
+    __init__._rr_hook = True
+    cls.__init__ = __init__
+
+
+_hook_loss_scaling()
 
 
 def _accumulate_in_keras(what: str, optimizer: keras.optimizers.Optimizer, passes: int) -> None:
     """backward_passes_per_step on the JAX backend: Keras's own gradient accumulation
     (its step is one compiled function, so the local sum lives in the optimizer's
     variables), with the averaging on update steps only (_clip_gradients)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise _no_loss_scaled_accumulation(what, passes)
     if optimizer.gradient_accumulation_steps:
         raise InvalidInputError(
             f"{what}: the optimizer already has gradient_accumulation_steps="
@@ -268,6 +329,14 @@ def _accumulate_in_keras(what: str, optimizer: keras.optimizers.Optimizer, passe
             "optimizer that has not been built yet (its accumulators are made in build()); "
             "wrap it before compile() or the first step")
     optimizer.gradient_accumulation_steps = passes
+
+
+def _no_loss_scaled_accumulation(what: str, passes: int) -> InvalidInputError:
+    return InvalidInputError(
+        f"{what}: backward_passes_per_step={passes} with a LossScaleOptimizer (or "
+        "mixed_float16) on the jax backend is not supported: Keras's LossScaleOptimizer "
+        "does not accumulate gradients there; use backward_passes_per_step=1, or the "
+        "tensorflow or torch backend")
 
 
 def is_distributed(optimizer: Any) -> bool:

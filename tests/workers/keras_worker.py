@@ -104,6 +104,49 @@ def accumulation_refusals() -> None:
     event("accumulation-refusals", ok=True)
 
 
+def loss_scaling() -> None:
+    """A LossScaleOptimizer skips a step whose gradients are not finite; its check must see
+    the averaged gradients. Two ways in: compile() under mixed_float16 wrapping the
+    DistributedOptimizer (the averaging moves out to its LossScaleOptimizer), and the user
+    wrapping a LossScaleOptimizer (Horovod's recipe; on jax its stateless_apply bypassed
+    apply). Rank 1's first batch overflows float16: every rank skips that step and halves
+    its scale, and the ranks end with the same weights and scale."""
+    import ringreduce
+    from ringreduce.keras.optimizer import is_distributed
+
+    per_rank = 4
+    xs, ys = batches(per_rank)
+    if rr.rank() == 1:
+        xs = xs.copy()
+        xs[:per_rank] *= 1e6  # inf in float16
+    for how in ("compile", "user"):
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            model = make_model()
+        finally:
+            keras.config.set_dtype_policy("float64")
+        if how == "compile":
+            opt = rr.DistributedOptimizer(keras.optimizers.SGD(0.01))
+        else:
+            opt = rr.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.01), initial_scale=2.0 ** 4))
+        model.compile(optimizer=opt, loss="mse")
+        lso = model.optimizer
+        assert isinstance(lso, keras.optimizers.LossScaleOptimizer), type(lso)
+        assert is_distributed(lso) and not is_distributed(lso.inner_optimizer)
+        before = engine_tensors()
+        model.fit(xs, ys, batch_size=per_rank, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0)])
+        reduced = engine_tensors() - before
+        scale = float(keras.ops.convert_to_numpy(lso.dynamic_scale))
+        mine = np.concatenate([weights(model), [scale]]).astype(np.float64)
+        every = ringreduce.allgather(mine[None], name=f"loss-scaling.{how}")
+        spread = float(np.abs(every - every[0]).max())
+        event("loss-scaling", how=how, scale=scale, spread=spread, tensors=reduced,
+              initial=float(lso.initial_scale))
+        assert spread == 0.0 and reduced > 0 and scale < lso.initial_scale, (how, spread, scale)
+
+
 def lazily_built() -> None:
     """A model without an Input (Horovod's examples) is built by Keras on its first batch:
     BroadcastGlobalVariablesCallback must then broadcast after that batch (Horovod's timing)
@@ -215,6 +258,7 @@ def main() -> None:
     equivalence("sgd", 1, keras_steps=2)
     if keras.backend.backend() == "jax":
         accumulation_refusals()
+    loss_scaling()
     lazily_built()
     callbacks_and_checkpoints(sys.argv[1])
     rr.barrier()

@@ -1,7 +1,8 @@
 """ringreduce.jax (and optax) in real processes: every collective eagerly and inside
-jax.jit, their gradients, DistributedOptimizer against one process, the broadcasts,
-checkpoints, errors, and a rank dying inside a jitted step. One launch per case: JAX
-imports slowly, so each worker runs every check (tests/workers/jax_worker.py)."""
+jax.jit, their gradients, DistributedOptimizer against one process, the broadcasts (weak
+types, typed PRNG keys), checkpoints (dtypes with x64 on and off), errors, and a rank
+dying inside a jitted step. One launch per case: JAX imports slowly, so each worker runs
+every check (tests/workers/jax_worker.py)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ the same engine as every other layer; the C++ core is not compiled against JAX.
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -133,13 +134,56 @@ def save_checkpoint(path: str, root_rank: int = 0, **state: Any) -> bool:
 def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False) -> Optional[dict]:
     """Read ``path`` on ``root_rank`` and return its pytrees on every rank (collective).
 
-    Arrays come back as JAX arrays. ``missing_ok``: None on every rank if there is no file.
-    Any failure raises the same ``CheckpointError`` on every rank.
+    Parameters
+    ----------
+    path : str
+        A file ``save_checkpoint`` wrote.
+    root_rank : int
+        The rank that reads it and sends it to the others.
+    missing_ok : bool
+        Return None on every rank if there is no file (otherwise a ``CheckpointError``).
+
+    Returns
+    -------
+    dict or None
+        The keywords given to ``save_checkpoint``. Saved arrays come back as JAX arrays of
+        the dtype they were saved with, exactly as ``jnp.asarray`` would make them: with
+        ``jax_enable_x64`` on, float64 and int64 stay 64-bit; with it off (JAX's default)
+        they become float32 and int32, as every JAX array is then, and a ``UserWarning``
+        names those leaves (values outside the 32-bit range do not survive: enable x64
+        before loading to keep them). An array of a dtype JAX has no type for (strings,
+        objects) stays a numpy array. Other values come back as they were saved.
+
+    Raises
+    ------
+    CheckpointError
+        The same on every rank, whatever failed.
     """
     data = load_on_root(_default_comm(), path, root_rank, read_pickled_dict,
                         missing_ok)
     if data is None:
         return None
-    return {key: jax.tree_util.tree_map(
-        lambda v: jax.numpy.asarray(v) if isinstance(v, np.ndarray) else v, value)
-        for key, value in data.items()}
+    narrowed: list[str] = []
+    restored = {key: jax.tree_util.tree_map_with_path(
+        lambda p, v, key=key: _restore_leaf(f"[{key!r}]{jax.tree_util.keystr(p)}", v, narrowed),
+        value) for key, value in data.items()}
+    if narrowed:
+        warnings.warn(f"load_checkpoint: jax_enable_x64 is off, so {len(narrowed)} leaves saved "
+                      f"in 64 bits come back in 32, as jnp.asarray makes them: "
+                      f"{', '.join(narrowed[:8])}{' ...' if len(narrowed) > 8 else ''}. Enable "
+                      "jax_enable_x64 before loading to keep them.", UserWarning, stacklevel=2)
+    return restored
+
+
+def _restore_leaf(path: str, value: Any, narrowed: list[str]) -> Any:
+    """A saved leaf as a JAX array where JAX has its dtype (see ``load_checkpoint``); a
+    leaf that ``jnp.asarray`` narrows is listed in ``narrowed`` as "path old -> new"."""
+    if not isinstance(value, np.ndarray):
+        return value
+    try:
+        out = jax.numpy.asarray(value)
+    except TypeError:  # strings, objects, longdouble...: JAX has no such dtype
+        return value
+    if out.dtype != value.dtype:
+        narrowed.append(f"{path} {value.dtype} -> {out.dtype}")
+    return out

@@ -7,6 +7,9 @@ differentiable with Horovod's gradients (``ringreduce._grads``: allreduce's is t
 allreduce of the gradient; allgather's, this rank's rows of the average of the gradient;
 broadcast's, the average on the root and zeros elsewhere; reducescatter's, the gradient
 gathered, times size for Sum).
+
+Typed PRNG keys (``jax.random.key``) are broadcast, gathered and sent by alltoall as their
+key data and come back as keys of the same implementation; the reductions refuse them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ringreduce.exceptions import InvalidInputError, call_label
 from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._bridge import Getter, binder, host_call, is_traced, spec, traced_name
+from ._keys import is_key, moved_as_data, refuse_keys, unwrap, wrap
 from .compression import Compression
 
 __all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allreduce",
@@ -134,6 +138,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     op = resolve_op(average, op, what, _MODULE)
     pre, post = check_scales(prescale_factor, postscale_factor, what)
     xs = _check_arrays(list(tensors), what)
+    refuse_keys(xs, what)
     if not xs:
         return []
     packed = [compression.compress(x) for x in xs]
@@ -153,6 +158,8 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     x = _check_arrays([tensor], what)[0]
     if x.ndim == 0:
         raise InvalidInputError(f"{what}: needs at least one dimension, got a scalar")
+    if is_key(x):  # typed PRNG keys travel as their key data (see _keys)
+        return moved_as_data(x, lambda d: allgather(d, name, ignore_name_scope, process_set))
     get = binder(process_set, what)
     if not is_traced(x):
         return host_call(lambda a: get().allgather(a, name), [x], None, what)
@@ -182,6 +189,9 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
     """``root_rank``'s ``tensor`` on every rank (a new array); differentiable."""
     what = call_label("broadcast", name)
     x = _check_arrays([tensor], what)[0]
+    if is_key(x):  # typed PRNG keys travel as their key data (see _keys)
+        return moved_as_data(x, lambda d: broadcast(d, root_rank, name, ignore_name_scope,
+                                                    process_set))
     get = binder(process_set, what)
     traced = is_traced(x)
     run_name = traced_name("broadcast", name) if traced else name
@@ -208,6 +218,7 @@ def reducescatter(tensor: Any, op: int = Average, name: Optional[str] = None,
     op = resolve_op(None, op, what, _MODULE)
     pre, post = check_scales(prescale_factor, postscale_factor, what)
     x = _check_arrays([tensor], what)[0]
+    refuse_keys([x], what)
     if x.ndim == 0:
         raise InvalidInputError(f"{what}: needs at least one dimension, got a scalar")
     get = binder(process_set, what)
@@ -238,6 +249,10 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     Not differentiable."""
     what = call_label("alltoall", name)
     x = _check_arrays([tensor], what)[0]
+    if is_key(x):  # typed PRNG keys travel as their key data (see _keys)
+        data, impl = unwrap(x)
+        out = alltoall(data, splits, name, ignore_name_scope, process_set)
+        return (wrap(out[0], impl), out[1]) if splits is not None else wrap(out, impl)
     get = binder(process_set, what)
     if splits is not None:
         if is_traced(x):

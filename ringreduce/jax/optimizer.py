@@ -23,6 +23,7 @@ from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._bridge import binder, is_traced
+from ._keys import is_key, unwrap, wrap
 from .compression import Compression
 from .ops import grouped_allreduce
 
@@ -146,16 +147,16 @@ def _accumulating(inner: Any, update: Any, passes: int, optax: Any) -> Any:
 
 
 def _leaves(tree: Any, what: str) -> tuple[list, list, list, Any]:
-    """(paths, leaves, the leaves as numpy arrays, treedef); a leaf that is not an array is
-    refused."""
+    """(paths, leaves, the leaves as numpy arrays, treedef); a typed PRNG key becomes its key
+    data; a leaf that is not an array is refused."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths, leaves, arrays = [], [], []
     for path, leaf in pairs:
         key = jax.tree_util.keystr(path)
         if is_traced(leaf):
             raise InvalidInputError(f"{what}: {key} is traced; call it outside jax.jit")
-        try:
-            arrays.append(np.array(leaf))  # a writable copy: the broadcast lands in it
+        try:  # a writable copy: the broadcast lands in it
+            arrays.append(np.array(unwrap(leaf)[0] if is_key(leaf) else leaf))
         except TypeError as err:
             raise InvalidInputError(f"{what}: {key} is a {type(leaf).__name__}, not an array; "
                                     "use broadcast_object() for other values") from err
@@ -167,21 +168,29 @@ def _leaves(tree: Any, what: str) -> tuple[list, list, list, Any]:
 def _broadcast_tree(tree: Any, root_rank: int, what: str, process_set: ProcessSet) -> Any:
     paths, leaves, arrays, treedef = _leaves(tree, what)
     c = binder(process_set, what)()
-    agree(c, what, [(p, (a.shape, a.dtype.str)) for p, a in zip(paths, arrays)],
-          " on the pytree to broadcast")
+    # a key's dtype names its implementation (key<fry>): ranks must agree on it too
+    agree(c, what, [(p, (a.shape, str(k.dtype) if is_key(k) else a.dtype.str))
+                    for p, k, a in zip(paths, leaves, arrays)], " on the pytree to broadcast")
     wait_all([c.broadcast_async_(a, root_rank, f"{what}.{p}") for p, a in zip(paths, arrays)])
     return jax.tree_util.tree_unflatten(treedef, [_like(k, a) for k, a in zip(leaves, arrays)])
 
 
 def _like(leaf: Any, value: np.ndarray) -> Any:
     """``value`` in ``leaf``'s kind: numpy stays numpy (a numpy scalar a numpy scalar), a
-    Python scalar a Python scalar, anything else (a JAX array) becomes a JAX array."""
+    Python scalar a Python scalar, a key a key of the same implementation, and a JAX array
+    a JAX array of the same dtype and weak type."""
     if isinstance(leaf, np.ndarray):
         return value
     if isinstance(leaf, np.generic):
         return value[()]
     if isinstance(leaf, (bool, int, float, complex)):
         return type(leaf)(value.item())
+    if is_key(leaf):
+        return wrap(jnp.asarray(value), unwrap(leaf)[1])
+    if getattr(leaf, "weak_type", False):
+        # jnp.asarray would make it strongly typed, changing how it promotes and making a
+        # jitted function retrace; zeros_like keeps the weak type, and an update keeps it
+        return jnp.zeros_like(leaf).at[...].set(value)
     return jnp.asarray(value)
 
 
@@ -190,7 +199,9 @@ def broadcast_parameters(params: Any, root_rank: int = 0,
     """Return ``root_rank``'s parameters (any pytree of arrays) on every rank.
 
     Collective and eager. Checks first that every rank passes the same paths, shapes and
-    dtypes, and raises the same ``InvalidInputError`` everywhere if not.
+    dtypes, and raises the same ``InvalidInputError`` everywhere if not. Each leaf comes
+    back in its own kind: a JAX array with its dtype and ``weak_type``, a typed PRNG key
+    (``jax.random.key``) as a key of the same implementation, numpy as numpy.
     """
     return _broadcast_tree(params, root_rank, "broadcast_parameters", process_set)
 

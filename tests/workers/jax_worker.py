@@ -1,6 +1,7 @@
 """ringreduce.jax in real processes: every collective eagerly and inside jax.jit, their
 gradients, DistributedOptimizer (optax) against one process on the whole batch, the
-broadcasts, checkpoints and errors. Each check raises on a wrong result.
+broadcasts (weak types kept, typed PRNG keys), checkpoints (their dtypes) and errors. Each
+check raises on a wrong result.
 
     mpirun -np N python jax_worker.py DIR check
     python jax_worker.py DIR die        (env-var launch: rank 1 exits inside a jitted step)
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -238,15 +240,109 @@ def optimizer_equivalence() -> None:
         check("ranks disagree" in str(err), f"broadcast_parameters: {err}")
 
 
+def weak_types() -> None:
+    """broadcast_parameters keeps each leaf's weak_type: a weak scalar (a learning rate from
+    a Python float) must promote as before and not make a jitted step retrace."""
+    r = hvd.rank()
+    tree = {"lr": jnp.asarray(0.1 * (r + 1)), "w": jnp.full(2, float(r)),
+            "wide": jnp.broadcast_to(float(r), (3,))}
+    out = hvd.broadcast_parameters(tree, 0)
+    kinds = {k: (v.dtype, v.weak_type) for k, v in out.items()}
+    check(kinds == {k: (v.dtype, v.weak_type) for k, v in tree.items()}, f"weak types {kinds}")
+    close(out["lr"], 0.1, "weak leaf value")
+    close(out["wide"], np.zeros(3), "weak array value")
+    check((out["lr"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16, "weak promotion")
+    traces = []
+
+    @jax.jit
+    def step(t: dict) -> jax.Array:
+        traces.append(1)
+        return t["lr"] * t["w"]
+
+    step(tree)
+    step(out)
+    check(len(traces) == 1, "the broadcast tree retraced a jitted step")
+
+
+def keys_of(seed: int) -> dict:
+    return {"fry": jax.random.key(seed), "rbg": jax.random.key(seed, impl="rbg"),
+            "split": jax.random.split(jax.random.key(seed), 3)}
+
+
+def same_keys(a: jax.Array, b: jax.Array, what: str) -> None:
+    check(a.dtype == b.dtype and a.shape == b.shape
+          and np.array_equal(jax.random.key_data(a), jax.random.key_data(b)),
+          f"{what}: got {a!r}, want {b!r}")
+
+
+def typed_keys() -> None:
+    """Typed PRNG keys broadcast (in a train state, alone, eagerly and in jit), gather and
+    alltoall through their key data; reductions refuse them."""
+    r, n = hvd.rank(), hvd.size()
+    state = {"params": {"w": jnp.full(2, float(r))}, "keys": keys_of(r)}
+    out = hvd.broadcast_parameters(state, 0)
+    for name, key in out["keys"].items():
+        same_keys(key, keys_of(0)[name], f"broadcast_parameters {name}")
+    same_keys(hvd.broadcast_optimizer_state(keys_of(r), 0)["rbg"], keys_of(0)["rbg"],
+              "broadcast_optimizer_state")
+    same_keys(hvd.broadcast(jax.random.key(r), n - 1), jax.random.key(n - 1), "broadcast")
+    same_keys(jax.jit(lambda k: hvd.broadcast(k, 0))(jax.random.key(r)), jax.random.key(0),
+              "jit broadcast")
+    want = jnp.concatenate([jax.random.split(jax.random.key(q), 2) for q in range(n)])
+    same_keys(hvd.allgather(jax.random.split(jax.random.key(r), 2)), want, "allgather")
+    same_keys(jax.jit(hvd.allgather)(jax.random.split(jax.random.key(r), 2)), want,
+              "jit allgather")
+    want = jnp.stack([jax.random.split(jax.random.key(q), n)[r] for q in range(n)])
+    same_keys(hvd.alltoall(jax.random.split(jax.random.key(r), n)), want, "alltoall")
+    same_keys(hvd.broadcast_object({"k": jax.random.key(r)}, 0)["k"], jax.random.key(0),
+              "broadcast_object")
+    for label, call in (("allreduce", lambda: hvd.allreduce(jax.random.key(r))),
+                        ("grouped_allreduce",
+                         lambda: hvd.grouped_allreduce([jnp.ones(2), jax.random.key(r)])),
+                        ("reducescatter", lambda: hvd.reducescatter(keys_of(r)["split"])),
+                        ("jit allreduce", lambda: jax.jit(hvd.allreduce)(jax.random.key(r)))):
+        try:
+            call()
+            check(False, f"{label} of a PRNG key went through")
+        except hvd.InvalidInputError as err:
+            check("PRNG key" in str(err) and "key_data" in str(err), f"{label}: {err}")
+    if n > 1:  # ranks with different key implementations: the same error everywhere
+        try:
+            hvd.broadcast_parameters({"k": jax.random.key(0, impl="rbg" if r else None)}, 0)
+            check(False, "keys of different implementations went through")
+        except hvd.InvalidInputError as err:
+            check("ranks disagree" in str(err) and "key<" in str(err), f"impls: {err}")
+
+
 def checkpoints(directory: str) -> None:
     params = hvd.broadcast_parameters(init_params(7), 0)
     tx = hvd.DistributedOptimizer(optax.adam(0.01))
     state = hvd.broadcast_optimizer_state(tx.init(params), 0)
     path = os.path.join(directory, "ckpt.pkl")
-    wrote = hvd.save_checkpoint(path, params=params, opt_state=state, epoch=3)
+    extra = {"f64": np.linspace(0, 1, 3), "i64": np.arange(3, dtype=np.int64) + 2 ** 40,
+             "names": np.array(["a", "b"]), "key": jax.random.key(5)}
+    wrote = hvd.save_checkpoint(path, params=params, opt_state=state, epoch=3, extra=extra)
     check(wrote == (hvd.rank() == 0), f"save_checkpoint returned {wrote}")
     hvd.barrier()
-    back = hvd.load_checkpoint(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        back = hvd.load_checkpoint(path)
+    # x64 off: 64-bit leaves narrow as jnp.asarray narrows them, and a warning says so
+    got = {k: v.dtype for k, v in back["extra"].items() if k != "key"}
+    check(got == {"f64": jnp.float32, "i64": jnp.int32, "names": np.dtype("<U1")}, f"{got}")
+    check(isinstance(back["extra"]["names"], np.ndarray), "a string array is not numpy")
+    same_keys(back["extra"]["key"], jax.random.key(5), "a key in a checkpoint")
+    said = [str(w.message) for w in caught if "jax_enable_x64" in str(w.message)]
+    check(len(said) == 1 and "['extra']['f64'] float64 -> float32" in said[0]
+          and "['extra']['i64'] int64 -> int32" in said[0], f"narrowing warnings {said}")
+    with jax.enable_x64(True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wide = hvd.load_checkpoint(path)["extra"]
+        check(wide["f64"].dtype == jnp.float64 and wide["i64"].dtype == jnp.int64
+              and isinstance(wide["i64"], jax.Array) and int(wide["i64"][0]) == 2 ** 40,
+              f"x64 on: {wide}")
+        check(not [w for w in caught if "jax_enable_x64" in str(w.message)],
+              "a warning with x64 on")
     check(back["epoch"] == 3, "epoch")
     close(back["params"]["w1"], params["w1"], "loaded params")
     check(type(back["opt_state"]) is type(state), f"optax state type {type(back['opt_state'])}")
@@ -291,6 +387,8 @@ def main() -> None:
     eager_collectives()
     jitted_collectives()
     optimizer_equivalence()
+    weak_types()
+    typed_keys()
     process_sets()
     uneven_join()
     checkpoints(sys.argv[1])

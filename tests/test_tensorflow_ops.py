@@ -312,6 +312,65 @@ def test_tf1_graph_optimizer_hook_and_local_aggregation(opt):
             np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["tf_function", "tf1_graph"])
+def test_local_aggregation_of_embedding_gradients(mode):
+    """backward_passes_per_step=2 with an embedding (tf.gather: an IndexedSlices gradient,
+    beside a dense one). In a tf.function the slices' dense_shape is a tensor of the traced
+    function, which the accumulator (made under init_scope) cannot use: it takes the
+    variable's shape, the slices are summed into it, and the ranks end with one process's
+    weights on the full batches."""
+    rng = np.random.default_rng(3)
+    ids, y = rng.integers(0, 6, size=(2, 8)), rng.normal(size=(2, 8, 1))  # two applications
+    emb0, w0 = rng.normal(size=(6, 3)), rng.normal(size=(3, 1))
+
+    def loss_of(emb, w, i, t):
+        return tf.reduce_mean(tf.square(tf.matmul(tf.gather(emb, i), w) - t))
+
+    def batches(rank, size, passes):  # rank's k-th part of each application's rows
+        part = 8 // size // passes
+        for step in range(2):
+            for k in range(passes):
+                rows = slice(rank * 8 // size + k * part, rank * 8 // size + (k + 1) * part)
+                yield ids[step, rows], y[step, rows]
+
+    def optimizer(passes):
+        return rtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.125),
+                                        backward_passes_per_step=passes,
+                                        average_aggregated_gradients=True)
+
+    def in_tf_function(rank, size, passes):
+        emb, w, opt = tf.Variable(emb0), tf.Variable(w0), optimizer(passes)
+
+        @tf.function
+        def step(i, t):
+            with tf.GradientTape() as tape:
+                loss = loss_of(emb, w, i, t)
+            grads = tape.gradient(loss, [emb, w])
+            assert isinstance(grads[0], tf.IndexedSlices)
+            opt.apply_gradients(zip(grads, [emb, w]))
+
+        for i, t in batches(rank, size, passes):
+            step(i, t)
+        return np.concatenate([emb.numpy().ravel(), w.numpy().ravel()])
+
+    def in_tf1_graph(rank, size, passes):
+        with tf.Graph().as_default():
+            emb = tf.compat.v1.get_variable("emb", initializer=emb0)
+            w = tf.compat.v1.get_variable("w", initializer=w0)
+            i = tf.compat.v1.placeholder(tf.int64, [None])
+            t = tf.compat.v1.placeholder(tf.float64, [None, 1])
+            train = optimizer(passes).minimize(loss_of(emb, w, i, t))
+            with tf.compat.v1.train.MonitoredTrainingSession() as sess:
+                for i_, t_ in batches(rank, size, passes):
+                    sess.run(train, {i: i_, t: t_})
+                return np.concatenate([v.ravel() for v in sess.run([emb, w])])
+
+    fn = in_tf_function if mode == "tf_function" else in_tf1_graph
+    (want,) = run(1, lambda rank: fn(rank, 1, 1))  # one process, full batches
+    for got in run(2, lambda rank: fn(rank, 2, 2)):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 def test_tf1_adasum_delta_optimizer():
     """DistributedOptimizer(op=Adasum) on a TF1 optimizer is Horovod's delta optimizer: each
     rank steps locally (k steps with backward_passes_per_step=k), then the variables become

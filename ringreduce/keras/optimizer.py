@@ -175,7 +175,7 @@ class _DistributedKerasMixin:
             super(_DistributedKerasMixin, self).apply(self._rr_reduce(local),
                                                       trainable_variables)
 
-        return self._rr_aggregation.step(grads, update)
+        return self._rr_aggregation.step(grads, update, trainable_variables)
 
     def _rr_aggregate_eager(self, grads: list, trainable_variables: Any) -> Any:
         local = self._rr_local

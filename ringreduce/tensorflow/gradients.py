@@ -134,31 +134,55 @@ class LocalAggregation:
 
     def __init__(self, passes: int, average_aggregated: bool, what: str) -> None:
         self.passes = check_passes(what, passes)
+        self.what = what
         self.average_aggregated = bool(average_aggregated)
         self.counter: Optional[tf.Variable] = None
         self.sums: list = []
 
-    def build(self, grads: Sequence[Any]) -> None:
+    def build(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None) -> None:
         """Create the counter and one accumulator per gradient (once; outside any cond)."""
         if self.counter is not None:
             return
+        variables = list(variables) if variables is not None else [None] * len(grads)
+        # Shapes first: they are static values, which init_scope (eager, or the outer
+        # graph) can use; a tf.function's tensors (IndexedSlices.dense_shape) it cannot.
+        shapes = [None if g is None else self._shape(g, v) for g, v in zip(grads, variables)]
         with tf.init_scope():
             self.counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                                        name="rr_aggregation_counter")
             self.sums = [None if g is None else
-                         tf.Variable(tf.zeros(g.dense_shape if isinstance(g, tf.IndexedSlices)
-                                              else g.shape, g.dtype),
-                                     trainable=False, name="rr_aggregated_gradient")
-                         for g in grads]
+                         tf.Variable(tf.zeros(shape, g.dtype), trainable=False,
+                                     name="rr_aggregated_gradient")
+                         for g, shape in zip(grads, shapes)]
 
-    def step(self, grads: Sequence[Any], on_update: Callable[[list], Any]) -> Any:
+    def _shape(self, grad: Any, variable: Any) -> tf.TensorShape:
+        """The dense shape of ``grad``'s accumulator: its variable's static shape, else
+        the gradient's own when statically known (an IndexedSlices' ``dense_shape`` is a
+        tensor; ``tf.get_static_value`` reads it when it is constant)."""
+        shape = tf.TensorShape(None if variable is None else variable.shape)
+        if not shape.is_fully_defined():
+            if isinstance(grad, tf.IndexedSlices):
+                static = tf.get_static_value(grad.dense_shape)
+                shape = shape.merge_with(None if static is None else [int(d) for d in static])
+            else:
+                shape = shape.merge_with(grad.shape)
+        if not shape.is_fully_defined():
+            raise InvalidInputError(f"{self.what}: backward_passes_per_step needs gradients of "
+                                    f"a static shape to accumulate, got {shape}")
+        return shape
+
+    def step(self, grads: Sequence[Any], on_update: Callable[[list], Any],
+             variables: Optional[Sequence[Any]] = None) -> Any:
         """Accumulate ``grads``; on the k-th pass call ``on_update(local sums)`` and reset.
 
+        ``variables`` (the gradients' variables, in order) give the accumulators' shapes.
+        IndexedSlices (embeddings) are added into dense accumulators with a scatter, so
+        ``on_update`` receives dense sums (Horovod's aggregation densifies them too).
         Returns the result of a ``tf.cond`` (graph) or of the branch taken (eager).
         """
-        self.build(grads)
-        adds = [s.assign_add(tf.convert_to_tensor(g)) for s, g in zip(self.sums, grads)
-                if g is not None]
+        self.build(grads, variables)
+        adds = [s.scatter_add(g) if isinstance(g, tf.IndexedSlices) else s.assign_add(g)
+                for s, g in zip(self.sums, grads) if g is not None]
         with tf.control_dependencies(adds):
             count = self.counter.assign_add(1)
 

@@ -79,7 +79,7 @@ class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
             return self._optimizer.apply_gradients(list(zip(averaged, variables)), global_step,
                                                    name)
 
-        return self._aggregation.step([g for g, _ in pairs], update)
+        return self._aggregation.step([g for g, _ in pairs], update, variables)
 
     def get_slot(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped optimizer's ``get_slot``."""

@@ -4,7 +4,8 @@ callbacks, load_model, faults.
     mpirun -np 2 python keras_worker.py DIR [check|die]
 
 ``check``: np=2 with half batches ends with the weights of one process training on the
-full batches (SGD and Adam, float64, also with backward_passes_per_step=2), metrics are
+full batches (SGD and Adam, float64, also with backward_passes_per_step=2, and on the
+tensorflow backend with an Embedding: IndexedSlices gradients), metrics are
 averaged, the warmup schedule is Horovod's, the checkpoint callback writes on rank 0
 only and load_model resumes every rank. ``die``: rank 1 exits inside model.fit; rank 0
 must raise PeerLostError from fit within seconds (logged as an event).
@@ -25,10 +26,14 @@ import ringreduce.keras as rr
 keras.backend.set_floatx("float64")
 RNG = np.random.default_rng(0)
 X, Y = RNG.normal(size=(32, 5)), RNG.normal(size=(32, 1))
+IDS = RNG.integers(0, 8, size=(32, 2))  # the embedding model's inputs
 
 
-def make_model() -> keras.Model:
+def make_model(embedding: bool = False) -> keras.Model:
     keras.utils.set_random_seed(1234)
+    if embedding:  # its gradient is a tf.IndexedSlices on the tensorflow backend
+        return keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(8, 3),
+                                 keras.layers.Flatten(), keras.layers.Dense(1)])
     return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
                              keras.layers.Dense(1)])
 
@@ -37,13 +42,13 @@ def weights(model: keras.Model) -> np.ndarray:
     return np.concatenate([np.ravel(keras.ops.convert_to_numpy(v)) for v in model.weights])
 
 
-def batches(per_rank: int) -> tuple:
+def batches(per_rank: int, xs: np.ndarray = X) -> tuple:
     """Rank r's rows, and the same rows in the order one process sees them at batch n*B."""
     n, r = rr.size(), rr.rank()
     steps = len(X) // (per_rank * n)
     mine = np.concatenate([np.arange((s * n + r) * per_rank, (s * n + r + 1) * per_rank)
                            for s in range(steps)])
-    return X[mine], Y[mine]
+    return xs[mine], Y[mine]
 
 
 def engine_tensors() -> int:
@@ -53,31 +58,36 @@ def engine_tensors() -> int:
     return ringreduce._comm()._engine.stats()["tensors"]
 
 
-def equivalence(opt_name: str, passes: int, keras_steps: int = 0) -> None:
+def equivalence(opt_name: str, passes: int, keras_steps: int = 0,
+                embedding: bool = False) -> None:
     """fit at np=n equals one process on batches of n x per_rank x k, k = passes (ours) or
-    keras_steps (the Keras optimizer's own gradient_accumulation_steps, set by the user)."""
+    keras_steps (the Keras optimizer's own gradient_accumulation_steps, set by the user);
+    ``embedding``: the model with an Embedding layer."""
     acc = {"gradient_accumulation_steps": keras_steps} if keras_steps else {}
     make_opt = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.5, **acc),
                 "adam": lambda: keras.optimizers.Adam(0.01, **acc)}[opt_name]
     per_rank = 4
-    model = make_model()
+    model = make_model(embedding)
+    first = model.layers[0].weights[0]
     if rr.rank() == 1:  # different start: the broadcast callback must fix it
-        model.layers[0].kernel.assign(np.zeros((5, 4)))
+        first.assign(np.zeros(first.shape))
     opt = rr.DistributedOptimizer(make_opt(), backward_passes_per_step=passes,
                                   average_aggregated_gradients=True)
     model.compile(optimizer=opt, loss="mse")
-    xs, ys = batches(per_rank)
+    inputs = IDS if embedding else X
+    xs, ys = batches(per_rank, inputs)
     before = engine_tensors()
     model.fit(xs, ys, batch_size=per_rank, epochs=2, shuffle=False, verbose=0,
               callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0)])
     reduced = engine_tensors() - before
-    ref = make_model()
+    ref = make_model(embedding)
     ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5) if keras_steps else make_opt(),
                 loss="mse")
-    ref.fit(X, Y, batch_size=per_rank * rr.size() * max(passes, keras_steps), epochs=2,
+    ref.fit(inputs, Y, batch_size=per_rank * rr.size() * max(passes, keras_steps), epochs=2,
             shuffle=False, verbose=0)
     diff = float(np.abs(weights(model) - weights(ref)).max())
-    event("equivalence", opt=opt_name, passes=passes, keras_steps=keras_steps, diff=diff,
+    event("equivalence", opt=opt_name, passes=passes, keras_steps=keras_steps,
+          embedding=embedding, diff=diff,
           tensors=reduced,
           iterations=int(keras.ops.convert_to_numpy(opt.iterations)),
           ref_iterations=int(keras.ops.convert_to_numpy(ref.optimizer.iterations)))
@@ -256,6 +266,8 @@ def main() -> None:
         equivalence(opt_name, 1)
     equivalence("sgd", 2)
     equivalence("sgd", 1, keras_steps=2)
+    if keras.backend.backend() == "tensorflow":
+        equivalence("sgd", 2, embedding=True)
     if keras.backend.backend() == "jax":
         accumulation_refusals()
     loss_scaling()

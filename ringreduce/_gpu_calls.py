@@ -62,7 +62,8 @@ class GpuCalls:
 
     def allreduce_gpu_view_(self, x: Any, ptr: int, shape: Sequence[int], code: int,
                             device: int, stream: int, op: int, name: str, prescale: float,
-                            postscale: float, compression: Optional[str] = None) -> Any:
+                            postscale: float, compression: Optional[str] = None,
+                            track: bool = True) -> Any:
         """Start an in-place allreduce of GPU array ``x``, described by the caller.
 
         The per-gradient path of a framework layer (``DistributedOptimizer`` on CUDA):
@@ -82,6 +83,10 @@ class GpuCalls:
             As for ``allreduce_async_``; ``op`` a plain int (not Adasum), ``name`` a str.
         compression : {None, 'fp16', 'bf16'}
             float32 / float64 travel as float16 / bfloat16, cast by the GPU kernels.
+        track : bool
+            False: the caller keeps the handle until it is done or waited for on the
+            stream that allocated ``x`` (see ``_gpu_collectives.wait_on_stream``); the
+            Communicator then does not keep ``x`` alive itself.
 
         Returns
         -------
@@ -91,6 +96,8 @@ class GpuCalls:
         wire = WIRES[compression] if compression and code in (FLOAT32, FLOAT64) else -1
         h = self._gpu.allreduce_view_(x, ptr, shape, code, device, stream, name, op, prescale,
                                       postscale, wire)
+        if not track:
+            return h
         q = self._in_flight  # as allreduce_async_'s numpy path: the length cap only
         q.append(h)
         if len(q) >= self._prune_at:

@@ -403,6 +403,28 @@ def test_engine_completes_gpu_work_only_when_its_event_fires(comm):
     np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="cpu"), x)
 
 
+@pytest.mark.timeout(30)  # a wait that never sees its work enqueued would hang
+def test_a_stream_ordered_wait_returns_once_enqueued_and_orders_the_callers_stream(comm):
+    # DistributedOptimizer's CUDA wait (as DDP's): the caller's stream waits on the
+    # response's completion event; the host does not wait for the device
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    h = gt.submit(comm._engine, tensor("g", 8), 0)
+    _core.gpu.wait_stream(h, 0x5EED)  # returns although the device has not finished
+    assert not h.done()
+    (done,) = [c.split()[1] for c in ops.calls() if c.startswith("event_record")][-1:]
+    assert ops.calls()[-1] == f"stream_wait_event stream#{0x5EED} {done}", ops.calls()
+    ops.complete_all()
+    wait_done(h)
+    _core.gpu.wait_stream(h, 0x5EED)  # done: returns as wait() does, with no stream wait
+    assert ops.calls()[-1] == f"stream_wait_event stream#{0x5EED} {done}", ops.calls()
+    ops.set_async_error("remote process exited or there was a network error (6)")
+    h = gt.submit(comm._engine, tensor("g2", 8), 0)
+    wait_done(h)  # failed before the wait: the failure is raised, as by wait()
+    with pytest.raises(rr.RingReduceError, match="NCCL failed on GPU 0"):
+        _core.gpu.wait_stream(h, 0x5EED)
+
+
 def test_engine_keeps_devices_apart(comm):
     fakes = {0: gt.FakeGpuOps(), 1: gt.FakeGpuOps()}
     for f in fakes.values():

@@ -397,7 +397,9 @@ void bind_handle(py::module_& m) {
       .def_readonly("join_result", &HandleState::join_result);
   py::class_<ArrayHandle>(m, "ArrayHandle")
       .def("wait", &wait_array)
-      .def("done", [](const ArrayHandle& h) { return h.state->done(); });
+      .def("done", [](const ArrayHandle& h) { return h.state->done(); })
+      // The completion alone (a Handle), without the arrays it keeps alive.
+      .def_readonly("state", &ArrayHandle::state);
 }
 
 // A shared buffer as a flat writable byte buffer; numpy views of it keep it

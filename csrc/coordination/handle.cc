@@ -119,6 +119,30 @@ bool HandleState::wait_for(int64_t timeout_ns) {
                       [this] { return done_.load(std::memory_order_acquire); });
 }
 
+void HandleState::mark_enqueued(StreamWaiter waiter) {
+  std::unique_lock<std::mutex> lock(mu_);
+  waiter_ = std::move(waiter);
+  if (unqueued_ == 0 || --unqueued_ > 0) return;
+  lock.unlock();
+  cv_.notify_all();
+}
+
+bool HandleState::wait_enqueued_for(int64_t timeout_ns) {
+  auto ready = [this] { return done_.load(std::memory_order_acquire) || unqueued_ == 0; };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ready()) return true;
+  }
+  Waiting waiting(signal_.get());
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns), ready);
+}
+
+HandleState::StreamWaiter HandleState::stream_waiter() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unqueued_ == 0 ? waiter_ : StreamWaiter();
+}
+
 void HandleState::rethrow() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) throw Error(kind_, message_);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,7 +60,21 @@ OwnedBuffer allocate_owned(const std::vector<int64_t>& shape, DType dtype);
 class HandleState {
  public:
   HandleState(size_t entries, std::shared_ptr<WaitSignal> signal)
-      : outputs(entries), signal_(std::move(signal)), remaining_(entries) {}
+      : outputs(entries), signal_(std::move(signal)), remaining_(entries), unqueued_(entries) {}
+
+  // Stream-ordered completion of GPU work (DDP's kind of wait: the host does
+  // not block on the device). The GPU executor calls mark_enqueued once per
+  // entry when that entry's work is on its stream, with a function that makes
+  // another stream wait for that work (and all before it: one stream per
+  // executor). Once every entry is enqueued, wait_enqueued_for returns true
+  // and stream_waiter() is the last entry's function. A handle that fails or
+  // completes first is simply done.
+  using StreamWaiter = std::function<void(void* stream)>;
+  void mark_enqueued(StreamWaiter waiter);
+  // Blocks (telling the engine, like wait()) until done or every entry is
+  // enqueued, at most `timeout_ns`; true then. Does not throw.
+  bool wait_enqueued_for(int64_t timeout_ns);
+  StreamWaiter stream_waiter() const;
 
   void resolve_one();
   void fail_one(ErrorKind kind, const std::string& message);
@@ -98,6 +113,8 @@ class HandleState {
   std::condition_variable cv_;
   std::atomic<bool> done_{false};
   size_t remaining_;
+  size_t unqueued_;  // entries not yet enqueued on a GPU stream
+  StreamWaiter waiter_;
   bool failed_ = false;
   ErrorKind kind_ = ErrorKind::kInternal;
   std::string message_;

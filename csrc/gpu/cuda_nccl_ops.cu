@@ -99,6 +99,10 @@ class CudaNcclOps : public GpuOps {
     check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0),
           "cudaStreamWaitEvent");
   }
+  void caller_stream_wait(GpuStream s, GpuEvent e) override {  // no cudaSetDevice: not ours
+    check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0),
+          "cudaStreamWaitEvent");
+  }
   EventState event_query(GpuEvent e, std::string* error) override {
     guard();
     const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(e));

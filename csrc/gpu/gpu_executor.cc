@@ -132,8 +132,24 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   }
   f.done = take_event();
   ops_->event_record(f.done, stream_);
+  publish_enqueued(local, f.done);
   in_flight_.push_back(std::move(f));
   return false;
+}
+
+// Each local entry's handle learns how to order a stream after its work (see
+// HandleState::mark_enqueued). An event is only recycled for later work on
+// the same stream, so a stream that waits on it late waits for that work too:
+// longer, never too short. The weak reference: a handle may outlive this
+// executor, whose events are then gone (such a handle is done: failed).
+void GpuExecutor::publish_enqueued(const std::vector<Entry*>& local, GpuEvent done) {
+  std::weak_ptr<GpuOps> ops = ops_;
+  for (Entry* e : local) {
+    if (!e || !e->handle) continue;
+    e->handle->mark_enqueued([ops, done](void* stream) {
+      if (std::shared_ptr<GpuOps> o = ops.lock()) o->caller_stream_wait(stream, done);
+    });
+  }
 }
 
 // One wait per distinct ready event; one recorded event per distinct

@@ -16,7 +16,9 @@
 //      (NCCL < 2.10, integer dtypes, or ranks that joined) NCCL sums and the
 //      1 / contributors is folded into this factor
 //   6. one unpack launch to the outputs, and an event recorded: its
-//      completion completes the response.
+//      completion completes the response; each handle is told how to make
+//      a caller's stream wait for it (HandleState::mark_enqueued), for
+//      stream-ordered waits.
 // One tensor runs in place on its own buffers: no pack or unpack (a copy in
 // -> out first only when a prescale must not touch the input).
 // Broadcast runs NCCL's broadcast in -> out; reducescatter, NCCL's
@@ -146,6 +148,7 @@ class GpuExecutor : public Executor {
   };
   void start();
   void wait_for_producers(const std::vector<Entry*>& local, InFlight& f);
+  void publish_enqueued(const std::vector<Entry*>& local, GpuEvent done);
   void allreduce_fused(const Response& r, const std::vector<Entry*>& local, bool hier);
   void allreduce_one(const Response& r, Entry* e);
   void broadcast_one(const Response& r, Entry* e);

@@ -42,6 +42,9 @@ class GpuOps {
   virtual void event_destroy(GpuEvent e) = 0;
   virtual void event_record(GpuEvent e, GpuStream s) = 0;
   virtual void stream_wait_event(GpuStream s, GpuEvent e) = 0;
+  // Makes `s`, a stream of the caller's (any thread, any device), wait for `e`:
+  // a framework's stream ordered after the executor's work. Thread-safe.
+  virtual void caller_stream_wait(GpuStream s, GpuEvent e) { stream_wait_event(s, e); }
   // kDone once every piece of work recorded before `e` has finished; kError
   // with `*error` set when that work failed (a sticky CUDA error).
   virtual EventState event_query(GpuEvent e, std::string* error) = 0;

@@ -21,6 +21,7 @@ import ringreduce as _rr
 from ringreduce import Communicator
 from ringreduce._cuda_arrays import TORCH_DTYPES
 from ringreduce._dtypes import SUPPORTED
+from ringreduce._gpu_collectives import wait_on_stream
 from ringreduce._refusals import reports_refusals
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet
@@ -112,19 +113,41 @@ except AttributeError:  # pragma: no cover - a torch without it (or without CUDA
         return int(torch.cuda.current_stream(device).cuda_stream)
 
 
+def current_stream(t: torch.Tensor) -> int:
+    """The handle of CUDA tensor ``t``'s device's current stream."""
+    return _raw_stream(t.get_device())
+
+
 def allreduce_cuda_(c: Communicator, t: torch.Tensor, op: int, name: str, prescale: float,
-                    postscale: float, compression: Optional[str]) -> Any:
-    """Start an in-place allreduce of CUDA tensor ``t`` on ``c``'s GPU path, described
-    here at a few attribute reads (DistributedOptimizer's per-gradient path: about 5 us
-    instead of 25 through the general intake); None when ``t`` is not a contiguous
-    CUDA tensor of a dtype the GPU reduces (the general path then converts or refuses).
-    The producing stream is the current one, as for every torch tensor."""
+                    postscale: float, compression: Optional[str], stream: int) -> Any:
+    """Start an in-place allreduce of CUDA tensor ``t``, produced on ``stream``, on
+    ``c``'s GPU path, described here at a few attribute reads (DistributedOptimizer's
+    per-gradient path: about 5 us instead of 25 through the general intake); None when
+    ``t`` is not a contiguous CUDA tensor of a dtype the GPU reduces (the general path
+    then converts or refuses). The caller keeps the handle until it is done or waited
+    for with ``wait_cuda_`` (the Communicator does not keep ``t`` alive)."""
     code = _CUDA_CODES.get(t.dtype) if t.is_cuda else None
     if code is None or t.layout != torch.strided or not t.is_contiguous():
         return None
-    device = t.get_device()
-    return c.allreduce_gpu_view_(t, t.data_ptr(), t.shape, code, device, _raw_stream(device),
-                                 op, name, prescale, postscale, compression)
+    return c.allreduce_gpu_view_(t, t.data_ptr(), t.shape, code, t.get_device(), stream, op,
+                                 name, prescale, postscale, compression, track=False)
+
+
+def wait_cuda_(handle: Any, t: torch.Tensor, stream: int) -> bool:
+    """Wait for ``allreduce_cuda_``'s ``handle`` of ``t``, produced on ``stream``.
+
+    If ``stream`` is still the current one: the way torch DDP waits, ordering that
+    stream after the allreduce (work enqueued there next, the optimizer's step, sees its
+    result) while the host goes on without waiting for the device; True. ``t`` may then
+    be freed at once: torch's caching allocator hands its memory only to work on the
+    stream that allocated it, which now runs after the allreduce. Otherwise the host
+    waits for the device, as ``handle.wait()``; False.
+    """
+    if current_stream(t) == stream:
+        wait_on_stream(handle, stream)
+        return True
+    handle.wait()
+    return False
 
 
 def to_torch(a: Any) -> torch.Tensor:

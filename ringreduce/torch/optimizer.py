@@ -36,7 +36,7 @@ from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._tensors import allreduce_cuda_, binder, to_numpy
+from ._tensors import allreduce_cuda_, binder, current_stream, to_numpy, wait_cuda_
 from .adasum import _AdasumMixin
 from .broadcast import agree
 from .buckets import GradientBuckets, bucket_slots
@@ -75,7 +75,7 @@ class _Slot:
     """
 
     __slots__ = ("param", "name", "label", "delay", "handle", "grad", "buf", "ctx", "version",
-                 "sparse_dim", "__weakref__")
+                 "sparse_dim", "stream", "prior", "__weakref__")
 
     def __init__(self, param: torch.Tensor, name: str, delay: int) -> None:
         self.param, self.name, self.label = param, name, f"gradient of {name!r}"
@@ -86,6 +86,8 @@ class _Slot:
         self.ctx: Any = None
         self.version = 0  # grad._version when its allreduce started
         self.sparse_dim = 0  # > 0: sent dense (sparse_as_dense), to be made sparse again
+        self.stream: Optional[int] = None  # a CUDA gradient's producing stream (fast path)
+        self.prior: Any = None  # the last stream-ordered allreduce's completion
 
 
 class _CachedClosure:
@@ -192,6 +194,7 @@ class _DistributedMixin:
         self._rr_inflight: list = []  # slots with an allreduce in flight, in submission order
         self._rr_partial: set = set()  # slots with fewer than k passes accumulated
         self._rr_hooks: list = []
+        self._rr_orphans: list = []  # CUDA handles of an interrupted step, until done
         self._rr_ref = weakref.ref(self)
         self._rr_synchronized = False
         self._rr_should_sync = True
@@ -272,6 +275,13 @@ class _DistributedMixin:
         self._rr_submit(s)
 
     def _rr_submit(self, s: _Slot) -> None:
+        prior, s.prior = s.prior, None
+        if prior is not None and not prior.done():
+            # The last step's allreduce of this name was waited for on the stream only,
+            # and a name is taken until the device has run it: the host, running ahead,
+            # waits here (rarely: normally it finished during the forward pass).
+            prior.wait()
+        s.stream = None
         p = s.param
         grad = p.grad
         s.sparse_dim = 0
@@ -289,9 +299,11 @@ class _DistributedMixin:
             wire = device_compression(self._rr_compression, grad)
             buf, ctx = (grad, None) if wire else self._rr_compression.compress(grad)
             c = self._rr_comm()
-            s.handle = allreduce_cuda_(c, grad, self._rr_op, s.name, *self._rr_scale, wire) \
-                if buf is grad and grad.is_cuda else None
+            s.stream = current_stream(grad) if buf is grad and grad.is_cuda else None
+            s.handle = None if s.stream is None else allreduce_cuda_(
+                c, grad, self._rr_op, s.name, *self._rr_scale, wire, s.stream)
             if s.handle is None:
+                s.stream = None
                 if not buf.is_contiguous() or (buf is grad and not grad.is_contiguous()):
                     buf = buf.contiguous()
                 s.handle = c.allreduce_async_(to_numpy(buf, s.label), self._rr_op, s.name,
@@ -302,7 +314,12 @@ class _DistributedMixin:
     def _rr_finish(self, s: _Slot, changed: bool) -> None:
         handle, grad, buf, ctx = s.handle, s.grad, s.buf, s.ctx
         s.handle = s.grad = s.buf = s.ctx = None
-        result = handle.wait()
+        if s.stream is not None:  # CUDA: the stream waits for the allreduce, not the host
+            if wait_cuda_(handle, grad, s.stream):
+                s.prior = handle.state  # done once the device has run it: see _rr_submit
+            result = None
+        else:
+            result = handle.wait()
         if changed:
             raise InvalidInputError(
                 f"DistributedOptimizer: the gradient of {s.name!r} was changed in place while "
@@ -411,8 +428,13 @@ class _DistributedMixin:
         After an interrupt (KeyboardInterrupt) the engine still completes what was in
         flight, the Communicator keeping its buffers; the next step's submits of those
         names may find one still in flight if they come within its last milliseconds."""
+        orphans = [h for h in self._rr_orphans if not h.done()]
         for s in self._rr_inflight:
+            if s.stream is not None and s.handle is not None:  # not waited for: the
+                orphans.append(s.handle)  # gradient must outlive it (no stream waited)
+                s.prior = s.handle.state
             s.handle = s.grad = s.buf = s.ctx = None
+        self._rr_orphans = orphans
         self._rr_inflight = []
         self._rr_partial.clear()
         for s in self._rr_order:

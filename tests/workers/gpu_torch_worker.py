@@ -42,6 +42,39 @@ def check_compressed_optimizer(rank: int, size: int) -> None:
     assert torch.equal(w.detach().cpu(), -(wsum * torch.tensor(1 / size))), w
 
 
+def check_stream_ordered(rank: int, size: int) -> None:
+    """DistributedOptimizer waits for CUDA gradients as DDP does, ordering the current
+    stream after the allreduce instead of blocking the host: 20 steps with no host sync
+    (the host runs ahead, and a step's allreduce may still hold the name when the next
+    backward submits it again), one synchronize() on a side stream (not the gradient's:
+    the host waits then), and the weights equal one process's on the whole batch."""
+    w0 = torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    p = torch.nn.Parameter(w0.clone().cuda())
+    q = w0.clone().cuda().requires_grad_()
+    opt = rr.DistributedOptimizer(torch.optim.SGD([p], lr=0.01), named_parameters=[("so", p)])
+    ref = torch.optim.SGD([q], lr=0.01)
+    gen = torch.Generator().manual_seed(11)
+    for i in range(20):
+        x = torch.randn(4 * size, 64, generator=gen, dtype=torch.float64).cuda()
+        opt.zero_grad()
+        (p @ x[rank * 4:(rank + 1) * 4].T).pow(2).mean().backward()
+        if i == 7:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                opt.synchronize()
+            assert opt._rr_order[0].prior is None  # waited on the host
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        ref.zero_grad()
+        (q @ x.T).pow(2).mean().backward()
+        ref.step()
+    assert opt._rr_order[0].prior is not None  # the last step's wait was stream-ordered
+    assert torch.allclose(p, q, rtol=1e-10, atol=1e-12), (p - q).abs().max()
+
+
 def check_amp_grad_scaler(rank: int, size: int) -> None:
     """autocast(float16) and GradScaler on CUDA, Horovod's way: synchronize(), unscale_(),
     step() under skip_synchronize(). The weights follow one process on the whole batch; at
@@ -113,6 +146,7 @@ def main() -> None:
         assert torch.equal(same, p.detach()), f"rank {rank}: {name} differs from rank 0"
     copy.deepcopy(model.state_dict())  # the state is ordinary CUDA tensors
     check_compressed_optimizer(rank, size)
+    check_stream_ordered(rank, size)
     check_amp_grad_scaler(rank, size)
     rr.shutdown()
     say(f"OK rank {rank}")

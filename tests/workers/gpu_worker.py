@@ -104,6 +104,7 @@ def check_described_allreduce(g: Arrays, rank: int, size: int) -> None:
     caller describes each array; several in flight (fused), scales, an fp16 wire, and an
     array on another device refused before anything is submitted."""
     from ringreduce._cuda_arrays import cuda_view
+    from ringreduce._gpu_collectives import wait_on_stream
 
     c = rr._comm()
 
@@ -115,7 +116,9 @@ def check_described_allreduce(g: Arrays, rank: int, size: int) -> None:
     xs = [g.make(inputs(rank, 3 + 40 * i, np.float32)) for i in range(6)]
     hs = [start(x, f"view.{i}", pre=2.0, post=0.5) for i, x in enumerate(xs)]
     for i, (x, h) in enumerate(zip(xs, hs)):
-        assert h.wait() is x
+        # half stream-ordered (DistributedOptimizer's wait): the default stream (0), on
+        # which host() reads, waits for the allreduce
+        assert (wait_on_stream(h, 0) if i % 2 else h.wait()) is x
         want = sum(inputs(r, 3 + 40 * i, np.float32) for r in range(size))
         np.testing.assert_allclose(g.host(x), want, rtol=1e-6)
     x = g.make(np.full(5, 1 + 2.0 ** -12, np.float32))  # 1.0 in float16

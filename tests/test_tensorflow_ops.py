@@ -7,6 +7,8 @@ the faults run in real processes (test_tensorflow_multiprocess.py).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -421,6 +423,79 @@ def test_tf1_adasum_delta_optimizer():
     with pytest.raises(rr.InvalidInputError, match="gradient_predivide_factor"):
         rtf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                  op=rtf.Adasum, gradient_predivide_factor=2.0)
+
+
+def later(rank, late_rank):
+    """0.0 as a graph op: at once, or half a second late on ``late_rank``. Added to a
+    collective's input, it makes that rank submit the collective after the others of the
+    same session.run, whose inputs are at hand."""
+    if rank != late_rank:
+        return tf.constant(0.0)
+    return tf.numpy_function(lambda: np.float32(time.sleep(0.5) or 0), [], tf.float32)
+
+
+def test_tf1_unnamed_collectives_do_not_depend_on_the_run_order():
+    # A tf.compat.v1 graph has no automatic control dependencies: two unnamed allreduces
+    # of one session.run run in either order. Here rank 0 submits a first, rank 1 b first;
+    # both are named when the graph is built, so a still meets a (they used to be matched
+    # by the order they ran in: rank 0's a was averaged with rank 1's b, on both ranks).
+    def fn(rank):
+        with tf.Graph().as_default():
+            a = rtf.allreduce(tf.constant([1.0, 2.0, 3.0]) * (rank + 1) + later(rank, 1))
+            b = rtf.allreduce(tf.constant([10.0, 20.0, 30.0]) * (rank + 1) + later(rank, 0))
+            with tf.compat.v1.Session() as sess:
+                return sess.run([a, b])
+
+    for got_a, got_b in run(2, fn):
+        np.testing.assert_array_equal(got_a, [1.5, 3, 4.5])
+        np.testing.assert_array_equal(got_b, [15, 30, 45])
+
+
+def test_tf1_every_unnamed_collective_is_named_when_the_graph_is_built():
+    # Pairs of unnamed collectives, each pair fetched by one session.run in which rank 0
+    # submits the first one first and rank 1 the second one (see later), twice: every kind, a
+    # gradient, two tf.cond branches (graphs of their own inside the v1 graph: they must
+    # not share a name) and two broadcast_variables ops.
+    def fn(rank):
+        def bcast_variables(var, root, gate):
+            with tf.control_dependencies([gate]):  # the variable is read after the gate
+                return rtf.broadcast_variables([var], root_rank=root)
+
+        with tf.Graph().as_default():
+            ones, v = tf.ones([2]), tf.ones([2]) * (rank + 1)
+            w1, w2 = tf.Variable(ones * (rank + 1)), tf.Variable(ones * (rank + 10))
+            pred = tf.compat.v1.placeholder_with_default(True, [])
+            pairs = [
+                (lambda g: rtf.allreduce(v + g, op=rr.Sum),
+                 lambda g: rtf.allgather(tf.fill([rank + 1, 2], float(rank)) + g)),
+                (lambda g: rtf.broadcast(ones * (rank + 5) + g, root_rank=1),
+                 lambda g: rtf.grouped_allreduce([v + g, 2 * v], op=rr.Sum)),
+                (lambda g: rtf.reducescatter(tf.reshape(tf.range(4.0), [4, 1]) * (rank + 1)
+                                             + g, op=rr.Sum),
+                 lambda g: rtf.alltoall(tf.constant([[10.0 * rank], [10.0 * rank + 1]]) + g)[0]),
+                (lambda g: tf.gradients(rtf.allreduce(v, op=rr.Sum), v,
+                                        grad_ys=ones * (rank + 1) + g)[0],
+                 lambda g: rtf.allreduce(v + g, op=rr.Min)),
+                (lambda g: tf.cond(pred, lambda: rtf.allreduce(v + g, op=rr.Sum), lambda: ones),
+                 lambda g: tf.cond(pred, lambda: rtf.allreduce(10 * v + g, op=rr.Sum),
+                                   lambda: ones)),
+                (lambda g: bcast_variables(w1, 0, g), lambda g: bcast_variables(w2, 1, g)),
+            ]
+            fetches = [[first(later(rank, 1)), second(later(rank, 0))] for first, second in pairs]
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for _ in range(2):
+                    got = [sess.run(pair) for pair in fetches]
+                got[-1] = sess.run([w1, w2])
+                return got
+
+    for rank, got in enumerate(run(2, fn)):
+        want = [([3, 3], [[0, 0], [1, 1], [1, 1]]), ([6, 6], [[3, 3], [6, 6]]),
+                ([[0], [3]] if rank == 0 else [[6], [9]], [[rank], [10 + rank]]),
+                ([3, 3], [1, 1]), ([3, 3], [30, 30]), ([1, 1], [11, 11])]
+        for i, (g, w) in enumerate(zip(got, want)):
+            for j in range(2):
+                np.testing.assert_array_equal(np.asarray(g[j]), w[j], err_msg=f"pair {i}.{j}")
 
 
 def test_tape_with_adasum_combines_the_gradients():

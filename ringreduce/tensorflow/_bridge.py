@@ -26,9 +26,11 @@ ringreduce.keras's callbacks) and ``run_translated`` re-raise ``PeerLostError``,
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -39,11 +41,15 @@ from ringreduce._arrays import ALIGNMENT
 from ringreduce._dtypes import SUPPORTED, dtype_code
 from ringreduce.exceptions import InvalidInputError, RingReduceError
 
-__all__ = ["binder", "call", "check_tensor", "comm", "run_translated", "translate", "translated"]
+__all__ = ["binder", "call", "check_tensor", "comm", "graph_name", "run_translated", "translate",
+           "translated"]
 
 comm = _rr._comm
 binder = _rr._binder
 Body = Callable[[list], Sequence[np.ndarray]]
+
+# tf.compat.v1 graph -> count of the unnamed collectives built in it (see graph_name).
+_GRAPH_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _bfloat16() -> Any:
@@ -123,6 +129,43 @@ def run_translated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """
     with translated():
         return fn(*args, **kwargs)
+
+
+# -------------------------------------------------------------------- names
+def graph_name(kind: str, name: Optional[str]) -> Optional[str]:
+    """``name``, or for an unnamed collective built into a ``tf.compat.v1`` graph a name
+    fixed now: ``kind.tf1.<n>``, the n-th unnamed collective built into that graph.
+
+    Unnamed collectives are matched across ranks by the order in which they run. That
+    order is the program's eagerly and inside ``tf.function`` (whose automatic control
+    dependencies run stateful ops in program order), where ``None`` is returned. A v1
+    graph has no such dependencies: the independent collectives of one ``session.run``
+    run in any order, which may differ between ranks. Every rank builds the same graph,
+    so a name given at build time pairs them whatever the order, as Horovod's (named
+    after the graph op) does.
+
+    Parameters
+    ----------
+    kind : str
+        The call, e.g. ``"allreduce"``.
+    name : str, optional
+        The caller's name, returned as it is.
+
+    Returns
+    -------
+    str or None
+    """
+    if name is not None or tf.executing_eagerly():
+        return name
+    graph = tf.compat.v1.get_default_graph()
+    if getattr(graph, "experimental_acd_manager", None) is not None:
+        return None  # tf.function (or a branch of one): the run order is the program's
+    # A tf.cond / tf.while_loop branch is a graph of its own, nested in the v1 graph:
+    # count in the outermost one, so that two branches never share a name.
+    while getattr(graph, "outer_graph", None) is not None:
+        graph = graph.outer_graph
+    n = next(_GRAPH_COUNTERS.setdefault(graph, itertools.count()))
+    return f"{kind}.tf1.{n}"
 
 
 # -------------------------------------------------------------------- the op

@@ -27,7 +27,7 @@ from ringreduce._refusals import reports_refusals
 from ringreduce.compression import Compressor
 from ringreduce.exceptions import InvalidInputError, call_label
 
-from ._bridge import binder, call, check_tensor
+from ._bridge import binder, call, check_tensor, graph_name
 from .compression import Compression
 
 __all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allreduce",
@@ -127,13 +127,16 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
     prescale_factor, postscale_factor : float
         Multiply the input before, and the result after, the reduction.
     name : str, optional
-        Matches the tensor across ranks; unnamed calls are matched by order.
+        Matches the tensor across ranks; unnamed calls are matched by the order they run
+        in, except in ``tf.compat.v1`` graphs, where they are named when the graph is
+        built (``_bridge.graph_name``).
 
     Returns
     -------
     tf.Tensor or tf.IndexedSlices
         The reduced tensor, identical on every rank.
     """
+    name = graph_name("allreduce", name)
     what = call_label("allreduce", name)
     code = resolve_op(average, op, what, _MODULE)
     get = binder()
@@ -155,6 +158,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     Members are named ``name.0``, ``name.1``, ... IndexedSlices among them are
     allgathered separately (see ``allreduce``).
     """
+    name = graph_name("grouped_allreduce", name)
     what = call_label("grouped_allreduce", name)
     code = resolve_op(average, op, what, _MODULE)
     pre, post = check_scales(prescale_factor, postscale_factor, "grouped_allreduce", name)
@@ -184,6 +188,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
               _get: Optional[Getter] = None) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along axis 0 (its length may differ per rank);
     the other dimensions must agree. Differentiable."""
+    name = graph_name("allgather", name)
     what = call_label("allgather", name)
     t = check_tensor(tensor, what)
     if t.shape.rank == 0:
@@ -211,6 +216,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
               ignore_name_scope: bool = False) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; differentiable."""
+    name = graph_name("broadcast", name)
     what = call_label("broadcast", name)
     t = check_tensor(tensor, what)
     get = binder()
@@ -237,6 +243,7 @@ def reducescatter(tensor: Any, device_dense: str = "",
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` over ranks and return this rank's share of axis 0 (lower ranks get
     the extra rows); differentiable for Sum and Average."""
+    name = graph_name("reducescatter", name)
     what = call_label("reducescatter", name)
     code = resolve_op(None, op, what, _MODULE)
     pre, post = check_scales(prescale_factor, postscale_factor, "reducescatter", name)
@@ -265,6 +272,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     """Send ``splits[r]`` rows of ``tensor`` to rank r; returns ``(received, received_splits)``
     as Horovod's TensorFlow API does. Without ``splits`` axis 0 is divided evenly.
     Differentiable (with respect to ``tensor``)."""
+    name = graph_name("alltoall", name)
     what = call_label("alltoall", name)
     t = check_tensor(tensor, what)
     get = binder()

@@ -13,7 +13,7 @@ from ringreduce._state import agree, wait_all
 from ringreduce.checkpoint import CheckpointError, load_on_root, read_pickled_dict, save_on_root
 from ringreduce.exceptions import InvalidInputError
 
-from ._bridge import binder, call, check_tensor, comm
+from ._bridge import binder, call, check_tensor, comm, graph_name
 from .gradients import instance_name
 
 __all__ = ["broadcast_global_variables", "broadcast_variables", "load_checkpoint",
@@ -52,11 +52,14 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
         agree(get(), what, _signature(variables), " on the variables to broadcast")
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
+    # In a tf.compat.v1 graph, named now (graph_name: its ops run in no fixed order).
+    fixed = graph_name(what, None)
+
     def run(arrays: list) -> list:
         c = get()
-        # Named when it runs, not when traced: a rank that retraces (a smaller last batch)
-        # must not shift the names of every later broadcast.
-        group = instance_name(what, c)
+        # Otherwise named when it runs, not when traced: a rank that retraces (a smaller
+        # last batch) must not shift the names of every later broadcast.
+        group = fixed or instance_name(what, c)
         outs = [c.broadcast_async(a, root, f"{group}.{i}") for i, a in enumerate(arrays)]
         return wait_all(outs)
 

@@ -339,6 +339,10 @@ class _DistributedMixin:
     def synchronize(self) -> None:
         """Wait until every gradient is averaged across ranks (``p.grad`` then holds it).
 
+        CUDA gradients are waited for as torch DDP waits: the current stream is ordered
+        after their allreduces (everything enqueued there next sees the averages) and the
+        host goes on without waiting for the device.
+
         Call it before clipping or unscaling gradients, then run ``step()``
         (inside ``skip_synchronize()`` for Horovod compatibility; a ``step()``
         right after ``synchronize()`` does not communicate again anyway).

@@ -33,13 +33,18 @@ def wire_code(compression: Optional[str], views: Sequence[CudaArray], what: str)
     return code if views and views[0].code in (FLOAT32, FLOAT64) else -1
 
 
-def wait_on_stream(handle: Any, stream: int) -> Any:
-    """A stream-ordered wait for ``handle`` (from ``GpuCollectives.allreduce_view_``):
-    returns once its GPU work is enqueued, with ``stream`` (a CUDA stream handle of the
-    calling thread's; 0: the legacy default stream) made to wait for that work, so work
-    the caller enqueues there next runs after it; the host does not wait for the device.
-    A handle already done returns (or raises) as ``wait()`` would; a failure after the
-    work was enqueued is raised by the next call instead (as with torch DDP)."""
+def wait_on_stream(handle: Any, stream: int) -> Optional[int]:
+    """A stream-ordered wait for ``handle`` (from ``GpuCollectives.allreduce_view_``).
+
+    Returns once its GPU work is enqueued, with ``stream`` (a CUDA stream handle of the
+    calling thread's; 0: the legacy default stream of the handle's device) made to wait
+    for that work, so work the caller enqueues there next runs after it; the host does
+    not wait for the device. Returns the handle of the stream the work runs on (for
+    ``Tensor.record_stream``), or None when the handle was already done (it then raises
+    its failure, as ``wait()`` would). A failure after the work was enqueued is raised
+    by the next call instead (as with torch DDP); the engine then aborts the work, so a
+    stream waiting for it goes on.
+    """
     return _core.gpu.wait_stream(handle, stream)
 
 

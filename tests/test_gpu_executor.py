@@ -410,19 +410,48 @@ def test_a_stream_ordered_wait_returns_once_enqueued_and_orders_the_callers_stre
     ops = gt.FakeGpuOps()
     gt.use_fake_gpus(comm._engine, {0: ops})
     h = gt.submit(comm._engine, tensor("g", 8), 0)
-    _core.gpu.wait_stream(h, 0x5EED)  # returns although the device has not finished
+    used = _core.gpu.wait_stream(h, 0x5EED)  # returns although the device has not finished
     assert not h.done()
+    assert f"stream#{used}" in ops.calls()[1], ops.calls()  # the executor's stream
     (done,) = [c.split()[1] for c in ops.calls() if c.startswith("event_record")][-1:]
     assert ops.calls()[-1] == f"stream_wait_event stream#{0x5EED} {done}", ops.calls()
     ops.complete_all()
     wait_done(h)
-    _core.gpu.wait_stream(h, 0x5EED)  # done: returns as wait() does, with no stream wait
+    assert _core.gpu.wait_stream(h, 0x5EED) is None  # done: as wait(), no stream wait
     assert ops.calls()[-1] == f"stream_wait_event stream#{0x5EED} {done}", ops.calls()
     ops.set_async_error("remote process exited or there was a network error (6)")
     h = gt.submit(comm._engine, tensor("g2", 8), 0)
     wait_done(h)  # failed before the wait: the failure is raised, as by wait()
     with pytest.raises(rr.RingReduceError, match="NCCL failed on GPU 0"):
         _core.gpu.wait_stream(h, 0x5EED)
+
+
+def test_a_failed_job_aborts_the_gpu_work_a_callers_stream_waits_for():
+    # Rank 0's NCCL fails after both ranks ordered a stream after their allreduce; rank 1
+    # learns it from rank 0 (the job failed), and must abort its own NCCL call, which
+    # would otherwise wait for rank 0 forever and the stream with it.
+    fakes = [gt.FakeGpuOps(id_seed=0x90 + r) for r in range(2)]
+    world = make_world(2)
+    for r, c in enumerate(world):
+        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
+
+    def fn(c):
+        r = c.rank()
+        h = gt.submit(c._engine, tensor("g", 8), r)
+        assert _core.gpu.wait_stream(h, 0x5EED) is not None
+        c.barrier()  # both have waited on the stream
+        if r == 0:
+            fakes[0].set_async_error("unhandled cuda error (1)")
+        wait_done(h)
+        with pytest.raises(rr.RingReduceError):
+            h.wait()
+        return "nccl_abort" in fakes[r].calls()
+
+    try:
+        assert run_threaded(2, fn, world=world, timeout=60) == [True, True]
+    finally:
+        for c in world:
+            c.close()
 
 
 def test_engine_keeps_devices_apart(comm):

@@ -577,3 +577,48 @@ def test_accumulation_with_horovod_zero_grad_timing():
     for k, v in model.state_dict().items():
         torch.testing.assert_close(out[0][k], v, rtol=1e-9, atol=1e-12)
         assert torch.equal(out[0][k], out[1][k])
+
+
+def test_an_interrupted_stream_ordered_wait_keeps_the_gradient_until_the_device_is_done(
+        monkeypatch):
+    """CUDA gradients are waited for on the stream (optimizer._rr_finish -> wait_cuda_).
+    A Ctrl-C inside that wait must leave the handle, which keeps the gradient alive for
+    the device, to the optimizer's orphans, and make the next submit of the name wait for
+    it; the same for a slot not reached yet. (Fakes stand in for the CUDA handles.)"""
+    import ringreduce.torch.optimizer as optimizer_module
+
+    class Pending:  # a HandleState whose device work is still running
+        def done(self):
+            return False
+
+    class Handle:  # _core.ArrayHandle: keeps its gradient alive until dropped
+        def __init__(self, t):
+            self.obj, self.state = t, Pending()
+
+        def done(self):
+            return False
+
+    def fn(rank):
+        a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+        opt = rrt.DistributedOptimizer(torch.optim.SGD([a, b], lr=0.1),
+                                       named_parameters=[("a", a), ("b", b)])
+        handles = []
+        for s, p in zip(opt._rr_order, (a, b)):
+            p.grad = torch.ones(4)
+            handles.append(Handle(p.grad))
+            s.handle, s.grad, s.buf, s.version, s.stream = \
+                handles[-1], p.grad, p.grad, p.grad._version, 0
+            opt._rr_inflight.append(s)
+
+        def interrupted(handle, t, stream):
+            raise KeyboardInterrupt  # as PyErr_CheckSignals in _core.gpu.wait_stream
+
+        monkeypatch.setattr(optimizer_module, "wait_cuda_", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            opt.synchronize()
+        assert opt._rr_orphans == handles  # both gradients stay alive
+        assert [s.prior for s in opt._rr_order] == [h.state for h in handles]
+        assert not opt._rr_inflight
+        return True
+
+    assert run(1, fn) == [True]

@@ -82,10 +82,10 @@ ArrayHandle allreduce_gpu_(Engine& eng, py::object obj, uint64_t ptr, std::vecto
 
 // A stream-ordered wait (HandleState::mark_enqueued): once the handle's GPU
 // work is enqueued, `stream` (a framework's, 0: the legacy default stream)
-// is made to wait for it, without waiting for the device. A handle already
-// done returns (or raises) as wait() would. A failure after that is the
-// engine's: the next call raises it.
-void wait_stream(HandleState& s, uint64_t stream) {
+// is made to wait for it, without waiting for the device; returns the stream
+// the work runs on. A handle already done returns None (or raises) as wait()
+// would. A failure after that is the engine's: the next call raises it.
+py::object wait_stream(HandleState& s, uint64_t stream) {
   constexpr int64_t kSignalCheckNs = 100'000'000;  // Ctrl-C ends a wait for a peer
   for (;;) {
     bool ready;
@@ -97,10 +97,12 @@ void wait_stream(HandleState& s, uint64_t stream) {
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
   HandleState::StreamWaiter waiter = s.done() ? nullptr : s.stream_waiter();
-  if (waiter)
-    waiter(as_ptr(stream));
-  else
+  if (!waiter) {
     s.rethrow();
+    return py::none();
+  }
+  waiter(as_ptr(stream));
+  return py::int_(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s.executor_stream())));
 }
 
 }  // namespace
@@ -116,15 +118,9 @@ void bind_gpu_engine(py::module_& m) {
         py::arg("shape"), py::arg("dtype"), py::arg("name"), py::arg("device"), py::arg("stream"),
         py::arg("op"), py::arg("pre"), py::arg("post"), py::arg("members"), py::arg("wire"));
   m.def(
-      "wait_stream",
-      [](ArrayHandle& h, uint64_t stream) {
-        wait_stream(*h.state, stream);
-        return h.array;  // the hot path's handle: its array, as wait() returns it
-      },
+      "wait_stream", [](ArrayHandle& h, uint64_t stream) { return wait_stream(*h.state, stream); },
       py::arg("handle"), py::arg("stream"));
-  m.def(
-      "wait_stream", [](HandleState& h, uint64_t stream) { wait_stream(h, stream); },
-      py::arg("handle"), py::arg("stream"));
+  m.def("wait_stream", &wait_stream, py::arg("handle"), py::arg("stream"));
   // Testing aid: this engine's GPUs become emulated ones (emulated_gpu_ops.h),
   // their communicator bootstrapped like a real one.
   m.def(

@@ -596,6 +596,8 @@ void Engine::fail_engine(const Error& e) {
       fail_message_ = e.what();
     }
   }
+  // The driver (engine thread or driving caller) owns the executors.
+  for (auto& ex : executors_) ex->abort(e.what());
   fail_all(fail_kind_, e.what());
 }
 

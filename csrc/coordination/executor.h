@@ -50,6 +50,10 @@ class Executor {
   virtual std::vector<Completion> poll() { return {}; }
   // True while enqueued work has not been reported by poll().
   virtual bool busy() const { return false; }
+  // The job failed (Engine::fail_engine): stop enqueued work that may wait
+  // for peers, so that nothing waiting on it (a framework's stream ordered
+  // after it) waits forever. The engine fails the entries itself.
+  virtual void abort(const std::string& /*why*/) {}
 };
 
 // Host memory: tensor fusion through a persistent fusion buffer, collectives

@@ -119,9 +119,10 @@ bool HandleState::wait_for(int64_t timeout_ns) {
                       [this] { return done_.load(std::memory_order_acquire); });
 }
 
-void HandleState::mark_enqueued(StreamWaiter waiter) {
+void HandleState::mark_enqueued(StreamWaiter waiter, void* executor_stream) {
   std::unique_lock<std::mutex> lock(mu_);
   waiter_ = std::move(waiter);
+  executor_stream_ = executor_stream;
   if (unqueued_ == 0 || --unqueued_ > 0) return;
   lock.unlock();
   cv_.notify_all();
@@ -141,6 +142,11 @@ bool HandleState::wait_enqueued_for(int64_t timeout_ns) {
 HandleState::StreamWaiter HandleState::stream_waiter() const {
   std::lock_guard<std::mutex> lock(mu_);
   return unqueued_ == 0 ? waiter_ : StreamWaiter();
+}
+
+void* HandleState::executor_stream() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unqueued_ == 0 ? executor_stream_ : nullptr;
 }
 
 void HandleState::rethrow() const {

@@ -69,12 +69,15 @@ class HandleState {
   // executor). Once every entry is enqueued, wait_enqueued_for returns true
   // and stream_waiter() is the last entry's function. A handle that fails or
   // completes first is simply done.
+  // `executor_stream`: the stream the work runs on (a framework may record
+  // its tensors' use there: torch's Tensor.record_stream).
   using StreamWaiter = std::function<void(void* stream)>;
-  void mark_enqueued(StreamWaiter waiter);
+  void mark_enqueued(StreamWaiter waiter, void* executor_stream);
   // Blocks (telling the engine, like wait()) until done or every entry is
   // enqueued, at most `timeout_ns`; true then. Does not throw.
   bool wait_enqueued_for(int64_t timeout_ns);
   StreamWaiter stream_waiter() const;
+  void* executor_stream() const;  // nullptr until every entry is enqueued
 
   void resolve_one();
   void fail_one(ErrorKind kind, const std::string& message);
@@ -115,6 +118,7 @@ class HandleState {
   size_t remaining_;
   size_t unqueued_;  // entries not yet enqueued on a GPU stream
   StreamWaiter waiter_;
+  void* executor_stream_ = nullptr;
   bool failed_ = false;
   ErrorKind kind_ = ErrorKind::kInternal;
   std::string message_;

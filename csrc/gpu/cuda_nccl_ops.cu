@@ -99,9 +99,17 @@ class CudaNcclOps : public GpuOps {
     check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0),
           "cudaStreamWaitEvent");
   }
-  void caller_stream_wait(GpuStream s, GpuEvent e) override {  // no cudaSetDevice: not ours
-    check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0),
-          "cudaStreamWaitEvent");
+  // On the caller's thread, whose current device it leaves as it was: stream
+  // 0 (the legacy default stream) means the current device's, so that is
+  // this executor's for the call.
+  void caller_stream_wait(GpuStream s, GpuEvent e) override {
+    int current = -1;
+    check(cudaGetDevice(&current), "cudaGetDevice");
+    if (current != device_) check(cudaSetDevice(device_), "cudaSetDevice");
+    const cudaError_t err =
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0);
+    if (current != device_) check(cudaSetDevice(current), "cudaSetDevice");
+    check(err, "cudaStreamWaitEvent");
   }
   EventState event_query(GpuEvent e, std::string* error) override {
     guard();

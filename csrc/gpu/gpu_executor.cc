@@ -138,17 +138,19 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
 }
 
 // Each local entry's handle learns how to order a stream after its work (see
-// HandleState::mark_enqueued). An event is only recycled for later work on
-// the same stream, so a stream that waits on it late waits for that work too:
-// longer, never too short. The weak reference: a handle may outlive this
-// executor, whose events are then gone (such a handle is done: failed).
+// HandleState::mark_enqueued). Events are recycled (take_event) once complete,
+// for later done-events or producer waits; a stream that waits on one late
+// then waits for that later work: longer, never too short. The weak
+// reference: a handle may outlive this executor (it is then done: failed).
 void GpuExecutor::publish_enqueued(const std::vector<Entry*>& local, GpuEvent done) {
   std::weak_ptr<GpuOps> ops = ops_;
   for (Entry* e : local) {
     if (!e || !e->handle) continue;
-    e->handle->mark_enqueued([ops, done](void* stream) {
-      if (std::shared_ptr<GpuOps> o = ops.lock()) o->caller_stream_wait(stream, done);
-    });
+    e->handle->mark_enqueued(
+        [ops, done](void* stream) {
+          if (std::shared_ptr<GpuOps> o = ops.lock()) o->caller_stream_wait(stream, done);
+        },
+        stream_);
   }
 }
 
@@ -291,6 +293,18 @@ void GpuExecutor::fail_in_flight(const std::string& why) {
     finished_.push_back(std::move(c));
   }
   in_flight_.clear();  // their events may never complete: not reused
+}
+
+// Work in flight may be an NCCL call waiting for the peer that failed, and a
+// framework's stream may wait for it (stream-ordered waits): it is aborted
+// and drained like a failure of its own.
+void GpuExecutor::abort(const std::string& why) {
+  if (!broken_.empty()) return;
+  if (in_flight_.empty()) {
+    broken_ = why;
+    return;
+  }
+  fail_in_flight(why);
 }
 
 // Work enqueued behind the failed call still runs once the communicator is

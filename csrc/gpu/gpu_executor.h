@@ -105,6 +105,7 @@ class GpuExecutor : public Executor {
   bool execute(const Response& r, const std::vector<Entry*>& local) override;
   std::vector<Completion> poll() override;
   bool busy() const override { return !in_flight_.empty() || !finished_.empty(); }
+  void abort(const std::string& why) override;
 
  private:
   // How an allreduce of `r` reduces: the NCCL op, and the factor applied

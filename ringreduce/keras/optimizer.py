@@ -19,12 +19,15 @@ alone would leave its peers waiting in the averaging). Wrapping a LossScaleOptim
 ``mixed_float16`` policy wraps the optimizer it is given in a new LossScaleOptimizer, the
 other way round; ringreduce.keras then moves the averaging out to that LossScaleOptimizer
 (a hook on ``LossScaleOptimizer.__init__``, acting only when the inner optimizer is a
-DistributedOptimizer).
+DistributedOptimizer, which then applies as its plain class while the outer one calls it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -37,6 +40,9 @@ from ringreduce.exceptions import InvalidInputError
 __all__ = ["DistributedOptimizer"]
 
 _CLASSES: dict = {}
+# True while a distributed LossScaleOptimizer applies through its inner optimizer: an inner
+# DistributedOptimizer then applies as its plain class would (the outer one averaged).
+_INNER = contextvars.ContextVar("ringreduce_keras_inner", default=False)
 
 
 class _LayerReducer:
@@ -130,10 +136,11 @@ class _DistributedKerasMixin:
         and applied on every k-th call only; ``iterations`` counts applications.
         """
         grads = list(grads)
-        if self._rr_reduces_on_update_steps():
-            return super().apply(grads, trainable_variables)  # see _clip_gradients
+        if _INNER.get() or self._rr_reduces_on_update_steps():
+            return super().apply(grads, trainable_variables)  # see _INNER, _clip_gradients
         if self._rr_passes == 1:
-            return super().apply(self._rr_reduce(grads), trainable_variables)
+            with self._rr_through():
+                return super().apply(self._rr_reduce(grads), trainable_variables)
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))  # before any branch: variables are made once
         if keras.backend.backend() == "tensorflow":
@@ -143,21 +150,36 @@ class _DistributedKerasMixin:
     def _rr_reduces_on_update_steps(self) -> bool:
         return isinstance(self._rr_reduce, _JaxReducer) and bool(self.gradient_accumulation_steps)
 
+    @contextlib.contextmanager
+    def _rr_through(self) -> Iterator[None]:
+        """Around this optimizer's own update with averaged gradients: if it is a
+        LossScaleOptimizer, its inner optimizer (a DistributedOptimizer too, when
+        compile() wrapped one) must not average them again."""
+        token = _INNER.set(True) if isinstance(self, keras.optimizers.LossScaleOptimizer) \
+            else None
+        try:
+            yield
+        finally:
+            if token is not None:
+                _INNER.reset(token)
+
     def stateless_apply(self, optimizer_variables: Any, grads: Any,
                         trainable_variables: Any) -> Any:
         """The JAX trainer's update. The base class's calls ``apply`` (which averages);
         a LossScaleOptimizer's checks and applies without it, so it averages here first."""
-        if isinstance(self, keras.optimizers.LossScaleOptimizer) and \
-                not self._rr_reduces_on_update_steps():
-            grads = self._rr_reduce(list(grads))
-        return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        if _INNER.get() or not isinstance(self, keras.optimizers.LossScaleOptimizer) or \
+                self._rr_reduces_on_update_steps():
+            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        grads = self._rr_reduce(list(grads))
+        with self._rr_through():
+            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
 
     def _clip_gradients(self, grads: Any) -> Any:
         """On the JAX backend with gradient accumulation (Keras's own
         ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets): the
         accumulated gradients are averaged over the ranks here, before clipping, as
         ``apply`` averages them otherwise."""
-        if self._rr_reduces_on_update_steps():
+        if self._rr_reduces_on_update_steps() and not _INNER.get():
             steps = self.gradient_accumulation_steps
             factor = steps if self._rr_passes > 1 and not self._rr_average_aggregated else 1
             grads = self._rr_reduce.on_update_steps(
@@ -172,8 +194,9 @@ class _DistributedKerasMixin:
                 self._rr_passes, self._rr_average_aggregated, "DistributedOptimizer"))
 
         def update(local: list) -> None:
-            super(_DistributedKerasMixin, self).apply(self._rr_reduce(local),
-                                                      trainable_variables)
+            with self._rr_through():
+                super(_DistributedKerasMixin, self).apply(self._rr_reduce(local),
+                                                          trainable_variables)
 
         return self._rr_aggregation.step(grads, update, trainable_variables)
 
@@ -193,7 +216,8 @@ class _DistributedKerasMixin:
         summed = [None if s is None else (s / self._rr_passes if self._rr_average_aggregated
                                           else s) for s in local]
         local.clear()
-        return super().apply(self._rr_reduce(summed), trainable_variables)
+        with self._rr_through():
+            return super().apply(self._rr_reduce(summed), trainable_variables)
 
 
 def _reducer(what: str, compression: type[Compressor], sparse_as_dense: bool, op: int,
@@ -281,13 +305,13 @@ def _wrap(optimizer: keras.optimizers.Optimizer, reduce: Any, passes: int,
 def _move_into_loss_scaling(inner: Any, outer: keras.optimizers.LossScaleOptimizer) -> None:
     """The averaging of DistributedOptimizer ``inner`` moves out to ``outer``, the
     LossScaleOptimizer that ``compile()`` (mixed_float16) just wrapped around it, so that
-    its finite check sees averaged gradients; ``inner`` becomes its plain class again."""
-    reduce, passes = inner._rr_reduce, inner._rr_passes
-    if passes > 1 and isinstance(reduce, _JaxReducer):
+    its finite check sees averaged gradients. ``inner`` stays a DistributedOptimizer
+    (compiled again, or used alone, it averages): called by ``outer``, it applies as its
+    plain class (``_INNER``)."""
+    passes = inner._rr_passes
+    if passes > 1 and isinstance(inner._rr_reduce, _JaxReducer):
         raise _no_loss_scaled_accumulation("DistributedOptimizer", passes)
-    average_aggregated = inner._rr_average_aggregated
-    inner.__class__ = type(inner).__bases__[1]  # (_DistributedKerasMixin, base)
-    _wrap(outer, reduce, passes, average_aggregated)
+    _wrap(outer, inner._rr_reduce, passes, inner._rr_average_aggregated)
 
 
 def _hook_loss_scaling() -> None:

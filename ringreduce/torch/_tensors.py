@@ -138,16 +138,30 @@ def wait_cuda_(handle: Any, t: torch.Tensor, stream: int) -> bool:
 
     If ``stream`` is still the current one: the way torch DDP waits, ordering that
     stream after the allreduce (work enqueued there next, the optimizer's step, sees its
-    result) while the host goes on without waiting for the device; True. ``t`` may then
-    be freed at once: torch's caching allocator hands its memory only to work on the
-    stream that allocated it, which now runs after the allreduce. Otherwise the host
-    waits for the device, as ``handle.wait()``; False.
+    result) while the host goes on without waiting for the device; True. ``t`` is
+    recorded as in use on the stream the allreduce runs on (``Tensor.record_stream``,
+    as torch's NCCL process group does), so its memory is not handed to other work
+    before the allreduce is done, whichever stream allocated it; it may be dropped at
+    once. Otherwise the host waits for the device, as ``handle.wait()``; False.
     """
-    if current_stream(t) == stream:
-        wait_on_stream(handle, stream)
-        return True
-    handle.wait()
-    return False
+    if current_stream(t) != stream:
+        handle.wait()
+        return False
+    used = wait_on_stream(handle, stream)
+    if used is not None:
+        t.record_stream(_external_stream(used, t.get_device()))
+    return True
+
+
+_EXTERNAL: dict = {}  # (stream handle, device) -> torch.cuda.ExternalStream
+
+
+def _external_stream(handle: int, device: int) -> Any:
+    key = (handle, device)
+    s = _EXTERNAL.get(key)
+    if s is None:
+        s = _EXTERNAL[key] = torch.cuda.ExternalStream(handle, device=device)
+    return s
 
 
 def to_torch(a: Any) -> torch.Tensor:

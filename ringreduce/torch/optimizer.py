@@ -276,10 +276,11 @@ class _DistributedMixin:
 
     def _rr_submit(self, s: _Slot) -> None:
         prior, s.prior = s.prior, None
-        if prior is not None and not prior.done():
+        if prior is not None:
             # The last step's allreduce of this name was waited for on the stream only,
             # and a name is taken until the device has run it: the host, running ahead,
-            # waits here (rarely: normally it finished during the forward pass).
+            # waits here (rarely: normally it finished during the forward pass). Its
+            # failure (a peer lost after that wait) is raised here.
             prior.wait()
         s.stream = None
         p = s.param
@@ -313,13 +314,15 @@ class _DistributedMixin:
 
     def _rr_finish(self, s: _Slot, changed: bool) -> None:
         handle, grad, buf, ctx = s.handle, s.grad, s.buf, s.ctx
-        s.handle = s.grad = s.buf = s.ctx = None
+        # The slot keeps the handle until the wait returned: an interrupted wait leaves
+        # it to _rr_forget, which keeps the gradient alive until the device is done.
         if s.stream is not None:  # CUDA: the stream waits for the allreduce, not the host
             if wait_cuda_(handle, grad, s.stream):
                 s.prior = handle.state  # done once the device has run it: see _rr_submit
             result = None
         else:
             result = handle.wait()
+        s.handle = s.grad = s.buf = s.ctx = None
         if changed:
             raise InvalidInputError(
                 f"DistributedOptimizer: the gradient of {s.name!r} was changed in place while "
@@ -434,8 +437,8 @@ class _DistributedMixin:
         names may find one still in flight if they come within its last milliseconds."""
         orphans = [h for h in self._rr_orphans if not h.done()]
         for s in self._rr_inflight:
-            if s.stream is not None and s.handle is not None:  # not waited for: the
-                orphans.append(s.handle)  # gradient must outlive it (no stream waited)
+            if s.stream is not None and s.handle is not None and not s.handle.done():
+                orphans.append(s.handle)  # not waited for: the gradient must outlive it
                 s.prior = s.handle.state
             s.handle = s.grad = s.buf = s.ctx = None
         self._rr_orphans = orphans

@@ -120,7 +120,8 @@ def loss_scaling() -> None:
     DistributedOptimizer (the averaging moves out to its LossScaleOptimizer), and the user
     wrapping a LossScaleOptimizer (Horovod's recipe; on jax its stateless_apply bypassed
     apply). Rank 1's first batch overflows float16: every rank skips that step and halves
-    its scale, and the ranks end with the same weights and scale."""
+    its scale, and the ranks end with the same weights and scale. compile() twice with one
+    DistributedOptimizer: it still averages (through the second LossScaleOptimizer)."""
     import ringreduce
     from ringreduce.keras.optimizer import is_distributed
 
@@ -141,9 +142,11 @@ def loss_scaling() -> None:
             opt = rr.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
                 keras.optimizers.SGD(0.01), initial_scale=2.0 ** 4))
         model.compile(optimizer=opt, loss="mse")
+        if how == "compile":  # again: the same DistributedOptimizer, a new LossScaleOptimizer
+            model.compile(optimizer=opt, loss="mse")
         lso = model.optimizer
         assert isinstance(lso, keras.optimizers.LossScaleOptimizer), type(lso)
-        assert is_distributed(lso) and not is_distributed(lso.inner_optimizer)
+        assert is_distributed(lso) and is_distributed(opt)
         before = engine_tensors()
         model.fit(xs, ys, batch_size=per_rank, epochs=2, shuffle=False, verbose=0,
                   callbacks=[rr.callbacks.BroadcastGlobalVariablesCallback(0)])

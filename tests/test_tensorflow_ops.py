@@ -7,7 +7,9 @@ the faults run in real processes (test_tensorflow_multiprocess.py).
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -635,3 +637,27 @@ def test_tape_options_predivide_sum_and_compression():
         np.testing.assert_allclose(out["pre"], [3.0, 6.0])  # (2v + 4v) / 2, in two halves
         np.testing.assert_allclose(out["sum"], [6.0, 12.0])
         np.testing.assert_allclose(out["bf16"], [3.0, 6.0])
+
+
+def test_tf1_graph_with_more_collectives_than_inter_op_threads_warns_once():
+    # Each collective holds an inter-op thread until every rank submitted it: more of them
+    # in one session.run than threads can deadlock (see _bridge._warn_if_threads_may_run_out)
+    threads = tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count()
+
+    def fn(rank):
+        with tf.Graph().as_default(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = tf.ones([2])
+            outs = [rtf.allreduce(x, name=f"many.{i}") for i in range(threads)]
+            assert not caught, [str(w.message) for w in caught]
+            outs += [rtf.allreduce(x), rtf.allreduce(x)]
+            assert len(caught) == 1 and caught[0].category is RuntimeWarning, caught
+            assert f"{threads + 1} collective ops" in str(caught[0].message)
+            assert caught[0].filename == __file__  # the line that built the op
+        with tf.Graph().as_default(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rtf.grouped_allreduce([tf.ones([2])] * (threads + 4))  # one op
+            assert not caught, [str(w.message) for w in caught]
+        return len(outs)
+
+    assert run(1, fn) == [threads + 2]

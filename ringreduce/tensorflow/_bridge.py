@@ -27,6 +27,9 @@ ringreduce.keras's callbacks) and ``run_translated`` re-raise ``PeerLostError``,
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -155,17 +158,58 @@ def graph_name(kind: str, name: Optional[str]) -> Optional[str]:
     -------
     str or None
     """
-    if name is not None or tf.executing_eagerly():
+    if tf.executing_eagerly():
         return name
     graph = tf.compat.v1.get_default_graph()
     if getattr(graph, "experimental_acd_manager", None) is not None:
-        return None  # tf.function (or a branch of one): the run order is the program's
+        return name  # tf.function (or a branch of one): the run order is the program's
     # A tf.cond / tf.while_loop branch is a graph of its own, nested in the v1 graph:
     # count in the outermost one, so that two branches never share a name.
     while getattr(graph, "outer_graph", None) is not None:
         graph = graph.outer_graph
     n = next(_GRAPH_COUNTERS.setdefault(graph, itertools.count()))
-    return f"{kind}.tf1.{n}"
+    _warn_if_threads_may_run_out(graph, n + 1)
+    return name if name is not None else f"{kind}.tf1.{n}"
+
+
+_WARNED_GRAPHS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warn_if_threads_may_run_out(graph: Any, collectives: int) -> None:
+    """Warn once per v1 graph that holds more collective ops than TensorFlow has inter-op
+    threads. Each op blocks its thread until every rank has submitted it (the ops are
+    py_functions; Horovod's were asynchronous kernels, which ringreduce does not compile
+    against TensorFlow): a session.run that starts more of them than there are threads,
+    in different orders on different ranks, leaves every thread waiting for a collective
+    whose input another rank cannot compute (measured: 8 independent allreduces with 2
+    threads hang; the engine's stall warning names them after 60 s)."""
+    threads = tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
+    if collectives <= threads or graph in _WARNED_GRAPHS:
+        return
+    _WARNED_GRAPHS.add(graph)
+    warnings.warn(
+        f"ringreduce.tensorflow: this tf.compat.v1 graph now holds {collectives} collective "
+        f"ops, more than TensorFlow's {threads} inter-op threads. Each op holds a thread "
+        "until every rank has submitted it, so a session.run that starts more of them "
+        "than there are threads, in different orders on different ranks, can deadlock. "
+        "Fuse them into one op (grouped_allreduce; DistributedOptimizer and "
+        "broadcast_global_variables already do), or give TensorFlow more inter-op "
+        "threads (tf.config.threading.set_inter_op_parallelism_threads(n) before any "
+        "op runs, or ConfigProto(inter_op_parallelism_threads=n) for the first session)",
+        RuntimeWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, called here, of the first caller that is not
+    ringreduce, TensorFlow or Keras (the user's line that built the op)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and \
+            str(frame.f_globals.get("__name__", "")).split(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_LIBRARIES = ("ringreduce", "tensorflow", "keras", "tf_keras")
 
 
 # -------------------------------------------------------------------- the op

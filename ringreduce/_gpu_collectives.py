@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from . import _core
-from ._cuda_arrays import PER_THREAD_DEFAULT_STREAM, CudaArray, cuda_view
+from ._cuda_arrays import CudaArray, cuda_view, ordering_stream
 from ._gpu import cuda_device_count
 from .exceptions import InvalidInputError, call_label
 
@@ -108,10 +108,9 @@ class GpuCollectives:
         handle whose ``wait()`` returns ``x``. A framework layer's per-gradient path."""
         if device != self._device:
             self._claim(device, call_label("allreduce_", name))
-        if stream == PER_THREAD_DEFAULT_STREAM:
-            stream = 0  # see _cuda_arrays._ordering_stream
-        return _core.gpu.allreduce_(self._engine, x, ptr, shape, code, name, device, stream, op,
-                                    pre, post, self._members, wire)
+        return _core.gpu.allreduce_(self._engine, x, ptr, shape, code, name, device,
+                                    ordering_stream(stream), op, pre, post, self._members,
+                                    wire)
 
     def results(self, views: list[CudaArray], op: str, name: Optional[str],
                 shapes: Optional[list[tuple]] = None) -> list[CudaArray]:

@@ -19,7 +19,7 @@ import torch
 
 import ringreduce as _rr
 from ringreduce import Communicator
-from ringreduce._cuda_arrays import TORCH_DTYPES
+from ringreduce._cuda_arrays import TORCH_DTYPES, torch_stream_getter
 from ringreduce._dtypes import SUPPORTED
 from ringreduce._gpu_collectives import wait_on_stream
 from ringreduce._refusals import reports_refusals
@@ -106,11 +106,7 @@ def to_numpy(t: torch.Tensor, what: str) -> Any:
 #: torch dtypes the GPU executor reduces, and their core codes (NCCL has no 16-bit ints).
 _CUDA_CODES = {getattr(torch, name): code for name, code in TORCH_DTYPES.items()}
 
-try:  # the current stream's handle as an int, without a torch.cuda.Stream object (3 us)
-    _raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
-except AttributeError:  # pragma: no cover - a torch without it (or without CUDA)
-    def _raw_stream(device: int) -> int:
-        return int(torch.cuda.current_stream(device).cuda_stream)
+_raw_stream = torch_stream_getter()
 
 
 def current_stream(t: torch.Tensor) -> int:

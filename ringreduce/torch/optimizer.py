@@ -300,10 +300,11 @@ class _DistributedMixin:
             wire = device_compression(self._rr_compression, grad)
             buf, ctx = (grad, None) if wire else self._rr_compression.compress(grad)
             c = self._rr_comm()
-            s.stream = current_stream(grad) if buf is grad and grad.is_cuda else None
-            s.handle = None if s.stream is None else allreduce_cuda_(
-                c, grad, self._rr_op, s.name, *self._rr_scale, wire, s.stream)
-            if s.handle is None:
+            if buf is grad and grad.is_cuda:
+                s.stream = current_stream(grad)
+                s.handle = allreduce_cuda_(c, grad, self._rr_op, s.name, *self._rr_scale,
+                                           wire, s.stream)
+            if s.handle is None:  # not on the CUDA path
                 s.stream = None
                 if not buf.is_contiguous() or (buf is grad and not grad.is_contiguous()):
                     buf = buf.contiguous()
@@ -433,8 +434,9 @@ class _DistributedMixin:
     def _rr_forget(self) -> None:
         """End the step: drop what is in flight or partial and reset every pass count.
         After an interrupt (KeyboardInterrupt) the engine still completes what was in
-        flight, the Communicator keeping its buffers; the next step's submits of those
-        names may find one still in flight if they come within its last milliseconds."""
+        flight, the Communicator (or, for CUDA gradients, ``_rr_orphans``) keeping its
+        buffers; the next step's submits of those names wait for CUDA ones (``prior``) and
+        may find a host one still in flight if they come within its last milliseconds."""
         orphans = [h for h in self._rr_orphans if not h.done()]
         for s in self._rr_inflight:
             if s.stream is not None and s.handle is not None and not s.handle.done():

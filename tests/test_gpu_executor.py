@@ -403,6 +403,27 @@ def test_engine_completes_gpu_work_only_when_its_event_fires(comm):
     np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="cpu"), x)
 
 
+@pytest.mark.timeout(60)
+def test_finished_gpu_work_wakes_the_engine_at_once(comm):
+    # The device rings the engine's waker as a response's work finishes (CUDA:
+    # a host function behind its event): with polls 30 s apart, the handle
+    # still completes as soon as the event does.
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    gt.set_device_poll(comm._engine, 30.0)
+    for i in range(3):
+        h = gt.submit(comm._engine, tensor(f"w{i}", 8), 0)
+        end = time.monotonic() + 10
+        while ops.notifies() < i + 1:
+            assert time.monotonic() < end, "no completion wake-up was asked for"
+            time.sleep(0.001)
+        time.sleep(0.1)  # the engine thread is asleep by now
+        assert not h.done()
+        ops.complete_all()
+        wait_done(h, timeout=10)  # without the wake-up: 30 s
+        h.wait()
+
+
 @pytest.mark.timeout(30)  # a wait that never sees its work enqueued would hang
 def test_a_stream_ordered_wait_returns_once_enqueued_and_orders_the_callers_stream(comm):
     # DistributedOptimizer's CUDA wait (as DDP's): the caller's stream waits on the

@@ -88,7 +88,8 @@ void bind_gpu_testing(py::module_& parent) {
           py::arg("id"), py::arg("state"), py::arg("error") = "")
       .def("set_async_error", &FakeGpuOps::set_async_error)
       .def("set_abort_drains", &FakeGpuOps::set_abort_drains)
-      .def("fail_next", &FakeGpuOps::fail_next);
+      .def("fail_next", &FakeGpuOps::fail_next)
+      .def("notifies", &FakeGpuOps::notifies);
 
   py::class_<ExecutorUnderTest>(m, "GpuExecutor")
       .def(py::init([](std::shared_ptr<FakeGpuOps> ops, int device, int rank, int size,
@@ -160,6 +161,9 @@ void bind_gpu_testing(py::module_& parent) {
         });
       },
       py::arg("engine"), py::arg("ops"), py::arg("bootstrap") = false);
+  // The idle engine thread's longest sleep while GPU work is in flight.
+  m.def("set_device_poll",
+        [](Engine& eng, double seconds) { eng.set_device_poll_seconds(seconds); });
   // Submits one tensor (a dict as for GpuExecutor.execute) on `device`.
   m.def("submit", [](Engine& eng, const py::dict& tensor, int32_t device) {
     std::vector<Entry> v;

@@ -75,6 +75,10 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   executors_.push_back(make_cpu_executor(*ctx_, timeline_.get()));
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   RR_CHECK(wake_fd_ >= 0, "rank ", rank_, ": eventfd: ", errno_string(errno));
+  waker_ = std::make_shared<CompletionWaker>([this] {
+    device_done_.store(true);
+    wake_engine();
+  });
   ctx_->set_phase_observer(timeline_.get());
   bell_only_ = bell_only();
   if (opt_.fast_path) token_.set_driver(this);
@@ -353,6 +357,7 @@ void Engine::shutdown() {
   wake_engine();             // a parked thread does not hear notify()
   batch_.signal()->close();  // a thread holding a batch back sleeps on it
   if (thread_.joinable()) thread_.join();
+  waker_->disarm();  // a device may finish work later: it must not touch this engine
   token_.retire();   // after a driving caller gives it back; fail_all needs it
   watcher_.reset();  // before the Context (and its doorbell) can go away
   fail_all(ErrorKind::kInternal,
@@ -392,9 +397,12 @@ EngineStats Engine::stats() const {
 // ------------------------------------------------------------ the thread
 namespace {
 // While an asynchronous executor has work in flight the idle thread polls it
-// for this long without sleeping, then sleeps at most kBusySleepNs at a time.
+// for this long without sleeping (short device work completes without a
+// wake-up), then sleeps until the executor's waker rings (the work finished)
+// or device_poll_s_ passes (NCCL's asynchronous errors are found by polling).
+// A batch held back meanwhile is held at most kBusyHoldNs at a time.
 constexpr double kBusySpinSeconds = 50e-6;
-constexpr int64_t kBusySleepNs = 1'000'000;
+constexpr int64_t kBusyHoldNs = 1'000'000;
 }  // namespace
 
 void Engine::loop() {
@@ -451,7 +459,7 @@ Engine::Wake Engine::idle_wait() {
     if (busy) poll_executors();
     bool held = false;
     if (has_work_.load())  // without the token: the caller may come to drive
-      untokened([&] { held = batch_.hold(busy ? kBusySleepNs : BatchWindow::kMaxSleepNs); });
+      untokened([&] { held = batch_.hold(busy ? kBusyHoldNs : BatchWindow::kMaxSleepNs); });
     if (held) {
       check_peers(last_check);
       continue;
@@ -470,7 +478,7 @@ Engine::Wake Engine::idle_wait() {
       continue;
     }
     check_peers(last_check);
-    double timeout = busy ? kBusySleepNs * 1e-9 : 0.1;
+    double timeout = busy ? device_poll_s_.load() : 0.1;
     if (has_work_.load()) timeout = std::min(timeout, last_round_ + opt_.cycle_time_s - t);
     if (rank_ == 0) timeout = std::min(timeout, negotiator_->next_deadline() - t);
     timeout = std::min(timeout, hold_deadline() - t);
@@ -532,7 +540,7 @@ void Engine::block(int64_t timeout_ns) {
     const uint32_t seen = bell->snapshot();
     bell->set_sleeping(true);
     engine_bell_ = true;  // withdrawn by reclaim_token(), or by a driving caller
-    if (!stop_.load() && !ready_to_start())
+    if (!stop_.load() && !device_done_.load() && !ready_to_start())
       untokened([&] { bell->wait(seen, within_hold(timeout_ns)); });
     withdraw_bell();
     return;
@@ -547,7 +555,7 @@ void Engine::block(int64_t timeout_ns) {
     watcher_->arm(seen);
   }
   polling_.store(true);
-  if (!stop_.load() && !ready_to_start()) {
+  if (!stop_.load() && !device_done_.load() && !ready_to_start()) {
     const int ms = static_cast<int>((within_hold(timeout_ns) + 999999) / 1000000);
     int ready = 0;
     untokened([&] { ready = ::poll(fds.data(), fds.size(), ms); });

@@ -122,6 +122,9 @@ class Engine : private DriveToken::Driver {
   // FakeGpuOps here. Set it before submitting tensors for that GPU.
   using ExecutorFactory = std::function<std::unique_ptr<Executor>(int32_t device)>;
   void set_device_executor_factory(ExecutorFactory f);
+  // How long the idle thread sleeps at most while device work is in flight
+  // (it wakes at once when the work finishes: CompletionWaker). Tests lengthen it.
+  void set_device_poll_seconds(double s) { device_poll_s_.store(s); }
 
  private:
   enum class Wake { kStop, kWork };
@@ -281,6 +284,11 @@ class Engine : private DriveToken::Driver {
   std::atomic<uint64_t> rounds_done_{0};
   double last_round_ = -1e9;
   int wake_fd_ = -1;
+  // Rung by asynchronous executors when device work finishes (any thread):
+  // sets device_done_ and wakes the thread. Disarmed by shutdown().
+  std::shared_ptr<CompletionWaker> waker_;
+  std::atomic<bool> device_done_{false};  // cleared by poll_executors()
+  std::atomic<double> device_poll_s_{0.01};
   std::unique_ptr<DoorbellWatcher> watcher_;  // made on the first mixed shm + TCP sleep
   std::chrono::steady_clock::time_point t0_;
   std::thread thread_;

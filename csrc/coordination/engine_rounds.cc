@@ -429,6 +429,7 @@ Executor& Engine::executor_for(const Response& r, int32_t device) {
           factory ? factory(device) : make_device_executor(*ctx_, device);
       if (!ex || !ex->handles(device))
         throw_error(ErrorKind::kInternal, "no executor handles device ", device);
+      ex->set_waker(waker_);
       executors_.push_back(std::move(ex));
       async_ = true;
       if (device >= 0 && gpu_device_.load() < 0) gpu_device_.store(device);
@@ -455,6 +456,7 @@ bool Engine::async_busy() const {
 // whole and its last words reach every peer (fail_engine -> Context::
 // mark_broken), as when a rank dies; its own calls fail with the message.
 void Engine::poll_executors() {
+  device_done_.store(false);  // before the polls: a ring after them is seen by block()
   std::optional<Error> broken;
   for (auto& ex : executors_) {
     if (!ex->busy()) continue;

@@ -13,13 +13,16 @@
 // Synchronous executors (the CPU one) finish in execute() and return true.
 // Asynchronous ones (the GPU one) enqueue the work and return false: the
 // entries stay pending, and the engine, which calls poll() in its loop while
-// busy() is true, completes them when poll() reports them.
+// busy() is true, completes them when poll() reports them. Such an executor
+// rings the engine's waker (set_waker) when enqueued work may have finished,
+// so the engine need not poll often to complete it promptly.
 #pragma once
 
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "coordination/completion_waker.h"
 #include "coordination/handle.h"
 #include "coordination/request.h"
 #include "transport/context.h"
@@ -54,6 +57,8 @@ class Executor {
   // for peers, so that nothing waiting on it (a framework's stream ordered
   // after it) waits forever. The engine fails the entries itself.
   virtual void abort(const std::string& /*why*/) {}
+  // Rung (from any thread) when work enqueued since may have finished.
+  virtual void set_waker(std::shared_ptr<CompletionWaker> /*waker*/) {}
 };
 
 // Host memory: tensor fusion through a persistent fusion buffer, collectives

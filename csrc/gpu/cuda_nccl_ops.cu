@@ -2,6 +2,11 @@
 // synchronization with the legacy default stream: the executor waits on the
 // producers' events explicitly); events carry no timing. NCCL's ncclAvg is
 // used only when the executor asks for it (it checks nccl_version()).
+//
+// Completion wake-ups (notify_when_done): a stream of their own waits for the
+// event and then runs a host function that rings the waker. The executor's
+// stream never waits for the host, so nothing enqueued behind the event is
+// delayed by the wake-up; the host functions run in order on CUDA's thread.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -62,6 +67,8 @@ class CudaNcclOps : public GpuOps {
       : nccl_(std::move(nccl)), device_(device) {}
   ~CudaNcclOps() override {
     if (comm_) nccl_->api().CommDestroy(comm_);
+    // Not synchronized: its host functions hold their wakers, so they may run later.
+    if (notify_stream_) cudaStreamDestroy(notify_stream_);
   }
 
   void set_device(int device) override {
@@ -118,6 +125,18 @@ class CudaNcclOps : public GpuOps {
     if (err == cudaErrorNotReady) return EventState::kPending;
     if (error) *error = cat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
     return EventState::kError;
+  }
+  void notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) override {
+    guard();
+    if (!notify_stream_)
+      check(cudaStreamCreateWithFlags(&notify_stream_, cudaStreamNonBlocking),
+            "cudaStreamCreateWithFlags");
+    check(cudaStreamWaitEvent(notify_stream_, static_cast<cudaEvent_t>(e), 0),
+          "cudaStreamWaitEvent");
+    auto* held = new std::shared_ptr<CompletionWaker>(std::move(waker));
+    const cudaError_t err = cudaLaunchHostFunc(notify_stream_, &ring_waker, held);
+    if (err != cudaSuccess) delete held;
+    check(err, "cudaLaunchHostFunc");
   }
   uint64_t malloc_device(uint64_t bytes) override {
     guard();
@@ -264,9 +283,17 @@ class CudaNcclOps : public GpuOps {
     check(cudaFreeAsync(d, stream), "cudaFreeAsync");
   }
 
+  // On CUDA's host-function thread: no CUDA calls here.
+  static void CUDART_CB ring_waker(void* p) {
+    auto* held = static_cast<std::shared_ptr<CompletionWaker>*>(p);
+    (*held)->ring();
+    delete held;
+  }
+
   std::shared_ptr<NcclLibrary> nccl_;
   int device_;
   nccl::CommPtr comm_ = nullptr;
+  cudaStream_t notify_stream_ = nullptr;
 };
 
 }  // namespace

@@ -78,16 +78,58 @@ void FakeGpuOps::clear_calls() {
 }
 
 void FakeGpuOps::complete_all(bool sticky) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [id, st] : events_)
-    if (st == EventState::kPending) st = EventState::kDone;
-  sticky_done_ = sticky;
+  Wakers ring;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, st] : events_)
+      if (st == EventState::kPending) st = EventState::kDone;
+    sticky_done_ = sticky;
+    ring = take_finished_wakers();
+  }
+  for (auto& w : ring) w->ring();
 }
 
 void FakeGpuOps::set_event(uint64_t id, EventState state, const std::string& error) {
+  Wakers ring;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_[id] = state;
+    event_errors_[id] = error;
+    ring = take_finished_wakers();
+  }
+  for (auto& w : ring) w->ring();
+}
+
+// Under mu_: the wakers of events no longer pending, as a device's host
+// functions would run once their events completed.
+FakeGpuOps::Wakers FakeGpuOps::take_finished_wakers() {
+  Wakers done;
+  for (auto it = notify_.begin(); it != notify_.end();) {
+    auto ev = events_.find(it->first);
+    if (ev != events_.end() && ev->second == EventState::kPending) {
+      ++it;
+      continue;
+    }
+    done.push_back(std::move(it->second));
+    it = notify_.erase(it);
+  }
+  return done;
+}
+
+void FakeGpuOps::notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) {
+  Wakers ring;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    notify_.emplace(id_of(e), std::move(waker));  // not logged: it enqueues no work
+    ++notifies_;
+    ring = take_finished_wakers();
+  }
+  for (auto& w : ring) w->ring();
+}
+
+uint64_t FakeGpuOps::notifies() const {
   std::lock_guard<std::mutex> lock(mu_);
-  events_[id] = state;
-  event_errors_[id] = error;
+  return notifies_;
 }
 
 void FakeGpuOps::set_async_error(const std::string& message) {
@@ -306,11 +348,16 @@ std::string FakeGpuOps::nccl_async_error() {
 }
 
 void FakeGpuOps::nccl_abort() {
-  std::lock_guard<std::mutex> lock(mu_);
-  log("nccl_abort", "nccl_abort");
-  if (!abort_drains_) return;
-  for (auto& [id, st] : events_)
-    if (st == EventState::kPending) st = EventState::kDone;
+  Wakers ring;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    log("nccl_abort", "nccl_abort");
+    if (!abort_drains_) return;
+    for (auto& [id, st] : events_)
+      if (st == EventState::kPending) st = EventState::kDone;
+    ring = take_finished_wakers();
+  }
+  for (auto& w : ring) w->ring();
 }
 
 void FakeGpuOps::set_abort_drains(bool drains) {

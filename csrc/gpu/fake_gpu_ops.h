@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -37,6 +38,8 @@ class FakeGpuOps : public GpuOps {
   void set_abort_drains(bool drains);
   // The next call named `call` (e.g. "nccl_allreduce") throws rr::Error(kInternal, message).
   void fail_next(const std::string& call, const std::string& message);
+  // How many notify_when_done calls were made (they are not in calls()).
+  uint64_t notifies() const;
 
   // --------------------------------------------------------- GpuOps
   void set_device(int device) override;
@@ -47,6 +50,8 @@ class FakeGpuOps : public GpuOps {
   void event_record(GpuEvent e, GpuStream s) override;
   void stream_wait_event(GpuStream s, GpuEvent e) override;
   EventState event_query(GpuEvent e, std::string* error) override;
+  // Rings the waker when a test completes (or fails) the event, as a device would.
+  void notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) override;
   uint64_t malloc_device(uint64_t bytes) override;
   void free_device(uint64_t addr, GpuStream s) override;
   void memset_async(uint64_t addr, uint64_t bytes, GpuStream s) override;
@@ -81,6 +86,8 @@ class FakeGpuOps : public GpuOps {
 
  private:
   void log(const std::string& call, const std::string& line);  // under mu_
+  using Wakers = std::vector<std::shared_ptr<CompletionWaker>>;
+  Wakers take_finished_wakers();  // under mu_
   const int nccl_version_;
   const uint8_t id_seed_;
   uint8_t ids_made_ = 0;
@@ -89,6 +96,8 @@ class FakeGpuOps : public GpuOps {
   uint64_t next_stream_ = 1, next_event_ = 1, next_addr_ = 0x10000000;
   std::map<uint64_t, EventState> events_;  // recorded events and their state
   std::map<uint64_t, std::string> event_errors_;
+  std::multimap<uint64_t, std::shared_ptr<CompletionWaker>> notify_;  // by event id
+  uint64_t notifies_ = 0;
   bool sticky_done_ = false;
   bool abort_drains_ = true;
   std::string async_error_;

@@ -132,6 +132,7 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   }
   f.done = take_event();
   ops_->event_record(f.done, stream_);
+  if (waker_) ops_->notify_when_done(f.done, waker_);
   publish_enqueued(local, f.done);
   in_flight_.push_back(std::move(f));
   return false;

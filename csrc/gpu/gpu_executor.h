@@ -16,9 +16,10 @@
 //      (NCCL < 2.10, integer dtypes, or ranks that joined) NCCL sums and the
 //      1 / contributors is folded into this factor
 //   6. one unpack launch to the outputs, and an event recorded: its
-//      completion completes the response; each handle is told how to make
-//      a caller's stream wait for it (HandleState::mark_enqueued), for
-//      stream-ordered waits.
+//      completion completes the response (the ops ring the engine's waker
+//      then: notify_when_done); each handle is told how to make a caller's
+//      stream wait for it (HandleState::mark_enqueued), for stream-ordered
+//      waits.
 // One tensor runs in place on its own buffers: no pack or unpack (a copy in
 // -> out first only when a prescale must not touch the input).
 // Broadcast runs NCCL's broadcast in -> out; reducescatter, NCCL's
@@ -106,6 +107,7 @@ class GpuExecutor : public Executor {
   std::vector<Completion> poll() override;
   bool busy() const override { return !in_flight_.empty() || !finished_.empty(); }
   void abort(const std::string& why) override;
+  void set_waker(std::shared_ptr<CompletionWaker> waker) override { waker_ = std::move(waker); }
 
  private:
   // How an allreduce of `r` reduces: the NCCL op, and the factor applied
@@ -187,7 +189,8 @@ class GpuExecutor : public Executor {
   std::vector<GpuEvent> all_events_;
   std::deque<InFlight> in_flight_;
   std::vector<Completion> finished_;
-  std::string broken_;  // set once the device or communicator failed
+  std::string broken_;                      // set once the device or communicator failed
+  std::shared_ptr<CompletionWaker> waker_;  // rung as each response's work finishes
 };
 
 }  // namespace gpu

@@ -19,7 +19,8 @@ gives the median over ``--steps`` rounds after ``--warmup``. "added" is a step's
 A second table splits ringreduce's step on rank 0 (medians per step, host time): its
 gradient hooks (the Python and C++ intake of every gradient during backward),
 ``synchronize()`` (the wait for the averaged gradients, the GPU's backward included),
-the optimizer's step, and the engine's rounds, responses and tensors.
+the optimizer's step, and the engine's rounds, responses and tensors, and how often it held
+GPU work back while the device was behind (``RINGREDUCE_GPU_QUEUE_DEPTH``).
 
 At np=1 the allreduces move nothing, so the table shows each library's own cost per step.
 Where ranks share a GPU (gpu_common.this_rank_gpu) NCCL goes over loopback sockets: the
@@ -96,7 +97,7 @@ def stepper(model: Any, opt: Any, x: Any, y: Any) -> Callable[[], None]:
 class Breakdown:
     """Host time of ringreduce's parts of a step: its hooks, synchronize(), step()."""
 
-    PARTS = ("hooks", "synchronize", "step", "rounds", "responses", "tensors")
+    PARTS = ("hooks", "synchronize", "step", "rounds", "responses", "tensors", "device_holds")
 
     def __init__(self, opt: Any) -> None:
         self.opt, self.now = opt, {k: 0.0 for k in self.PARTS}
@@ -124,7 +125,7 @@ class Breakdown:
                 self.opt.step()
             self.now["synchronize"], self.now["step"] = t1 - t0, time.perf_counter() - t1
             after = rr._comm()._engine.stats()
-            for k in ("rounds", "responses", "tensors"):
+            for k in ("rounds", "responses", "tensors", "device_holds"):
                 self.now[k] = after[k] - before[k]
             self.steps.append(self.now)
             self.now = {k: 0.0 for k in self.PARTS}
@@ -136,7 +137,8 @@ class Breakdown:
         return [f"# ringreduce's step on rank 0 (medians): hooks {mid['hooks'] * 1e3:.2f} ms, "
                 f"synchronize() {mid['synchronize'] * 1e3:.2f} ms, step() "
                 f"{mid['step'] * 1e3:.2f} ms; engine: {mid['rounds']:.0f} rounds, "
-                f"{mid['responses']:.0f} responses, {mid['tensors']:.0f} tensors"]
+                f"{mid['responses']:.0f} responses, {mid['tensors']:.0f} tensors, "
+                f"{mid['device_holds']:.0f} holds for the GPU"]
 
 
 def timed_rounds(steps: dict, args: argparse.Namespace) -> dict:

@@ -6,6 +6,7 @@ error when no GPU executor can be made."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -422,6 +423,75 @@ def test_finished_gpu_work_wakes_the_engine_at_once(comm):
         ops.complete_all()
         wait_done(h, timeout=10)  # without the wake-up: 30 s
         h.wait()
+
+
+def _wait_for(pred, what, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.001)
+
+
+def _enqueue_one_by_one(engine, ops, names):
+    handles = []
+    for n in names:
+        seen = ops.notifies()
+        handles.append(gt.submit(engine, tensor(n, 8), 0))
+        _wait_for(lambda: ops.notifies() == seen + 1, f"{n} was not enqueued")
+    return handles
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("depth", [2, 0])
+def test_gpu_work_waits_while_the_device_is_behind_then_goes_out_fused(depth):
+    # Two responses in flight on the GPU: what is submitted meanwhile (here two
+    # tensors 30 ms apart, far beyond the batching window) is held back and goes
+    # out as one fused response once the device finishes one.
+    # RINGREDUCE_GPU_QUEUE_DEPTH=0 turns the hold off.
+    (c,) = make_world(1, rank_env=[{"RINGREDUCE_GPU_QUEUE_DEPTH": str(depth)}])
+    try:
+        ops = gt.FakeGpuOps()
+        gt.use_fake_gpus(c._engine, {0: ops})
+        first = _enqueue_one_by_one(c._engine, ops, ["a0", "a1"])
+        later = [gt.submit(c._engine, tensor("b0", 8), 0)]
+        time.sleep(0.03)
+        later.append(gt.submit(c._engine, tensor("b1", 8), 0))
+        time.sleep(0.05)
+        if depth:
+            assert ops.notifies() == 2, ops.calls()
+            assert c._engine.stats()["device_holds"] > 0
+        else:
+            _wait_for(lambda: ops.notifies() == 4, "without the hold each goes out alone")
+        ops.complete_all(sticky=True)
+        for h in first + later:
+            wait_done(h)
+            h.wait()
+        counts = [int(x.split()[3]) for x in ops.calls() if x.startswith("nccl_allreduce")]
+        if depth:  # one fused reduction (each tensor's slot aligned in the fusion buffer)
+            assert len(counts) == 3 and counts[2] >= 16, ops.calls()
+            assert any(x.startswith("launch_pack 2 descs") for x in ops.calls()), ops.calls()
+        else:
+            assert counts == [8, 8, 8, 8], ops.calls()
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_that_waits_is_never_held_behind_a_busy_device(comm):
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    busy = _enqueue_one_by_one(comm._engine, ops, ["c0", "c1"])
+    h = gt.submit(comm._engine, tensor("d", 8), 0)
+    time.sleep(0.05)
+    assert ops.notifies() == 2  # held
+    waiter = threading.Thread(target=h.wait)
+    waiter.start()  # a blocking call: the caller waits at once
+    _wait_for(lambda: ops.notifies() == 3, "a waiting caller was held")
+    ops.complete_all(sticky=True)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    for b in busy:
+        wait_done(b)
 
 
 @pytest.mark.timeout(30)  # a wait that never sees its work enqueued would hang

@@ -502,6 +502,7 @@ void bind_engine_class(py::module_& m) {
              d["caller_rounds"] = s.caller_rounds;
              d["folded"] = s.folded;
              d["paired"] = s.paired;
+             d["device_holds"] = s.device_holds;
              d["gpu_device"] = s.gpu_device;
              return d;
            })

@@ -34,6 +34,7 @@ EngineOptions engine_options_from_env() {
   o.fast_path = env_int("RINGREDUCE_FAST_PATH", 1) != 0;
   const int64_t fold = env_int("RINGREDUCE_FOLD_BYTES", -1);
   o.paired_rounds = env_int("RINGREDUCE_PAIRED_ROUNDS", 1) != 0;
+  o.gpu_queue_depth = static_cast<int>(env_int("RINGREDUCE_GPU_QUEUE_DEPTH", o.gpu_queue_depth));
   if (fusion < 0 || cache < 0 || fold < -1 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
       o.stall_shutdown_s < 0 || o.batch_gap_s < 0 || o.batch_max_s < 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_FUSION_THRESHOLD, ",
@@ -78,6 +79,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   waker_ = std::make_shared<CompletionWaker>([this] {
     device_done_.store(true);
     wake_engine();
+    batch_.signal()->poke();  // a thread in hold_for_device() sleeps there
   });
   ctx_->set_phase_observer(timeline_.get());
   bell_only_ = bell_only();
@@ -223,6 +225,7 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
   }
   batch_.submitted(queue_.empty());
   for (size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].meta.device < 0 || entries[i].join) host_queued_.store(true);
     entries[i].handle = h;
     entries[i].index = i;
     if (!entries[i].join) in_flight_.insert(entries[i].meta.name);
@@ -287,6 +290,7 @@ void Engine::reject_locked(const std::vector<Entry>& entries, const std::string&
     if (!e.join && !e.meta.name.empty())
       rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why, e.meta.members,
                                     in_flight_.count(e.meta.name) > 0});
+  host_queued_.store(true);  // a refusal goes out at once
   has_work_.store(true);
   notify();
 }
@@ -391,6 +395,7 @@ EngineStats Engine::stats() const {
   s.folded = folded_.load();
   s.paired = paired_.load();
   s.gpu_device = gpu_device_.load();
+  s.device_holds = device_holds_.load();
   return s;
 }
 
@@ -460,6 +465,7 @@ Engine::Wake Engine::idle_wait() {
     bool held = false;
     if (has_work_.load())  // without the token: the caller may come to drive
       untokened([&] { held = batch_.hold(busy ? kBusyHoldNs : BatchWindow::kMaxSleepNs); });
+    if (!held && busy) held = hold_for_device();
     if (held) {
       check_peers(last_check);
       continue;
@@ -484,6 +490,35 @@ Engine::Wake Engine::idle_wait() {
     timeout = std::min(timeout, hold_deadline() - t);
     block(static_cast<int64_t>(std::max(timeout, 0.0) * 1e9));
   }
+}
+
+// Device backlog. A rank's new GPU work is held back while one of its GPUs
+// still has `gpu_queue_depth` responses enqueued (a running one and the next):
+// a round now would only queue one more NCCL call behind them, while what the
+// caller submits until the device catches up goes out fused in one response.
+// Where each call is slow (NCCL over sockets, across hosts) a backward pass
+// then costs a few large calls instead of one per burst of gradients; where
+// calls are quick the backlog never forms and nothing is held. The hold ends
+// when the device finishes a response (the waker pokes the WaitSignal), when
+// a caller begins to wait (a blocking call, synchronize()), when another
+// rank's round arrives, or after kBusyHoldNs (the thread then looks again).
+// Work for the host, and refusals, are never held: ranks agree on responses
+// as before, so nothing else changes, and no in-flight work depends on a
+// rank's later requests (responses already agreed run on every rank).
+bool Engine::hold_for_device() {
+  if (opt_.gpu_queue_depth <= 0 || !has_work_.load() || host_queued_.load()) return false;
+  size_t queued = 0;
+  for (const auto& ex : executors_) queued = std::max(queued, ex->in_flight());
+  if (queued < static_cast<size_t>(opt_.gpu_queue_depth)) return false;
+  WaitSignal& s = *batch_.signal();
+  try {
+    if (s.waiting() || s.closed() || arrived()) return false;
+  } catch (const Error&) {
+    return false;  // ready_to_start() meets it again and reports it with context
+  }
+  device_holds_.fetch_add(1, std::memory_order_relaxed);
+  untokened([&] { s.sleep(kBusyHoldNs, &device_done_); });
+  return true;
 }
 
 // Every 100 ms of idling (asleep, or holding a batch back) the thread checks

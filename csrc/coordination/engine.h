@@ -62,6 +62,7 @@ struct EngineOptions {
   bool fast_path = true;                     // RINGREDUCE_FAST_PATH (engine_drive.cc)
   size_t fold_bytes = kFoldAuto;             // RINGREDUCE_FOLD_BYTES (engine_fold.cc)
   bool paired_rounds = true;                 // RINGREDUCE_PAIRED_ROUNDS (engine_pair.cc)
+  int gpu_queue_depth = 2;                   // RINGREDUCE_GPU_QUEUE_DEPTH (hold_for_device)
 };
 
 EngineOptions engine_options_from_env();
@@ -79,6 +80,7 @@ struct EngineStats {
   uint64_t folded = 0;                   // of `responses`, finished in their round (engine_fold.cc)
   uint64_t paired = 0;                   // of `folded`, without a RESPONSES (engine_pair.cc)
   int64_t gpu_device = -1;               // the device of this rank's first GPU executor
+  uint64_t device_holds = 0;             // GPU work held back while the device was behind
 };
 
 class Engine : private DriveToken::Driver {
@@ -201,6 +203,7 @@ class Engine : private DriveToken::Driver {
   void execute(const Response& r);
   Executor& executor_for(const Response& r, int32_t device);
   bool async_busy() const;
+  bool hold_for_device();
   void poll_executors();
   void resolve_names(const std::vector<std::string>& names);
   void fail_names(const std::vector<std::string>& names, ErrorKind kind, const std::string& msg);
@@ -241,10 +244,12 @@ class Engine : private DriveToken::Driver {
   std::string fail_message_;
   std::atomic<bool> has_work_{false};
   std::atomic<bool> stop_{false};
-  std::atomic<bool> polling_{false};   // the thread may be asleep in poll()
-  std::atomic<bool> dead_{false};      // failed_, readable without mu_
-  std::atomic<bool> gpu_seen_{false};  // a GPU tensor was submitted: no caller drives
-  DriveToken& token_;                  // in batch_'s WaitSignal, shared with the handles
+  std::atomic<bool> polling_{false};      // the thread may be asleep in poll()
+  std::atomic<bool> dead_{false};         // failed_, readable without mu_
+  std::atomic<bool> gpu_seen_{false};     // a GPU tensor was submitted: no caller drives
+  std::atomic<bool> host_queued_{false};  // queued work (or a refusal) not for a GPU
+  std::atomic<uint64_t> device_holds_{0};
+  DriveToken& token_;  // in batch_'s WaitSignal, shared with the handles
   std::atomic<uint64_t> caller_rounds_{0};
   std::atomic<uint64_t> folded_{0};
   std::atomic<uint64_t> paired_{0};

@@ -44,6 +44,7 @@ std::vector<Entry> Engine::drain() {
     // rank 0 too), it refuses the name's next call.
     for (Rejection& rj : rejections_) rj.in_flight = rj.in_flight && in_flight_.count(rj.name) > 0;
     has_work_.store(false);
+    host_queued_.store(false);
   }
   for (const Rejection& rj : rejections_)
     if (!rj.in_flight) refused_names_.insert(rj.name);

@@ -53,6 +53,8 @@ class Executor {
   virtual std::vector<Completion> poll() { return {}; }
   // True while enqueued work has not been reported by poll().
   virtual bool busy() const { return false; }
+  // Responses enqueued and not yet finished (as of the last poll()).
+  virtual size_t in_flight() const { return 0; }
   // The job failed (Engine::fail_engine): stop enqueued work that may wait
   // for peers, so that nothing waiting on it (a framework's stream ordered
   // after it) waits forever. The engine fails the entries itself.

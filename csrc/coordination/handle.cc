@@ -33,10 +33,16 @@ void WaitSignal::close() {
   futex_wake_all(&seq_, FutexScope::kProcess);
 }
 
-void WaitSignal::sleep(int64_t timeout_ns) {
+void WaitSignal::poke() {
+  seq_.fetch_add(1);
+  if (sleeping_.load()) futex_wake_all(&seq_, FutexScope::kProcess);
+}
+
+void WaitSignal::sleep(int64_t timeout_ns, const std::atomic<bool>* unless) {
   const uint32_t seen = seq_.load();
   sleeping_.store(1);
-  if (!waiting() && !closed()) futex_wait(&seq_, seen, timeout_ns, FutexScope::kProcess);
+  if (!waiting() && !closed() && !(unless && unless->load()))
+    futex_wait(&seq_, seen, timeout_ns, FutexScope::kProcess);
   sleeping_.store(0);
 }
 

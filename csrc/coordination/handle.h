@@ -32,8 +32,12 @@ class WaitSignal {
   bool waiting() const { return waiting_.load() > 0; }
   void begin_wait();
   void end_wait() { waiting_.fetch_sub(1); }
-  // Sleeps until a caller begins to wait, close() or `timeout_ns` passes.
-  void sleep(int64_t timeout_ns);
+  // Sleeps until a caller begins to wait, close(), poke() or `timeout_ns`
+  // passes; not at all when `unless` is set already (read after the sequence
+  // number: a poke() after setting it is never lost).
+  void sleep(int64_t timeout_ns, const std::atomic<bool>* unless = nullptr);
+  // Ends the current sleep (the engine's device work finished).
+  void poke();
   // Ends the current sleep and every later one (the engine is stopping).
   void close();
   bool closed() const { return closed_.load() != 0; }

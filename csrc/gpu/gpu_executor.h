@@ -106,6 +106,7 @@ class GpuExecutor : public Executor {
   bool execute(const Response& r, const std::vector<Entry*>& local) override;
   std::vector<Completion> poll() override;
   bool busy() const override { return !in_flight_.empty() || !finished_.empty(); }
+  size_t in_flight() const override { return in_flight_.size(); }
   void abort(const std::string& why) override;
   void set_waker(std::shared_ptr<CompletionWaker> waker) override { waker_ = std::move(waker); }
 

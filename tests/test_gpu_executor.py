@@ -437,7 +437,7 @@ def _enqueue_one_by_one(engine, ops, names):
     for n in names:
         seen = ops.notifies()
         handles.append(gt.submit(engine, tensor(n, 8), 0))
-        _wait_for(lambda: ops.notifies() == seen + 1, f"{n} was not enqueued")
+        _wait_for(lambda s=seen: ops.notifies() == s + 1, f"{n} was not enqueued")
     return handles
 
 

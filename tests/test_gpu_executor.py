@@ -447,7 +447,7 @@ def test_gpu_work_waits_while_the_device_is_behind_then_goes_out_fused(depth):
     # Two responses in flight on the GPU: what is submitted meanwhile (here two
     # tensors 30 ms apart, far beyond the batching window) is held back and goes
     # out as one fused response once the device finishes one.
-    # RINGREDUCE_GPU_QUEUE_DEPTH=0 turns the hold off.
+    # RINGREDUCE_GPU_QUEUE_DEPTH=0 (the default) turns the hold off.
     (c,) = make_world(1, rank_env=[{"RINGREDUCE_GPU_QUEUE_DEPTH": str(depth)}])
     try:
         ops = gt.FakeGpuOps()
@@ -477,7 +477,8 @@ def test_gpu_work_waits_while_the_device_is_behind_then_goes_out_fused(depth):
 
 
 @pytest.mark.timeout(60)
-def test_a_caller_that_waits_is_never_held_behind_a_busy_device(comm):
+def test_a_caller_that_waits_is_never_held_behind_a_busy_device():
+    (comm,) = make_world(1, rank_env=[{"RINGREDUCE_GPU_QUEUE_DEPTH": "2"}])
     ops = gt.FakeGpuOps()
     gt.use_fake_gpus(comm._engine, {0: ops})
     busy = _enqueue_one_by_one(comm._engine, ops, ["c0", "c1"])
@@ -492,6 +493,7 @@ def test_a_caller_that_waits_is_never_held_behind_a_busy_device(comm):
     assert not waiter.is_alive()
     for b in busy:
         wait_done(b)
+    comm.close()
 
 
 @pytest.mark.timeout(30)  # a wait that never sees its work enqueued would hang

@@ -492,8 +492,9 @@ Engine::Wake Engine::idle_wait() {
   }
 }
 
-// Device backlog. A rank's new GPU work is held back while one of its GPUs
-// still has `gpu_queue_depth` responses enqueued (a running one and the next):
+// Device backlog (opt-in: RINGREDUCE_GPU_QUEUE_DEPTH, e.g. 2; 0 by default).
+// A rank's new GPU work is held back while one of its GPUs still has
+// `gpu_queue_depth` responses enqueued (e.g. a running one and the next):
 // a round now would only queue one more NCCL call behind them, while what the
 // caller submits until the device catches up goes out fused in one response.
 // Where each call is slow (NCCL over sockets, across hosts) a backward pass
@@ -505,6 +506,11 @@ Engine::Wake Engine::idle_wait() {
 // Work for the host, and refusals, are never held: ranks agree on responses
 // as before, so nothing else changes, and no in-flight work depends on a
 // rank's later requests (responses already agreed run on every rank).
+// Why not by default: a response in flight also counts while it waits for its
+// gradients to be produced, so during a backward pass the host, which runs
+// ahead of the GPU, would hold most gradients until synchronize() and send
+// them in one call that no longer overlaps the backward pass (DDP caps its
+// last bucket at 25 MB for this reason). Not yet measured on a GPU.
 bool Engine::hold_for_device() {
   if (opt_.gpu_queue_depth <= 0 || !has_work_.load() || host_queued_.load()) return false;
   size_t queued = 0;

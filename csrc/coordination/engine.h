@@ -62,7 +62,7 @@ struct EngineOptions {
   bool fast_path = true;                     // RINGREDUCE_FAST_PATH (engine_drive.cc)
   size_t fold_bytes = kFoldAuto;             // RINGREDUCE_FOLD_BYTES (engine_fold.cc)
   bool paired_rounds = true;                 // RINGREDUCE_PAIRED_ROUNDS (engine_pair.cc)
-  int gpu_queue_depth = 2;                   // RINGREDUCE_GPU_QUEUE_DEPTH (hold_for_device)
+  int gpu_queue_depth = 0;                   // RINGREDUCE_GPU_QUEUE_DEPTH (hold_for_device)
 };
 
 EngineOptions engine_options_from_env();

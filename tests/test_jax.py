@@ -17,7 +17,9 @@ pytest.importorskip("optax")
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_jax_collectives_optimizer_and_checkpoints(tmp_path, n):
-    job = run_mpi(n, "jax_worker.py", [tmp_path, "check"], timeout=180)
+    # two host devices: the worker checks that results stay on the device they came from
+    job = run_mpi(n, "jax_worker.py", [tmp_path, "check"], timeout=180,
+                  env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     job.check_ok(expect_ranks=n)
     for r in range(n):
         eq = {e["opt"]: e["diff"] for e in job.events("equivalence")[r]}

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
@@ -91,13 +92,45 @@ def to_host(x: Any, what: str) -> np.ndarray:
     return np.asarray(x)
 
 
+def placed_like(value: Any, like: Any) -> jax.Array:
+    """``value`` (numpy) as a JAX array placed as the concrete array ``like``: a committed
+    ``like`` keeps its sharding where the shapes agree (an allreduce's, a broadcast's
+    result), else its device when it has one (an allgather's); an uncommitted one gives an
+    uncommitted array on the default device, as ``jnp.asarray``. Where the shape and dtype
+    agree, a weakly typed ``like`` gives a weakly typed result, so it promotes as before and
+    does not make a jitted function retrace."""
+    if not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer):
+        return jnp.asarray(value)
+    value = np.asarray(value)
+    same = value.shape == tuple(like.shape) and value.dtype == like.dtype
+    # jnp.asarray makes a strong type; zeros_like keeps the weak one, and an update keeps it
+    out = jnp.zeros_like(like).at[...].set(value) if same and like.weak_type \
+        else jnp.asarray(value)
+    if not like.committed or not like.is_fully_addressable:
+        return out
+    if same:
+        return jax.device_put(out, like.sharding)
+    devices = like.sharding.device_set
+    return jax.device_put(out, next(iter(devices))) if len(devices) == 1 else out
+
+
+def _placed(result: Any, args: Sequence[Any]) -> Any:
+    """An eager call's numpy result(s) as JAX arrays, each placed as its input (the first
+    input where the call returns another count of arrays)."""
+    if isinstance(result, (list, tuple)):
+        placed = [placed_like(r, args[i] if len(result) == len(args) else args[0])
+                  for i, r in enumerate(result)]
+        return placed if isinstance(result, list) else tuple(placed)
+    return placed_like(result, args[0])
+
+
 def host_call(fn: Callable[..., Any], args: Sequence[Any], out: Any, what: str) -> Any:
     """``fn(*numpy_args)``: at once for concrete ``args`` (``out`` may then be None: an
     eager result's shape may be known only from the other ranks), as an ordered
     ``io_callback`` with result ``out`` (a pytree of ``jax.ShapeDtypeStruct``) when any is
     traced. Returns JAX arrays in the result's structure."""
     if not is_traced(*args):
-        return jax.tree_util.tree_map(jax.numpy.asarray, fn(*[to_host(a, what) for a in args]))
+        return _placed(fn(*[to_host(a, what) for a in args]), args)
 
     def run(*host_args: Any) -> Any:
         try:  # JAX may hand the callback its own (CPU) arrays: read them as numpy

@@ -22,7 +22,7 @@ from ringreduce.compression import Compressor
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._bridge import binder, is_traced
+from ._bridge import binder, is_traced, placed_like
 from ._keys import is_key, unwrap, wrap
 from .compression import Compression
 from .ops import grouped_allreduce
@@ -178,7 +178,7 @@ def _broadcast_tree(tree: Any, root_rank: int, what: str, process_set: ProcessSe
 def _like(leaf: Any, value: np.ndarray) -> Any:
     """``value`` in ``leaf``'s kind: numpy stays numpy (a numpy scalar a numpy scalar), a
     Python scalar a Python scalar, a key a key of the same implementation, and a JAX array
-    a JAX array of the same dtype and weak type."""
+    a JAX array of the same dtype, weak type and placement (device or sharding)."""
     if isinstance(leaf, np.ndarray):
         return value
     if isinstance(leaf, np.generic):
@@ -186,12 +186,9 @@ def _like(leaf: Any, value: np.ndarray) -> Any:
     if isinstance(leaf, (bool, int, float, complex)):
         return type(leaf)(value.item())
     if is_key(leaf):
-        return wrap(jnp.asarray(value), unwrap(leaf)[1])
-    if getattr(leaf, "weak_type", False):
-        # jnp.asarray would make it strongly typed, changing how it promotes and making a
-        # jitted function retrace; zeros_like keeps the weak type, and an update keeps it
-        return jnp.zeros_like(leaf).at[...].set(value)
-    return jnp.asarray(value)
+        data, impl = unwrap(leaf)
+        return wrap(placed_like(value, data), impl)
+    return placed_like(value, leaf)
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0,

@@ -1,7 +1,7 @@
 """ringreduce.jax in real processes: every collective eagerly and inside jax.jit, their
 gradients, DistributedOptimizer (optax) against one process on the whole batch, the
-broadcasts (weak types kept, typed PRNG keys), checkpoints (their dtypes) and errors. Each
-check raises on a wrong result.
+broadcasts (weak types and placement kept, typed PRNG keys), checkpoints (their dtypes)
+and errors. Each check raises on a wrong result.
 
     mpirun -np N python jax_worker.py DIR check
     python jax_worker.py DIR die        (env-var launch: rank 1 exits inside a jitted step)
@@ -264,6 +264,37 @@ def weak_types() -> None:
     check(len(traces) == 1, "the broadcast tree retraced a jitted step")
 
 
+def placement() -> None:
+    """Eager results and broadcast trees stay where their inputs live: a committed array's
+    device or sharding (a rank that placed its parameters on its own device must not find
+    them moved to the default one), weak types included. Run with two host devices."""
+    devs = jax.devices()
+    check(len(devs) >= 2, f"placement needs two devices (XLA_FLAGS), got {devs}")
+    d1, r = devs[1], hvd.rank()
+    x = jax.device_put(jnp.full(3, r + 1.0), d1)
+    for what, out in [("allreduce", hvd.allreduce(x, op=hvd.Sum, name="placed.ar")),
+                      ("broadcast", hvd.broadcast(x, 0, name="placed.bc")),
+                      ("grouped", hvd.grouped_allreduce([x, x], name="placed.g")[1]),
+                      ("allgather", hvd.allgather(x, name="placed.ag"))]:
+        check(out.devices() == {d1} and out.committed, f"{what} placed on {out.devices()}")
+    weak = jax.device_put(jnp.asarray(0.5 * (r + 1)), d1)
+    out = hvd.allreduce(weak, name="placed.weak")
+    check(out.weak_type and out.devices() == {d1},
+          f"weak allreduce: weak {out.weak_type} on {out.devices()}")
+    loose = hvd.allreduce(jnp.ones(2), name="placed.loose")
+    check(not loose.committed, "an uncommitted input gave a committed result")
+    mesh = jax.sharding.Mesh(np.array(devs[:2]), ("x",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    tree = {"w": jax.device_put(jnp.arange(4.0) + r, sharded), "lr": weak,
+            "key": jax.device_put(jax.random.key(r), d1), "u": jnp.ones(2)}
+    out = hvd.broadcast_parameters(tree, 0)
+    check(out["w"].sharding == sharded, f"sharded leaf came back as {out['w'].sharding}")
+    close(out["w"], np.arange(4.0), "sharded leaf value")
+    check(out["lr"].weak_type and out["lr"].devices() == {d1}, "weak leaf placement")
+    check(out["key"].devices() == {d1}, f"key placed on {out['key'].devices()}")
+    check(not out["u"].committed, "an uncommitted leaf came back committed")
+
+
 def keys_of(seed: int) -> dict:
     return {"fry": jax.random.key(seed), "rbg": jax.random.key(seed, impl="rbg"),
             "split": jax.random.split(jax.random.key(seed), 3)}
@@ -388,6 +419,7 @@ def main() -> None:
     jitted_collectives()
     optimizer_equivalence()
     weak_types()
+    placement()
     typed_keys()
     process_sets()
     uneven_join()

@@ -720,3 +720,40 @@ def test_a_failure_reports_once_enqueued_work_has_drained_or_the_bound_passed():
         took = time.monotonic() - t
         assert not c["ok"] and c["names"] == ["a", "b"]
         assert least <= took < least + 0.25, (drains, took)
+
+
+def _engine_cpu_seconds():
+    """CPU time of this process's rr-engine threads (Linux)."""
+    import os
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "rr-engine":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+@pytest.mark.timeout(60)
+def test_a_wake_up_after_the_work_was_polled_complete_leaves_the_engine_asleep(comm):
+    # CUDA runs the host function some microseconds after the event completes,
+    # so the engine's own poll often sees the work done first: the late ring
+    # then arrives with nothing in flight and must not keep the thread awake.
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    gt.set_device_poll(comm._engine, 0.001)
+    ops.defer_rings(True)
+    h = gt.submit(comm._engine, tensor("late", 8), 0)
+    _wait_for(lambda: ops.notifies() == 1, "late was not enqueued")
+    ops.complete_all()
+    wait_done(h)  # found by polling; the ring is still to come
+    ops.ring_late()
+    time.sleep(0.05)
+    before = _engine_cpu_seconds()
+    time.sleep(0.5)
+    assert _engine_cpu_seconds() - before < 0.1, "the engine thread spins after a late wake-up"

@@ -89,7 +89,9 @@ void bind_gpu_testing(py::module_& parent) {
       .def("set_async_error", &FakeGpuOps::set_async_error)
       .def("set_abort_drains", &FakeGpuOps::set_abort_drains)
       .def("fail_next", &FakeGpuOps::fail_next)
-      .def("notifies", &FakeGpuOps::notifies);
+      .def("notifies", &FakeGpuOps::notifies)
+      .def("defer_rings", &FakeGpuOps::defer_rings)
+      .def("ring_late", &FakeGpuOps::ring_late);
 
   py::class_<ExecutorUnderTest>(m, "GpuExecutor")
       .def(py::init([](std::shared_ptr<FakeGpuOps> ops, int device, int rank, int size,

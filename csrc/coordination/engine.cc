@@ -461,7 +461,10 @@ Engine::Wake Engine::idle_wait() {
   for (;;) {  // holding the token at the top of every pass
     if (stop_.load() || dead_.load()) return Wake::kStop;
     const bool busy = async_busy();
-    if (busy) poll_executors();
+    if (busy)
+      poll_executors();
+    else  // a ring that came after the poll which completed the work: nothing left to wait for
+      device_done_.store(false);
     bool held = false;
     if (has_work_.load())  // without the token: the caller may come to drive
       untokened([&] { held = batch_.hold(busy ? kBusyHoldNs : BatchWindow::kMaxSleepNs); });

@@ -110,10 +110,24 @@ FakeGpuOps::Wakers FakeGpuOps::take_finished_wakers() {
       ++it;
       continue;
     }
-    done.push_back(std::move(it->second));
+    (defer_rings_ ? deferred_ : done).push_back(std::move(it->second));
     it = notify_.erase(it);
   }
   return done;
+}
+
+void FakeGpuOps::defer_rings(bool defer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  defer_rings_ = defer;
+}
+
+void FakeGpuOps::ring_late() {
+  Wakers ring;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ring.swap(deferred_);
+  }
+  for (auto& w : ring) w->ring();
 }
 
 void FakeGpuOps::notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) {

@@ -40,6 +40,11 @@ class FakeGpuOps : public GpuOps {
   void fail_next(const std::string& call, const std::string& message);
   // How many notify_when_done calls were made (they are not in calls()).
   uint64_t notifies() const;
+  // While set, wakers of finished events are kept instead of rung, until
+  // ring_late(): a device's host function may run after the engine found the
+  // event complete by polling.
+  void defer_rings(bool defer);
+  void ring_late();
 
   // --------------------------------------------------------- GpuOps
   void set_device(int device) override;
@@ -98,6 +103,8 @@ class FakeGpuOps : public GpuOps {
   std::map<uint64_t, std::string> event_errors_;
   std::multimap<uint64_t, std::shared_ptr<CompletionWaker>> notify_;  // by event id
   uint64_t notifies_ = 0;
+  bool defer_rings_ = false;
+  std::vector<std::shared_ptr<CompletionWaker>> deferred_;
   bool sticky_done_ = false;
   bool abort_drains_ = true;
   std::string async_error_;

@@ -757,3 +757,23 @@ def test_a_wake_up_after_the_work_was_polled_complete_leaves_the_engine_asleep(c
     before = _engine_cpu_seconds()
     time.sleep(0.5)
     assert _engine_cpu_seconds() - before < 0.1, "the engine thread spins after a late wake-up"
+
+
+@pytest.mark.timeout(60)
+def test_a_wake_up_that_cannot_be_set_up_leaves_the_enqueued_work_to_polling(comm):
+    # notify_when_done comes after the response's work is on the stream: its
+    # failure must neither fail the engine (the NCCL call is already issued,
+    # on every rank) nor drop the response from those in flight.
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    gt.set_device_poll(comm._engine, 0.001)
+    ops.fail_next("notify_when_done", "cudaLaunchHostFunc failed: cudaErrorNotPermitted")
+    h = gt.submit(comm._engine, tensor("nowake", 8), 0)
+    _wait_for(lambda: any(c.startswith("nccl_allreduce") for c in ops.calls()), "not enqueued")
+    time.sleep(0.05)
+    assert not h.done()
+    ops.complete_all()
+    wait_done(h)
+    h.wait()
+    x = np.arange(3, dtype=np.float32)
+    np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="after"), x)

@@ -134,7 +134,13 @@ void FakeGpuOps::notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> w
   Wakers ring;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    notify_.emplace(id_of(e), std::move(waker));  // not logged: it enqueues no work
+    auto fail = fail_next_.find("notify_when_done");  // not logged: it enqueues no work
+    if (fail != fail_next_.end()) {
+      const std::string msg = fail->second;
+      fail_next_.erase(fail);
+      throw_error(ErrorKind::kInternal, msg);
+    }
+    notify_.emplace(id_of(e), std::move(waker));
     ++notifies_;
     ring = take_finished_wakers();
   }

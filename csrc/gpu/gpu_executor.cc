@@ -132,9 +132,17 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   }
   f.done = take_event();
   ops_->event_record(f.done, stream_);
-  if (waker_) ops_->notify_when_done(f.done, waker_);
   publish_enqueued(local, f.done);
   in_flight_.push_back(std::move(f));
+  // After the work is in flight: it is on the stream (and on every rank's),
+  // so a failure here must not fail the response; polling completes it, and
+  // a sticky CUDA error shows in its event.
+  if (waker_) {
+    try {
+      ops_->notify_when_done(in_flight_.back().done, waker_);
+    } catch (const Error&) {
+    }
+  }
   return false;
 }
 

@@ -777,3 +777,33 @@ def test_a_wake_up_that_cannot_be_set_up_leaves_the_enqueued_work_to_polling(com
     h.wait()
     x = np.arange(3, dtype=np.float32)
     np.testing.assert_array_equal(comm.allreduce(x, op=rr.Sum, name="after"), x)
+
+
+@pytest.mark.timeout(60)
+def test_held_gpu_work_does_not_hold_rank_0s_stall_checks():
+    # Rank 0's device is stuck behind two responses (a peer that never runs its
+    # NCCL calls, say) and its new GPU work is held. A tensor that rank 1 alone
+    # submitted must still be reported (here: stall shutdown after 1 s) instead
+    # of waiting for the device.
+    env = {"RINGREDUCE_GPU_QUEUE_DEPTH": "2", "RINGREDUCE_STALL_SHUTDOWN_SECONDS": "1"}
+    c0, c1 = make_world(2, rank_env=[env, env])
+    try:
+        ops = [gt.FakeGpuOps(), gt.FakeGpuOps()]
+        for c, o in zip((c0, c1), ops):
+            gt.use_fake_gpus(c._engine, {0: o})
+        for n in ("s0", "s1"):
+            for c in (c0, c1):
+                gt.submit(c._engine, tensor(n, 8), 0)
+            _wait_for(lambda s=n: all(o.notifies() == int(s[1]) + 1 for o in ops), f"{n}")
+        lonely = c1.allreduce_async(np.ones(3, np.float32), op=rr.Sum, name="lonely")
+        time.sleep(0.2)  # rank 0 has taken lonely in; now its own new GPU work is held
+        gt.submit(c0._engine, tensor("held", 8), 0)
+        t0 = time.monotonic()
+        with pytest.raises(Exception):
+            lonely.wait()
+        assert time.monotonic() - t0 < 10
+    finally:
+        for o in ops:
+            o.complete_all(sticky=True)
+        c0.close()
+        c1.close()

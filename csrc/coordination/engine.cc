@@ -525,8 +525,16 @@ bool Engine::hold_for_device() {
   } catch (const Error&) {
     return false;  // ready_to_start() meets it again and reports it with context
   }
+  // Rank 0's stall checks and stall shutdown run in ready_to_start(): a device
+  // stuck behind a peer would otherwise hold them (and their report) forever.
+  int64_t sleep_ns = kBusyHoldNs;
+  if (rank_ == 0) {
+    const double left = negotiator_->next_deadline() - now();
+    if (left <= 0) return false;
+    if (left < kBusyHoldNs * 1e-9) sleep_ns = static_cast<int64_t>(left * 1e9) + 1;  // not inf
+  }
   device_holds_.fetch_add(1, std::memory_order_relaxed);
-  untokened([&] { s.sleep(kBusyHoldNs, &device_done_); });
+  untokened([&] { s.sleep(sleep_ns, &device_done_); });
   return true;
 }
 

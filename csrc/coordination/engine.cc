@@ -224,14 +224,24 @@ void Engine::enqueue_locked(std::vector<Entry>& entries, const std::shared_ptr<H
     throw;
   }
   batch_.submitted(queue_.empty());
+  bool host = false;
   for (size_t i = 0; i < entries.size(); ++i) {
-    if (entries[i].meta.device < 0 || entries[i].join) host_queued_.store(true);
+    host |= entries[i].meta.device < 0 || entries[i].join;
     entries[i].handle = h;
     entries[i].index = i;
     if (!entries[i].join) in_flight_.insert(entries[i].meta.name);
     queue_.push_back(std::move(entries[i]));
   }
   has_work_.store(true);
+  if (host) end_device_hold();
+}
+
+// Host work and refusals are never held behind a busy device: a thread asleep
+// in hold_for_device() hears of them now, not at the end of its sleep. Only
+// with the hold on: otherwise each submit would cost a batch hold a wake-up.
+void Engine::end_device_hold() {
+  host_queued_.store(true);
+  if (opt_.gpu_queue_depth > 0) batch_.signal()->poke();
 }
 
 // The next name of an unnamed call on the process set `members` (empty:
@@ -290,8 +300,8 @@ void Engine::reject_locked(const std::vector<Entry>& entries, const std::string&
     if (!e.join && !e.meta.name.empty())
       rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why, e.meta.members,
                                     in_flight_.count(e.meta.name) > 0});
-  host_queued_.store(true);  // a refusal goes out at once
   has_work_.store(true);
+  end_device_hold();  // a refusal goes out at once
   notify();
 }
 

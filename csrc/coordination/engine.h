@@ -204,6 +204,7 @@ class Engine : private DriveToken::Driver {
   Executor& executor_for(const Response& r, int32_t device);
   bool async_busy() const;
   bool hold_for_device();
+  void end_device_hold();
   void poll_executors();
   void resolve_names(const std::vector<std::string>& names);
   void fail_names(const std::vector<std::string>& names, ErrorKind kind, const std::string& msg);

@@ -799,7 +799,7 @@ def test_held_gpu_work_does_not_hold_rank_0s_stall_checks():
         time.sleep(0.2)  # rank 0 has taken lonely in; now its own new GPU work is held
         gt.submit(c0._engine, tensor("held", 8), 0)
         t0 = time.monotonic()
-        with pytest.raises(Exception):
+        with pytest.raises(rr.RingReduceTimeoutError):
             lonely.wait()
         assert time.monotonic() - t0 < 10
     finally:

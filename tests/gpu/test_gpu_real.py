@@ -177,3 +177,12 @@ def test_pytorch_example_trains_on_gpus_and_resumes(tmp_path):
     second.check_ok()
     accuracy = float(second.describe().split("final test accuracy:")[1].split()[0])
     assert accuracy >= 0.9, second.describe()
+
+
+def test_gpu_completion_wakes_the_engine_and_leaves_it_asleep_after():
+    # The completion wake-up (cudaLaunchHostFunc on a notify stream) on a real device:
+    # handles resolve as the device finishes, and a late wake-up does not spin the thread.
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    job = launch(1, WORKERS / "gpu_wakeup_worker.py", timeout=120)
+    job.check_ok(expect_ranks=1)

@@ -406,23 +406,26 @@ def test_engine_completes_gpu_work_only_when_its_event_fires(comm):
 
 @pytest.mark.timeout(60)
 def test_finished_gpu_work_wakes_the_engine_at_once(comm):
-    # The device rings the engine's waker as a response's work finishes (CUDA:
-    # a host function behind its event): with polls 30 s apart, the handle
-    # still completes as soon as the event does.
+    # A watcher thread sleeps on each response's completion event and wakes the
+    # engine when it fires: with polls 30 s apart, the handle still completes as
+    # soon as the event does.
     ops = gt.FakeGpuOps()
     gt.use_fake_gpus(comm._engine, {0: ops})
     gt.set_device_poll(comm._engine, 30.0)
     for i in range(3):
         h = gt.submit(comm._engine, tensor(f"w{i}", 8), 0)
-        end = time.monotonic() + 10
-        while ops.notifies() < i + 1:
-            assert time.monotonic() < end, "no completion wake-up was asked for"
-            time.sleep(0.001)
+        _wait_for(lambda n=i: _reduced(ops) == n + 1, "not enqueued")
         time.sleep(0.1)  # the engine thread is asleep by now
+        assert ops.syncs() == i + 1, "the watcher does not wait on the event"
         assert not h.done()
         ops.complete_all()
         wait_done(h, timeout=10)  # without the wake-up: 30 s
         h.wait()
+
+
+def _reduced(ops):
+    """How many NCCL allreduces the executor has enqueued."""
+    return sum(c.startswith("nccl_allreduce") for c in ops.calls())
 
 
 def _wait_for(pred, what, timeout=10.0):
@@ -435,9 +438,9 @@ def _wait_for(pred, what, timeout=10.0):
 def _enqueue_one_by_one(engine, ops, names):
     handles = []
     for n in names:
-        seen = ops.notifies()
+        seen = _reduced(ops)
         handles.append(gt.submit(engine, tensor(n, 8), 0))
-        _wait_for(lambda s=seen: ops.notifies() == s + 1, f"{n} was not enqueued")
+        _wait_for(lambda s=seen: _reduced(ops) == s + 1, f"{n} was not enqueued")
     return handles
 
 
@@ -458,10 +461,10 @@ def test_gpu_work_waits_while_the_device_is_behind_then_goes_out_fused(depth):
         later.append(gt.submit(c._engine, tensor("b1", 8), 0))
         time.sleep(0.05)
         if depth:
-            assert ops.notifies() == 2, ops.calls()
+            assert _reduced(ops) == 2, ops.calls()
             assert c._engine.stats()["device_holds"] > 0
         else:
-            _wait_for(lambda: ops.notifies() == 4, "without the hold each goes out alone")
+            _wait_for(lambda: _reduced(ops) == 4, "without the hold each goes out alone")
         ops.complete_all(sticky=True)
         for h in first + later:
             wait_done(h)
@@ -484,10 +487,10 @@ def test_a_caller_that_waits_is_never_held_behind_a_busy_device():
     busy = _enqueue_one_by_one(comm._engine, ops, ["c0", "c1"])
     h = gt.submit(comm._engine, tensor("d", 8), 0)
     time.sleep(0.05)
-    assert ops.notifies() == 2  # held
+    assert _reduced(ops) == 2  # held
     waiter = threading.Thread(target=h.wait)
     waiter.start()  # a blocking call: the caller waits at once
-    _wait_for(lambda: ops.notifies() == 3, "a waiting caller was held")
+    _wait_for(lambda: _reduced(ops) == 3, "a waiting caller was held")
     ops.complete_all(sticky=True)
     waiter.join(10)
     assert not waiter.is_alive()
@@ -741,15 +744,15 @@ def _engine_cpu_seconds():
 
 @pytest.mark.timeout(60)
 def test_a_wake_up_after_the_work_was_polled_complete_leaves_the_engine_asleep(comm):
-    # CUDA runs the host function some microseconds after the event completes,
-    # so the engine's own poll often sees the work done first: the late ring
-    # then arrives with nothing in flight and must not keep the thread awake.
+    # The watcher's thread wakes some microseconds after the event completes, so
+    # the engine's own poll often sees the work done first: the late ring then
+    # arrives with nothing in flight and must not keep the thread awake.
     ops = gt.FakeGpuOps()
     gt.use_fake_gpus(comm._engine, {0: ops})
     gt.set_device_poll(comm._engine, 0.001)
     ops.defer_rings(True)
     h = gt.submit(comm._engine, tensor("late", 8), 0)
-    _wait_for(lambda: ops.notifies() == 1, "late was not enqueued")
+    _wait_for(lambda: _reduced(ops) == 1 and ops.syncs() == 1, "late was not watched")
     ops.complete_all()
     wait_done(h)  # found by polling; the ring is still to come
     ops.ring_late()
@@ -760,14 +763,14 @@ def test_a_wake_up_after_the_work_was_polled_complete_leaves_the_engine_asleep(c
 
 
 @pytest.mark.timeout(60)
-def test_a_wake_up_that_cannot_be_set_up_leaves_the_enqueued_work_to_polling(comm):
-    # notify_when_done comes after the response's work is on the stream: its
-    # failure must neither fail the engine (the NCCL call is already issued,
-    # on every rank) nor drop the response from those in flight.
+def test_a_failed_completion_wait_leaves_the_enqueued_work_to_polling(comm):
+    # The watcher's wait fails after the response's work is on the stream: that
+    # must neither fail the engine (the NCCL call is already issued, on every
+    # rank) nor drop the response from those in flight; its early ring is spurious.
     ops = gt.FakeGpuOps()
     gt.use_fake_gpus(comm._engine, {0: ops})
     gt.set_device_poll(comm._engine, 0.001)
-    ops.fail_next("notify_when_done", "cudaLaunchHostFunc failed: cudaErrorNotPermitted")
+    ops.fail_next("event_synchronize", "cudaEventSynchronize failed: cudaErrorNotPermitted")
     h = gt.submit(comm._engine, tensor("nowake", 8), 0)
     _wait_for(lambda: any(c.startswith("nccl_allreduce") for c in ops.calls()), "not enqueued")
     time.sleep(0.05)
@@ -794,7 +797,7 @@ def test_held_gpu_work_does_not_hold_rank_0s_stall_checks():
         for n in ("s0", "s1"):
             for c in (c0, c1):
                 gt.submit(c._engine, tensor(n, 8), 0)
-            _wait_for(lambda s=n: all(o.notifies() == int(s[1]) + 1 for o in ops), f"{n}")
+            _wait_for(lambda s=n: all(_reduced(o) == int(s[1]) + 1 for o in ops), f"{n}")
         lonely = c1.allreduce_async(np.ones(3, np.float32), op=rr.Sum, name="lonely")
         time.sleep(0.2)  # rank 0 has taken lonely in; now its own new GPU work is held
         gt.submit(c0._engine, tensor("held", 8), 0)

@@ -89,7 +89,7 @@ void bind_gpu_testing(py::module_& parent) {
       .def("set_async_error", &FakeGpuOps::set_async_error)
       .def("set_abort_drains", &FakeGpuOps::set_abort_drains)
       .def("fail_next", &FakeGpuOps::fail_next)
-      .def("notifies", &FakeGpuOps::notifies)
+      .def("syncs", &FakeGpuOps::syncs)
       .def("defer_rings", &FakeGpuOps::defer_rings)
       .def("ring_late", &FakeGpuOps::ring_late);
 

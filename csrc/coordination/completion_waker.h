@@ -1,7 +1,7 @@
 // How an asynchronous executor's finished work wakes the engine thread at
-// once instead of at its next poll. The device calls ring() from a thread of
-// its own (CUDA runs host functions on a driver thread), possibly after the
-// engine has shut down: the engine disarms the waker first (Engine::shutdown),
+// once instead of at its next poll. The executor calls ring() from a thread
+// of its own (gpu/completion_watcher.h), possibly after the engine has shut
+// down: the engine disarms the waker first (Engine::shutdown),
 // and a ring after that does nothing. Thread-safe; ring() never blocks beyond
 // the short critical section of a concurrent disarm().
 #pragma once
@@ -18,11 +18,11 @@ class CompletionWaker {
   CompletionWaker(const CompletionWaker&) = delete;
   CompletionWaker& operator=(const CompletionWaker&) = delete;
 
-  void ring() {
+  void ring() noexcept {
     std::lock_guard<std::mutex> lock(mu_);
     if (wake_) wake_();
   }
-  void disarm() {
+  void disarm() noexcept {
     std::lock_guard<std::mutex> lock(mu_);
     wake_ = nullptr;
   }

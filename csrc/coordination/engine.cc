@@ -36,10 +36,10 @@ EngineOptions engine_options_from_env() {
   o.paired_rounds = env_int("RINGREDUCE_PAIRED_ROUNDS", 1) != 0;
   o.gpu_queue_depth = static_cast<int>(env_int("RINGREDUCE_GPU_QUEUE_DEPTH", o.gpu_queue_depth));
   if (fusion < 0 || cache < 0 || fold < -1 || o.cycle_time_s < 0 || o.stall_check_s < 0 ||
-      o.stall_shutdown_s < 0 || o.batch_gap_s < 0 || o.batch_max_s < 0)
+      o.stall_shutdown_s < 0 || o.batch_gap_s < 0 || o.batch_max_s < 0 || o.gpu_queue_depth < 0)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_FUSION_THRESHOLD, ",
                 "RINGREDUCE_CACHE_CAPACITY, RINGREDUCE_FOLD_BYTES, RINGREDUCE_CYCLE_TIME_MS, "
-                "RINGREDUCE_BATCH_*_US ",
+                "RINGREDUCE_BATCH_*_US, RINGREDUCE_GPU_QUEUE_DEPTH ",
                 "and RINGREDUCE_STALL_*_SECONDS must not be negative");
   o.fusion_threshold = static_cast<uint64_t>(fusion);
   o.cache_capacity = static_cast<size_t>(cache);
@@ -478,7 +478,10 @@ Engine::Wake Engine::idle_wait() {
     bool held = false;
     if (has_work_.load())  // without the token: the caller may come to drive
       untokened([&] { held = batch_.hold(busy ? kBusyHoldNs : BatchWindow::kMaxSleepNs); });
-    if (!held && busy) held = hold_for_device();
+    const bool was_holding = device_holding_;
+    device_holding_ = !held && busy && hold_for_device();
+    if (device_holding_ && !was_holding) device_holds_.fetch_add(1, std::memory_order_relaxed);
+    held = held || device_holding_;
     if (held) {
       check_peers(last_check);
       continue;
@@ -543,7 +546,6 @@ bool Engine::hold_for_device() {
     if (left <= 0) return false;
     if (left < kBusyHoldNs * 1e-9) sleep_ns = static_cast<int64_t>(left * 1e9) + 1;  // not inf
   }
-  device_holds_.fetch_add(1, std::memory_order_relaxed);
   untokened([&] { s.sleep(sleep_ns, &device_done_); });
   return true;
 }

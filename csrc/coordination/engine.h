@@ -245,12 +245,13 @@ class Engine : private DriveToken::Driver {
   std::string fail_message_;
   std::atomic<bool> has_work_{false};
   std::atomic<bool> stop_{false};
-  std::atomic<bool> polling_{false};      // the thread may be asleep in poll()
-  std::atomic<bool> dead_{false};         // failed_, readable without mu_
-  std::atomic<bool> gpu_seen_{false};     // a GPU tensor was submitted: no caller drives
-  std::atomic<bool> host_queued_{false};  // queued work (or a refusal) not for a GPU
-  std::atomic<uint64_t> device_holds_{0};
-  DriveToken& token_;  // in batch_'s WaitSignal, shared with the handles
+  std::atomic<bool> polling_{false};       // the thread may be asleep in poll()
+  std::atomic<bool> dead_{false};          // failed_, readable without mu_
+  std::atomic<bool> gpu_seen_{false};      // a GPU tensor was submitted: no caller drives
+  std::atomic<bool> host_queued_{false};   // queued work (or a refusal) not for a GPU
+  std::atomic<uint64_t> device_holds_{0};  // holds begun (each sleeps in 1 ms slices)
+  bool device_holding_ = false;            // engine thread: the last pass held for the device
+  DriveToken& token_;                      // in batch_'s WaitSignal, shared with the handles
   std::atomic<uint64_t> caller_rounds_{0};
   std::atomic<uint64_t> folded_{0};
   std::atomic<uint64_t> paired_{0};

@@ -2,11 +2,8 @@
 // synchronization with the legacy default stream: the executor waits on the
 // producers' events explicitly); events carry no timing. NCCL's ncclAvg is
 // used only when the executor asks for it (it checks nccl_version()).
-//
-// Completion wake-ups (notify_when_done): a stream of their own waits for the
-// event and then runs a host function that rings the waker. The executor's
-// stream never waits for the host, so nothing enqueued behind the event is
-// delayed by the wake-up; the host functions run in order on CUDA's thread.
+// Events use blocking sync: event_synchronize (a watcher thread's,
+// completion_watcher.h) sleeps in the driver instead of spinning a core.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -67,8 +64,6 @@ class CudaNcclOps : public GpuOps {
       : nccl_(std::move(nccl)), device_(device) {}
   ~CudaNcclOps() override {
     if (comm_) nccl_->api().CommDestroy(comm_);
-    // Not synchronized: its host functions hold their wakers, so they may run later.
-    if (notify_stream_) cudaStreamDestroy(notify_stream_);
   }
 
   void set_device(int device) override {
@@ -89,7 +84,8 @@ class CudaNcclOps : public GpuOps {
   GpuEvent event_create() override {
     guard();
     cudaEvent_t e = nullptr;
-    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync),
+          "cudaEventCreateWithFlags");
     return e;
   }
   void event_destroy(GpuEvent e) override {
@@ -126,17 +122,12 @@ class CudaNcclOps : public GpuOps {
     if (error) *error = cat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
     return EventState::kError;
   }
-  void notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) override {
-    guard();
-    if (!notify_stream_)
-      check(cudaStreamCreateWithFlags(&notify_stream_, cudaStreamNonBlocking),
-            "cudaStreamCreateWithFlags");
-    check(cudaStreamWaitEvent(notify_stream_, static_cast<cudaEvent_t>(e), 0),
-          "cudaStreamWaitEvent");
-    auto* held = new std::shared_ptr<CompletionWaker>(std::move(waker));
-    const cudaError_t err = cudaLaunchHostFunc(notify_stream_, &ring_waker, held);
-    if (err != cudaSuccess) delete held;
-    check(err, "cudaLaunchHostFunc");
+  EventState event_synchronize(GpuEvent e, std::string* error) override {
+    guard();  // on the watcher's thread too: no context on another device
+    const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(e));
+    if (err == cudaSuccess) return EventState::kDone;
+    if (error) *error = cat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+    return EventState::kError;
   }
   uint64_t malloc_device(uint64_t bytes) override {
     guard();
@@ -283,17 +274,9 @@ class CudaNcclOps : public GpuOps {
     check(cudaFreeAsync(d, stream), "cudaFreeAsync");
   }
 
-  // On CUDA's host-function thread: no CUDA calls here.
-  static void CUDART_CB ring_waker(void* p) {
-    auto* held = static_cast<std::shared_ptr<CompletionWaker>*>(p);
-    (*held)->ring();
-    delete held;
-  }
-
   std::shared_ptr<NcclLibrary> nccl_;
   int device_;
   nccl::CommPtr comm_ = nullptr;
-  cudaStream_t notify_stream_ = nullptr;
 };
 
 }  // namespace

@@ -78,78 +78,59 @@ void FakeGpuOps::clear_calls() {
 }
 
 void FakeGpuOps::complete_all(bool sticky) {
-  Wakers ring;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, st] : events_)
-      if (st == EventState::kPending) st = EventState::kDone;
-    sticky_done_ = sticky;
-    ring = take_finished_wakers();
-  }
-  for (auto& w : ring) w->ring();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, st] : events_)
+    if (st == EventState::kPending) st = EventState::kDone;
+  sticky_done_ = sticky;
+  sync_cv_.notify_all();
 }
 
 void FakeGpuOps::set_event(uint64_t id, EventState state, const std::string& error) {
-  Wakers ring;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    events_[id] = state;
-    event_errors_[id] = error;
-    ring = take_finished_wakers();
-  }
-  for (auto& w : ring) w->ring();
-}
-
-// Under mu_: the wakers of events no longer pending, as a device's host
-// functions would run once their events completed.
-FakeGpuOps::Wakers FakeGpuOps::take_finished_wakers() {
-  Wakers done;
-  for (auto it = notify_.begin(); it != notify_.end();) {
-    auto ev = events_.find(it->first);
-    if (ev != events_.end() && ev->second == EventState::kPending) {
-      ++it;
-      continue;
-    }
-    (defer_rings_ ? deferred_ : done).push_back(std::move(it->second));
-    it = notify_.erase(it);
-  }
-  return done;
+  std::lock_guard<std::mutex> lock(mu_);
+  events_[id] = state;
+  event_errors_[id] = error;
+  sync_cv_.notify_all();
 }
 
 void FakeGpuOps::defer_rings(bool defer) {
   std::lock_guard<std::mutex> lock(mu_);
   defer_rings_ = defer;
+  sync_cv_.notify_all();
 }
 
 void FakeGpuOps::ring_late() {
-  Wakers ring;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ring.swap(deferred_);
-  }
-  for (auto& w : ring) w->ring();
-}
-
-void FakeGpuOps::notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) {
-  Wakers ring;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto fail = fail_next_.find("notify_when_done");  // not logged: it enqueues no work
-    if (fail != fail_next_.end()) {
-      const std::string msg = fail->second;
-      fail_next_.erase(fail);
-      throw_error(ErrorKind::kInternal, msg);
-    }
-    notify_.emplace(id_of(e), std::move(waker));
-    ++notifies_;
-    ring = take_finished_wakers();
-  }
-  for (auto& w : ring) w->ring();
-}
-
-uint64_t FakeGpuOps::notifies() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return notifies_;
+  ++late_releases_;
+  sync_cv_.notify_all();
+}
+
+// As a device's: returns once the test completed (or failed) the event, and
+// with defer_rings on only after a later ring_late().
+EventState FakeGpuOps::event_synchronize(GpuEvent e, std::string* error) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto fail = fail_next_.find("event_synchronize");  // not logged: it enqueues no work
+  if (fail != fail_next_.end()) {
+    const std::string msg = fail->second;
+    fail_next_.erase(fail);
+    throw_error(ErrorKind::kInternal, msg);
+  }
+  ++syncs_;
+  const uint64_t released = late_releases_;
+  auto state = [&] {
+    auto it = events_.find(id_of(e));
+    return it == events_.end() ? EventState::kDone : it->second;
+  };
+  sync_cv_.wait(lock, [&] {
+    return state() != EventState::kPending && (!defer_rings_ || late_releases_ != released);
+  });
+  const EventState st = state();
+  if (st == EventState::kError && error) *error = event_errors_[id_of(e)];
+  return st;
+}
+
+uint64_t FakeGpuOps::syncs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return syncs_;
 }
 
 void FakeGpuOps::set_async_error(const std::string& message) {
@@ -368,16 +349,12 @@ std::string FakeGpuOps::nccl_async_error() {
 }
 
 void FakeGpuOps::nccl_abort() {
-  Wakers ring;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    log("nccl_abort", "nccl_abort");
-    if (!abort_drains_) return;
-    for (auto& [id, st] : events_)
-      if (st == EventState::kPending) st = EventState::kDone;
-    ring = take_finished_wakers();
-  }
-  for (auto& w : ring) w->ring();
+  std::lock_guard<std::mutex> lock(mu_);
+  log("nccl_abort", "nccl_abort");
+  if (!abort_drains_) return;
+  for (auto& [id, st] : events_)
+    if (st == EventState::kPending) st = EventState::kDone;
+  sync_cv_.notify_all();
 }
 
 void FakeGpuOps::set_abort_drains(bool drains) {

@@ -6,9 +6,9 @@
 // calls it while a test thread reads the log or completes events.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -38,11 +38,11 @@ class FakeGpuOps : public GpuOps {
   void set_abort_drains(bool drains);
   // The next call named `call` (e.g. "nccl_allreduce") throws rr::Error(kInternal, message).
   void fail_next(const std::string& call, const std::string& message);
-  // How many notify_when_done calls were made (they are not in calls()).
-  uint64_t notifies() const;
-  // While set, wakers of finished events are kept instead of rung, until
-  // ring_late(): a device's host function may run after the engine found the
-  // event complete by polling.
+  // How many event_synchronize calls began (they are not in calls()).
+  uint64_t syncs() const;
+  // While set, event_synchronize returns only after a ring_late() made after
+  // it began: a completion watcher may wake the engine after the engine found
+  // the event complete by polling.
   void defer_rings(bool defer);
   void ring_late();
 
@@ -55,8 +55,8 @@ class FakeGpuOps : public GpuOps {
   void event_record(GpuEvent e, GpuStream s) override;
   void stream_wait_event(GpuStream s, GpuEvent e) override;
   EventState event_query(GpuEvent e, std::string* error) override;
-  // Rings the waker when a test completes (or fails) the event, as a device would.
-  void notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) override;
+  // Blocks until a test completes (or fails) the event, as a device would.
+  EventState event_synchronize(GpuEvent e, std::string* error) override;
   uint64_t malloc_device(uint64_t bytes) override;
   void free_device(uint64_t addr, GpuStream s) override;
   void memset_async(uint64_t addr, uint64_t bytes, GpuStream s) override;
@@ -91,8 +91,6 @@ class FakeGpuOps : public GpuOps {
 
  private:
   void log(const std::string& call, const std::string& line);  // under mu_
-  using Wakers = std::vector<std::shared_ptr<CompletionWaker>>;
-  Wakers take_finished_wakers();  // under mu_
   const int nccl_version_;
   const uint8_t id_seed_;
   uint8_t ids_made_ = 0;
@@ -101,10 +99,10 @@ class FakeGpuOps : public GpuOps {
   uint64_t next_stream_ = 1, next_event_ = 1, next_addr_ = 0x10000000;
   std::map<uint64_t, EventState> events_;  // recorded events and their state
   std::map<uint64_t, std::string> event_errors_;
-  std::multimap<uint64_t, std::shared_ptr<CompletionWaker>> notify_;  // by event id
-  uint64_t notifies_ = 0;
+  std::condition_variable sync_cv_;  // an event's state changed (event_synchronize)
+  uint64_t syncs_ = 0;
   bool defer_rings_ = false;
-  std::vector<std::shared_ptr<CompletionWaker>> deferred_;
+  uint64_t late_releases_ = 0;
   bool sticky_done_ = false;
   bool abort_drains_ = true;
   std::string async_error_;

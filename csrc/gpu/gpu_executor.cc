@@ -36,10 +36,18 @@ GpuExecutor::~GpuExecutor() {
   try {
     if (!in_flight_.empty()) abort_comms();
     if (started_) ops_->stream_destroy(stream_);
-    for (GpuEvent e : all_events_) ops_->event_destroy(e);
+    // Its thread may still wait on an event (a device that never drains): then
+    // the events stay, rather than be destroyed under that wait.
+    const bool watcher_gone = !watcher_ || watcher_->stop(1.0);
+    if (watcher_gone)
+      for (GpuEvent e : all_events_) ops_->event_destroy(e);
     if (fusion_addr_) ops_->free_device(fusion_addr_, nullptr);
   } catch (const Error&) {  // a broken device: nothing left to release
   }
+}
+
+void GpuExecutor::set_waker(std::shared_ptr<CompletionWaker> waker) {
+  watcher_ = waker ? std::make_unique<CompletionWatcher>(ops_, std::move(waker)) : nullptr;
 }
 
 void GpuExecutor::start() {
@@ -134,15 +142,7 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   ops_->event_record(f.done, stream_);
   publish_enqueued(local, f.done);
   in_flight_.push_back(std::move(f));
-  // After the work is in flight: it is on the stream (and on every rank's),
-  // so a failure here must not fail the response; polling completes it, and
-  // a sticky CUDA error shows in its event.
-  if (waker_) {
-    try {
-      ops_->notify_when_done(in_flight_.back().done, waker_);
-    } catch (const Error&) {
-    }
-  }
+  if (watcher_) watcher_->watch(in_flight_.back().done);  // never throws: polls still complete it
   return false;
 }
 

@@ -16,8 +16,8 @@
 //      (NCCL < 2.10, integer dtypes, or ranks that joined) NCCL sums and the
 //      1 / contributors is folded into this factor
 //   6. one unpack launch to the outputs, and an event recorded: its
-//      completion completes the response (the ops ring the engine's waker
-//      then: notify_when_done); each handle is told how to make a caller's
+//      completion completes the response (a watcher thread wakes the engine
+//      then: completion_watcher.h); each handle is told how to make a caller's
 //      stream wait for it (HandleState::mark_enqueued), for stream-ordered
 //      waits.
 // One tensor runs in place on its own buffers: no pack or unpack (a copy in
@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "coordination/executor.h"
+#include "gpu/completion_watcher.h"
 #include "gpu/gpu_ops.h"
 #include "gpu/pack_plan.h"
 
@@ -108,7 +109,7 @@ class GpuExecutor : public Executor {
   bool busy() const override { return !in_flight_.empty() || !finished_.empty(); }
   size_t in_flight() const override { return in_flight_.size(); }
   void abort(const std::string& why) override;
-  void set_waker(std::shared_ptr<CompletionWaker> waker) override { waker_ = std::move(waker); }
+  void set_waker(std::shared_ptr<CompletionWaker> waker) override;
 
  private:
   // How an allreduce of `r` reduces: the NCCL op, and the factor applied
@@ -190,8 +191,8 @@ class GpuExecutor : public Executor {
   std::vector<GpuEvent> all_events_;
   std::deque<InFlight> in_flight_;
   std::vector<Completion> finished_;
-  std::string broken_;                      // set once the device or communicator failed
-  std::shared_ptr<CompletionWaker> waker_;  // rung as each response's work finishes
+  std::string broken_;                          // set once the device or communicator failed
+  std::unique_ptr<CompletionWatcher> watcher_;  // rings the engine's waker as work finishes
 };
 
 }  // namespace gpu

@@ -9,12 +9,10 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/dtype.h"
-#include "coordination/completion_waker.h"
 #include "gpu/pack_plan.h"
 
 namespace rr {
@@ -50,9 +48,10 @@ class GpuOps {
   // kDone once every piece of work recorded before `e` has finished; kError
   // with `*error` set when that work failed (a sticky CUDA error).
   virtual EventState event_query(GpuEvent e, std::string* error) = 0;
-  // Rings `waker` once the work recorded before `e` has finished (or failed),
-  // from whatever thread the device uses, without holding up any stream.
-  virtual void notify_when_done(GpuEvent e, std::shared_ptr<CompletionWaker> waker) = 0;
+  // Blocks the calling thread (any thread) until the work recorded before `e`
+  // has finished (kDone) or failed (kError, `*error` set), asleep rather than
+  // spinning (CompletionWatcher's thread). Thread-safe.
+  virtual EventState event_synchronize(GpuEvent e, std::string* error) = 0;
   // Device memory (256-byte aligned), freed after the work enqueued on `s` so far.
   virtual uint64_t malloc_device(uint64_t bytes) = 0;
   virtual void free_device(uint64_t addr, GpuStream s) = 0;

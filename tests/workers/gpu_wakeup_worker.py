@@ -1,9 +1,10 @@
 """The GPU executor's completion wake-up on a real device (tests/gpu), one process:
 
-1. A handle resolves as its work finishes on the device (CUDA runs a host function behind
-   the response's event that wakes the engine thread), not at the idle thread's next
-   10 ms poll: behind ~5 ms of device work on the producer stream, the median time from
-   the producer's event firing to ``poll(handle)`` being true stays under 2 ms.
+1. A handle resolves as its work finishes on the device (a watcher thread asleep in
+   cudaEventSynchronize on the response's event wakes the engine thread), not at the
+   idle thread's next 10 ms poll: behind ~5 ms of device work on the producer stream,
+   the median time from the producer's event firing to ``poll(handle)`` being true stays
+   under 2 ms.
 2. A wake-up that arrives after the engine already polled the work complete (the common
    case for work shorter than the engine's 50 us spin) leaves the idle thread asleep: after
    a burst of small allreduces the engine thread uses under 20% of a core for a second.

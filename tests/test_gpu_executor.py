@@ -27,6 +27,7 @@ from gpu_fakes import (
 )
 from ringreduce._core import coordination as co
 from ringreduce._core.gpu import testing as gt
+from workers.workerlib import engine_cpu_seconds
 
 import ringreduce as rr
 from ringreduce import _core
@@ -725,23 +726,6 @@ def test_a_failure_reports_once_enqueued_work_has_drained_or_the_bound_passed():
         assert least <= took < least + 0.25, (drains, took)
 
 
-def _engine_cpu_seconds():
-    """CPU time of this process's rr-engine threads (Linux)."""
-    import os
-    total = 0.0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "rr-engine":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 @pytest.mark.timeout(60)
 def test_a_wake_up_after_the_work_was_polled_complete_leaves_the_engine_asleep(comm):
     # The watcher's thread wakes some microseconds after the event completes, so
@@ -757,9 +741,9 @@ def test_a_wake_up_after_the_work_was_polled_complete_leaves_the_engine_asleep(c
     wait_done(h)  # found by polling; the ring is still to come
     ops.ring_late()
     time.sleep(0.05)
-    before = _engine_cpu_seconds()
+    before = engine_cpu_seconds()
     time.sleep(0.5)
-    assert _engine_cpu_seconds() - before < 0.1, "the engine thread spins after a late wake-up"
+    assert engine_cpu_seconds() - before < 0.1, "the engine thread spins after a late wake-up"
 
 
 @pytest.mark.timeout(60)

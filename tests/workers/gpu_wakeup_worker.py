@@ -13,30 +13,13 @@ Logs ``OK rank 0``.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
-from workerlib import run, say, set_rank
+from workerlib import engine_cpu_seconds, run, say, set_rank
 
 import ringreduce.torch as rr
-
-
-def engine_cpu_seconds() -> float:
-    """CPU time of this process's rr-engine threads (Linux)."""
-    total = 0.0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "rr-engine":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def main() -> None:

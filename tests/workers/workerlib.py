@@ -146,3 +146,19 @@ def run(main: Callable[[], Any], hard_exit: bool = True) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
+
+
+def engine_cpu_seconds() -> float:
+    """CPU time so far of this process's engine threads (named ``rr-engine``; Linux)."""
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "rr-engine":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total

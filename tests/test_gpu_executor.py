@@ -416,8 +416,8 @@ def test_finished_gpu_work_wakes_the_engine_at_once(comm):
     for i in range(3):
         h = gt.submit(comm._engine, tensor(f"w{i}", 8), 0)
         _wait_for(lambda n=i: _reduced(ops) == n + 1, "not enqueued")
+        _wait_for(lambda n=i: ops.syncs() == n + 1, "the watcher does not wait on the event")
         time.sleep(0.1)  # the engine thread is asleep by now
-        assert ops.syncs() == i + 1, "the watcher does not wait on the event"
         assert not h.done()
         ops.complete_all()
         wait_done(h, timeout=10)  # without the wake-up: 30 s
@@ -744,6 +744,38 @@ def test_a_wake_up_after_the_work_was_polled_complete_leaves_the_engine_asleep(c
     before = engine_cpu_seconds()
     time.sleep(0.5)
     assert engine_cpu_seconds() - before < 0.1, "the engine thread spins after a late wake-up"
+
+
+@pytest.mark.timeout(60)
+def test_a_response_finished_while_the_watcher_lags_still_wakes_the_engine(comm):
+    # The watcher may lag behind the engine's polls (a blocking-sync wait returns late,
+    # its thread waits for a core): here it is held in its wait for z while a round polls
+    # z and a complete and enqueues c. Were a's done-event, still queued for the watcher,
+    # reused for c, the watcher would wait on it for c, past b: b finishing would wake no
+    # one until c did (or the next poll, here 30 s away).
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(comm._engine, {0: ops})
+    gt.set_device_poll(comm._engine, 30.0)
+    ops.defer_rings(True)  # the watcher's first wait (z's) returns only when told
+    hz, ha, hb = _enqueue_one_by_one(comm._engine, ops, ["z", "a", "b"])
+    _wait_for(lambda: ops.syncs() == 1, "z was not watched")
+    recorded = [c.split()[1] for c in ops.calls() if c.startswith("event_record")]
+    done_b = recorded[-1]  # b's completion event, the last recorded
+    for ev in set(recorded) - {done_b}:
+        ops.set_event(int(ev.split("#")[1]), "done")
+    hc = gt.submit(comm._engine, tensor("c", 8), 0)  # its round polls z and a complete
+    _wait_for(lambda: _reduced(ops) == 4, "c was not enqueued")
+    wait_done(hz)
+    wait_done(ha)
+    ops.defer_rings(False)  # the watcher catches up: z, then a
+    time.sleep(0.05)
+    ops.set_event(int(done_b.split("#")[1]), "done")
+    try:
+        wait_done(hb, timeout=5)  # woken at once; without a wake-up: 30 s
+        assert not hc.done()
+    finally:
+        ops.complete_all(sticky=True)
+    wait_done(hc)
 
 
 @pytest.mark.timeout(60)

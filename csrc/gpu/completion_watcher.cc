@@ -3,10 +3,9 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <exception>
 #include <string>
 #include <utility>
-
-#include "common/error.h"
 
 namespace rr {
 namespace gpu {
@@ -19,17 +18,18 @@ CompletionWatcher::~CompletionWatcher() {
   stop(1.0);
 }
 
-void CompletionWatcher::watch(GpuEvent e) {
+uint64_t CompletionWatcher::watch(GpuEvent e) {
   try {
     if (!thread_.joinable()) thread_ = std::thread(run, shared_, ops_, waker_);
   } catch (const std::exception&) {
-    return;  // no thread: the engine's polls complete the work
+    return 0;  // no thread: the engine's polls complete the work
   }
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     shared_->queue.push_back(e);
   }
   shared_->cv.notify_one();
+  return ++tickets_;
 }
 
 bool CompletionWatcher::stop(double bound_s) {
@@ -64,8 +64,10 @@ void CompletionWatcher::run(std::shared_ptr<Shared> s, std::shared_ptr<GpuOps> o
     try {
       std::string ignored;
       ops->event_synchronize(e, &ignored);
-    } catch (const Error&) {
+    } catch (const std::exception&) {  // any: one escaping a thread ends the process
     }
+    // Before the ring: the poll it prompts may give the event to new work.
+    s->passed.fetch_add(1, std::memory_order_release);
     waker->ring();
   }
   std::lock_guard<std::mutex> lock(s->mu);

@@ -13,15 +13,21 @@
 // spinning a core.
 //
 // Invariants: the thread only waits and rings; the engine's poll() remains
-// the only judge of completion and errors (a wait that fails, or an event
-// recycled and recorded again meanwhile, only makes a ring early, late or
-// spurious). stop() ends the thread once its current wait returns; a wait
+// the only judge of completion and errors (a wait that fails only makes a
+// ring early or spurious). An event must not be recorded again until the
+// thread has passed it (passed()): the thread may lag behind the engine's
+// polls, and a queued event recorded for later work would hold it, in order,
+// past the responses queued behind that event, whose completions would then
+// wake no one until the later work finished (or the next 10 ms poll).
+// stop() ends the thread once its current wait returns; a wait
 // that never returns (a device that hangs, a test double that is never
 // completed) leaves the thread detached, and the caller must then not
 // destroy the events it may still be waiting on.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -41,8 +47,15 @@ class CompletionWatcher {
   CompletionWatcher& operator=(const CompletionWatcher&) = delete;
 
   // Rings the waker once the work recorded before `e` has finished (the
-  // thread starts at the first call). Never throws for the device's sake.
-  void watch(GpuEvent e);
+  // thread starts at the first call). Returns the watch's ticket (1, 2, ...),
+  // or 0 where there is no thread (nothing waits on `e`). Never throws for the
+  // device's sake.
+  uint64_t watch(GpuEvent e);
+  // Whether the thread is done with the watch of `ticket`: its event may be
+  // recorded again.
+  bool passed(uint64_t ticket) const {
+    return ticket <= shared_->passed.load(std::memory_order_acquire);
+  }
   // Ends the thread: true once it has, false if it is still waiting after
   // `bound_s` (it is then detached and keeps what it uses alive).
   bool stop(double bound_s);
@@ -54,6 +67,7 @@ class CompletionWatcher {
     std::deque<GpuEvent> queue;
     bool stopping = false;
     bool finished = false;
+    std::atomic<uint64_t> passed{0};  // watches whose wait has returned, in order
   };
   static void run(std::shared_ptr<Shared> s, std::shared_ptr<GpuOps> ops,
                   std::shared_ptr<CompletionWaker> waker);
@@ -62,6 +76,7 @@ class CompletionWatcher {
   std::shared_ptr<CompletionWaker> waker_;
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   std::thread thread_;
+  uint64_t tickets_ = 0;  // watches queued
 };
 
 }  // namespace gpu

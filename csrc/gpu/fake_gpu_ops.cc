@@ -186,6 +186,7 @@ void FakeGpuOps::event_record(GpuEvent e, GpuStream s) {
   events_[id_of(e)] = sticky_done_ ? EventState::kDone : EventState::kPending;
   event_errors_.erase(id_of(e));
   log("event_record", cat("event_record ", event_name(e), " ", stream_name(s)));
+  sync_cv_.notify_all();  // a state change, like the others (event_synchronize)
 }
 
 void FakeGpuOps::stream_wait_event(GpuStream s, GpuEvent e) {

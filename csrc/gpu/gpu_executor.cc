@@ -142,7 +142,8 @@ bool GpuExecutor::execute(const Response& r, const std::vector<Entry*>& local) {
   ops_->event_record(f.done, stream_);
   publish_enqueued(local, f.done);
   in_flight_.push_back(std::move(f));
-  if (watcher_) watcher_->watch(in_flight_.back().done);  // never throws: polls still complete it
+  if (watcher_)  // never throws: polls still complete it
+    in_flight_.back().ticket = watcher_->watch(in_flight_.back().done);
   return false;
 }
 
@@ -273,6 +274,10 @@ uint64_t GpuExecutor::fusion(uint64_t bytes) {
 }
 
 GpuEvent GpuExecutor::take_event() {
+  while (!watched_.empty() && watcher_ && watcher_->passed(watched_.front().first)) {
+    free_events_.push_back(watched_.front().second);
+    watched_.pop_front();
+  }
   if (!free_events_.empty()) {
     GpuEvent e = free_events_.back();
     free_events_.pop_back();
@@ -284,7 +289,10 @@ GpuEvent GpuExecutor::take_event() {
 }
 
 void GpuExecutor::release(InFlight& f) {
-  if (f.done) free_events_.push_back(f.done);
+  if (f.done && f.ticket && watcher_ && !watcher_->passed(f.ticket))
+    watched_.emplace_back(f.ticket, f.done);  // the watcher may not have reached it yet
+  else if (f.done)
+    free_events_.push_back(f.done);
   free_events_.insert(free_events_.end(), f.waits.begin(), f.waits.end());
   f.done = nullptr;
   f.waits.clear();

@@ -109,7 +109,7 @@ class GpuExecutor : public Executor {
   bool busy() const override { return !in_flight_.empty() || !finished_.empty(); }
   size_t in_flight() const override { return in_flight_.size(); }
   void abort(const std::string& why) override;
-  void set_waker(std::shared_ptr<CompletionWaker> waker) override;
+  void set_waker(std::shared_ptr<CompletionWaker> waker) override;  // once, before any work
 
  private:
   // How an allreduce of `r` reduces: the NCCL op, and the factor applied
@@ -150,6 +150,7 @@ class GpuExecutor : public Executor {
     std::vector<std::string> names;
     GpuEvent done = nullptr;
     std::vector<GpuEvent> waits;  // events recorded on producer streams
+    uint64_t ticket = 0;          // the watcher's, for `done` (0: not watched)
   };
   void start();
   void wait_for_producers(const std::vector<Entry*>& local, InFlight& f);
@@ -188,6 +189,9 @@ class GpuExecutor : public Executor {
   GpuStream stream_ = nullptr;
   uint64_t fusion_addr_ = 0, fusion_bytes_ = 0;
   std::vector<GpuEvent> free_events_;
+  // Completed done-events the watcher has yet to pass, by ticket (in order):
+  // free only once it has (CompletionWatcher::passed).
+  std::deque<std::pair<uint64_t, GpuEvent>> watched_;
   std::vector<GpuEvent> all_events_;
   std::deque<InFlight> in_flight_;
   std::vector<Completion> finished_;

@@ -180,7 +180,7 @@ def test_pytorch_example_trains_on_gpus_and_resumes(tmp_path):
 
 
 def test_gpu_completion_wakes_the_engine_and_leaves_it_asleep_after():
-    # The completion wake-up (cudaLaunchHostFunc on a notify stream) on a real device:
+    # The completion wake-up (a watcher thread in cudaEventSynchronize) on a real device:
     # handles resolve as the device finishes, and a late wake-up does not spin the thread.
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")

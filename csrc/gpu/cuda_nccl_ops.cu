@@ -58,6 +58,22 @@ nccl::RedOp nccl_op(DeviceOp op) {
   return nccl::kSum;
 }
 
+// Around an event query or wait, which the engine's and the watcher's threads
+// make while a framework may be capturing a CUDA graph on another thread in
+// global mode (PyTorch's default): in this thread's own default mode the call
+// would be refused and would invalidate that capture. Neither thread captures,
+// so thread-local mode loses no check (as PyTorch's NCCL watchdog does).
+class NotCapturing {
+ public:
+  NotCapturing() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~NotCapturing() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  NotCapturing(const NotCapturing&) = delete;
+  NotCapturing& operator=(const NotCapturing&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeThreadLocal;
+};
+
 class CudaNcclOps : public GpuOps {
  public:
   CudaNcclOps(std::shared_ptr<NcclLibrary> nccl, int device)
@@ -116,6 +132,7 @@ class CudaNcclOps : public GpuOps {
   }
   EventState event_query(GpuEvent e, std::string* error) override {
     guard();
+    NotCapturing thread_local_mode;
     const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(e));
     if (err == cudaSuccess) return EventState::kDone;
     if (err == cudaErrorNotReady) return EventState::kPending;
@@ -124,6 +141,7 @@ class CudaNcclOps : public GpuOps {
   }
   EventState event_synchronize(GpuEvent e, std::string* error) override {
     guard();  // on the watcher's thread too: no context on another device
+    NotCapturing thread_local_mode;
     const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(e));
     if (err == cudaSuccess) return EventState::kDone;
     if (error) *error = cat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));

@@ -9,7 +9,8 @@
 # its tests side by side; on fewer GPUs than a test's ranks the ranks share them, see
 # test_gpu_real.py), then the GPU benchmark at np=1 and at np=2 (on one GPU the two ranks
 # share it: a run that checks, not a measurement), and the ResNet-50 training step
-# (benchmarks/gpu_step.py). RR_SKIP_TESTS=1 / RR_SKIP_BENCH=1 leave out the tests and
+# (benchmarks/gpu_step.py; also with RINGREDUCE_GPU_QUEUE_DEPTH=2 and with
+# CUDA_DEVICE_MAX_CONNECTIONS=1). RR_SKIP_TESTS=1 / RR_SKIP_BENCH=1 leave out the tests and
 # the sanitizer / the benchmarks. Everything it prints also goes to
 # $OUT/gpu_check.log (the device tool brings $OUT back), or to /tmp/rr-gpu-check/.
 set -uo pipefail
@@ -69,6 +70,12 @@ if [ "${RR_SKIP_BENCH:-0}" = 0 ]; then
   RINGREDUCE_BATCH_US=1000 RINGREDUCE_BATCH_MAX_US=20000 timeout 150 \
       "$PY" -m ringreduce -np 1 "$PY" benchmarks/gpu_step.py --steps 20
   timeout 100 "$PY" -m ringreduce -np 2 "$PY" benchmarks/gpu_step.py --model small --steps 5
+  # The opt-in backlog hold, against the line above (fewer, larger NCCL calls where each is slow).
+  RINGREDUCE_GPU_QUEUE_DEPTH=2 timeout 100 \
+      "$PY" -m ringreduce -np 2 "$PY" benchmarks/gpu_step.py --model small --steps 5
+  # Streams sharing one hardware queue (Megatron's setting): nothing of ours may stall compute.
+  CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 150 \
+      "$PY" -m ringreduce -np 1 "$PY" benchmarks/gpu_step.py --steps 20
 fi
 stamp "== done: tests exit $tests"
 exit $tests

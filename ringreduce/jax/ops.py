@@ -29,7 +29,7 @@ from ringreduce.compression import Compressor
 from ringreduce.exceptions import InvalidInputError, call_label
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._bridge import Getter, binder, host_call, is_traced, spec, traced_name
+from ._bridge import Getter, binder, host_call, is_traced, placed_like, spec, traced_name
 from ._keys import is_key, moved_as_data, refuse_keys, unwrap, wrap
 from .compression import Compression
 
@@ -260,6 +260,6 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
                                     "time, which jax.jit cannot trace; call it eagerly")
         out, received = get().alltoall(np.asarray(x), [int(s) for s in np.asarray(splits)],
                                        name)
-        return jnp.asarray(out), jnp.asarray(np.asarray(received, np.int32))
+        return placed_like(out, x), placed_like(np.asarray(received, np.int32), x)
     run_name = traced_name("alltoall", name) if is_traced(x) else name
     return host_call(lambda a: get().alltoall(a, None, run_name), [x], spec(x), what)

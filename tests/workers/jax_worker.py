@@ -275,7 +275,9 @@ def placement() -> None:
     for what, out in [("allreduce", hvd.allreduce(x, op=hvd.Sum, name="placed.ar")),
                       ("broadcast", hvd.broadcast(x, 0, name="placed.bc")),
                       ("grouped", hvd.grouped_allreduce([x, x], name="placed.g")[1]),
-                      ("allgather", hvd.allgather(x, name="placed.ag"))]:
+                      ("allgather", hvd.allgather(x, name="placed.ag")),
+                      ("alltoall", hvd.alltoall(jax.device_put(jnp.ones(hvd.size()), d1),
+                                                splits=[1] * hvd.size(), name="placed.a2a")[0])]:
         check(out.devices() == {d1} and out.committed, f"{what} placed on {out.devices()}")
     weak = jax.device_put(jnp.asarray(0.5 * (r + 1)), d1)
     out = hvd.allreduce(weak, name="placed.weak")

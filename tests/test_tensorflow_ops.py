@@ -453,6 +453,9 @@ def test_tf1_unnamed_collectives_do_not_depend_on_the_run_order():
         np.testing.assert_array_equal(got_b, [15, 30, 45])
 
 
+# 12 collectives in one graph: more than the 8 inter-op threads, which the library warns of
+# (test_tf1_graph_with_more_collectives_than_inter_op_threads_warns_once); each pair runs alone
+@pytest.mark.filterwarnings("ignore:ringreduce.tensorflow. this tf.compat.v1 graph now holds")
 def test_tf1_every_unnamed_collective_is_named_when_the_graph_is_built():
     # Pairs of unnamed collectives, each pair fetched by one session.run in which rank 0
     # submits the first one first and rank 1 the second one (see later), twice: every kind, a

@@ -120,14 +120,20 @@ def save_checkpoint(path: str, root_rank: int = 0, **state: Any) -> bool:
     """Write ``state`` (pytrees: parameters, optax state, the epoch...) to ``path`` on
     ``root_rank`` only, atomically; other ranks return False at once.
 
-    Not collective. JAX arrays are saved as numpy arrays (``jax.device_get``); the file is
-    written beside ``path``, fsynced and renamed over it, so a crash leaves the previous
+    Not collective. JAX arrays are saved as numpy arrays (``jax.device_get``), and the
+    paths of weakly typed ones under one more key, ``__ringreduce_weak_types__``; the file
+    is written beside ``path``, fsynced and renamed over it, so a crash leaves the previous
     checkpoint or the new one.
     """
     c = _default_comm()
     if c.rank() != root_rank:
         return False
+    if _WEAK_TYPES in state:
+        raise InvalidInputError(f"save_checkpoint: {_WEAK_TYPES!r} is ringreduce's own key")
     payload = {key: jax.device_get(value) for key, value in state.items()}
+    weak = [path for key, value in state.items() for path in _weak_paths(key, value)]
+    if weak:
+        payload[_WEAK_TYPES] = weak
     return save_on_root(c, path, root_rank, lambda f: pickle.dump(payload, f, protocol=4))
 
 
@@ -147,7 +153,9 @@ def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False) -> 
     -------
     dict or None
         The keywords given to ``save_checkpoint``. Saved arrays come back as JAX arrays of
-        the dtype they were saved with, exactly as ``jnp.asarray`` would make them: with
+        the dtype they were saved with, weakly typed where they were (a weak scalar such as
+        a learning rate promotes as before and does not make a jitted step retrace), as
+        ``jnp.asarray`` would make them otherwise: with
         ``jax_enable_x64`` on, float64 and int64 stay 64-bit; with it off (JAX's default)
         they become float32 and int32, as every JAX array is then, and a ``UserWarning``
         names those leaves (values outside the 32-bit range do not survive: enable x64
@@ -164,8 +172,9 @@ def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False) -> 
     if data is None:
         return None
     narrowed: list[str] = []
+    weak = set(data.pop(_WEAK_TYPES, ()))
     restored = {key: jax.tree_util.tree_map_with_path(
-        lambda p, v, key=key: _restore_leaf(f"[{key!r}]{jax.tree_util.keystr(p)}", v, narrowed),
+        lambda p, v, key=key: _restore_leaf(_leaf_path(key, p), v, narrowed, weak),
         value) for key, value in data.items()}
     if narrowed:
         warnings.warn(f"load_checkpoint: jax_enable_x64 is off, so {len(narrowed)} leaves saved "
@@ -175,9 +184,34 @@ def load_checkpoint(path: str, root_rank: int = 0, missing_ok: bool = False) -> 
     return restored
 
 
-def _restore_leaf(path: str, value: Any, narrowed: list[str]) -> Any:
-    """A saved leaf as a JAX array where JAX has its dtype (see ``load_checkpoint``); a
-    leaf that ``jnp.asarray`` narrows is listed in ``narrowed`` as "path old -> new"."""
+_WEAK_TYPES = "__ringreduce_weak_types__"
+
+
+def _leaf_path(key: str, path: Any) -> str:
+    return f"[{key!r}]{jax.tree_util.keystr(path)}"
+
+
+def _weak_paths(key: str, value: Any) -> list[str]:
+    """The paths (as ``load_checkpoint`` names them) of ``value``'s weakly typed arrays."""
+    leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+    return [_leaf_path(key, p) for p, v in leaves
+            if isinstance(v, jax.Array) and getattr(v, "weak_type", False)]
+
+
+def _as_weak(out: jax.Array) -> jax.Array:
+    """``out`` weakly typed, where its dtype is the weak one of its kind (JAX's default:
+    a value saved weak in 64 bits and loaded with x64 off stays as narrowed, strong)."""
+    zero = {"f": 0.0, "i": 0, "c": 0j, "b": False}.get(out.dtype.kind)
+    if zero is None:
+        return out
+    base = jax.numpy.broadcast_to(jax.numpy.asarray(zero), out.shape)
+    return base.at[...].set(out) if base.dtype == out.dtype else out
+
+
+def _restore_leaf(path: str, value: Any, narrowed: list[str], weak: set) -> Any:
+    """A saved leaf as a JAX array where JAX has its dtype (see ``load_checkpoint``),
+    weakly typed if its path is in ``weak``; a leaf that ``jnp.asarray`` narrows is listed
+    in ``narrowed`` as "path old -> new"."""
     if not isinstance(value, np.ndarray):
         return value
     try:
@@ -186,4 +220,4 @@ def _restore_leaf(path: str, value: Any, narrowed: list[str]) -> Any:
         return value
     if out.dtype != value.dtype:
         narrowed.append(f"{path} {value.dtype} -> {out.dtype}")
-    return out
+    return _as_weak(out) if path in weak else out

@@ -353,7 +353,8 @@ def checkpoints(directory: str) -> None:
     state = hvd.broadcast_optimizer_state(tx.init(params), 0)
     path = os.path.join(directory, "ckpt.pkl")
     extra = {"f64": np.linspace(0, 1, 3), "i64": np.arange(3, dtype=np.int64) + 2 ** 40,
-             "names": np.array(["a", "b"]), "key": jax.random.key(5)}
+             "names": np.array(["a", "b"]), "key": jax.random.key(5),
+             "lr": jnp.asarray(0.5), "wide": jnp.broadcast_to(2.0, (2,)), "step": jnp.asarray(7)}
     wrote = hvd.save_checkpoint(path, params=params, opt_state=state, epoch=3, extra=extra)
     check(wrote == (hvd.rank() == 0), f"save_checkpoint returned {wrote}")
     hvd.barrier()
@@ -362,7 +363,14 @@ def checkpoints(directory: str) -> None:
         back = hvd.load_checkpoint(path)
     # x64 off: 64-bit leaves narrow as jnp.asarray narrows them, and a warning says so
     got = {k: v.dtype for k, v in back["extra"].items() if k != "key"}
-    check(got == {"f64": jnp.float32, "i64": jnp.int32, "names": np.dtype("<U1")}, f"{got}")
+    check(got == {"f64": jnp.float32, "i64": jnp.int32, "names": np.dtype("<U1"),
+                  "lr": jnp.float32, "wide": jnp.float32, "step": jnp.int32}, f"{got}")
+    # weak types survive the file: a weak learning rate still promotes to bfloat16
+    weak = {k: back["extra"][k].weak_type for k in ("lr", "wide", "step")}
+    check(weak == {"lr": True, "wide": True, "step": True}, f"weak types after loading {weak}")
+    check((back["extra"]["lr"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16, "weak lr")
+    check(not back["params"]["w1"].weak_type and set(back) == {"params", "opt_state", "epoch",
+                                                              "extra"}, f"loaded keys {set(back)}")
     check(isinstance(back["extra"]["names"], np.ndarray), "a string array is not numpy")
     same_keys(back["extra"]["key"], jax.random.key(5), "a key in a checkpoint")
     said = [str(w.message) for w in caught if "jax_enable_x64" in str(w.message)]

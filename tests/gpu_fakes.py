@@ -5,6 +5,8 @@ its log."""
 
 from __future__ import annotations
 
+import time
+
 from ringreduce._core.gpu import testing as gt
 
 F32, F64, I32, F16, BF16 = 6, 7, 2, 4, 5
@@ -19,6 +21,24 @@ def tensor(name, n, i=0, **kw):
          "in": 0x7000000 + i * 0x100000, "out": 0x8000000 + i * 0x100000}
     d.update(kw)
     return d
+
+
+def fake_gpu(engine, poll_s=None):
+    """GPU 0 of ``engine`` as a fresh FakeGpuOps (returned); ``poll_s``: the idle engine
+    thread's longest sleep while GPU work is in flight."""
+    ops = gt.FakeGpuOps()
+    gt.use_fake_gpus(engine, {0: ops})
+    if poll_s is not None:
+        gt.set_device_poll(engine, poll_s)
+    return ops
+
+
+def wait_done(h, timeout=10.0):
+    """Until the handle ``h`` is done (it may have failed); an AssertionError after ``timeout``."""
+    end = time.monotonic() + timeout
+    while not h.done():
+        assert time.monotonic() < end, "handle did not complete"
+        time.sleep(0.001)
 
 
 def executor(nccl_version=NCCL_2_27, size=2, **kw):

@@ -185,6 +185,19 @@ def test_nccl_async_error_fails_the_entries_with_nccls_message():
     assert late["names"] == ["d"] and "unhandled system error" in late["message"]
 
 
+def test_work_finished_before_a_peer_left_completes_despite_nccls_error():
+    # A peer that exits right after its last collective: NCCL reports the error, but
+    # work whose event already fired is done; only what still waits for the peer fails.
+    ops, ex = executor()
+    ex.execute([tensor("done", 8)])
+    ops.complete_all()
+    ex.execute([tensor("waits", 8)])
+    ops.set_async_error("remote process exited or there was a network error (6)")
+    out = ex.poll()
+    assert [(c["names"], c["ok"]) for c in out] == [(["done"], True), (["waits"], False)]
+    assert "remote process exited" in out[1]["message"]
+
+
 def test_cuda_error_on_the_event_fails_the_entries():
     ops, ex = executor()
     ex.execute([tensor("a", 8)])

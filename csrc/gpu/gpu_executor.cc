@@ -341,29 +341,31 @@ void GpuExecutor::drain_in_flight() {
   }
 }
 
+// Finished work first, then NCCL's asynchronous error for what is left: a
+// peer that exits right after its last collective is an error only for the
+// work still waiting for it (the first GPU run of the dead-rank test failed
+// rank 0's finished allreduce when the error check came first).
 std::vector<Completion> GpuExecutor::poll() {
-  if (!in_flight_.empty()) {
-    for (auto& kv : comms_) {
-      const std::string nccl = kv.second.alive ? kv.second.ops->nccl_async_error() : "";
-      if (nccl.empty()) continue;
-      fail_in_flight(cat("NCCL failed on GPU ", opt_.device, ": ", nccl));
+  // One stream: work completes in the order it was enqueued.
+  while (!in_flight_.empty()) {
+    std::string cuda;
+    const EventState st = ops_->event_query(in_flight_.front().done, &cuda);
+    if (st == EventState::kPending) break;
+    if (st == EventState::kError) {
+      fail_in_flight(cat("CUDA failed on GPU ", opt_.device, ": ", cuda));
       break;
     }
-    // One stream: work completes in the order it was enqueued.
-    while (!in_flight_.empty()) {
-      std::string cuda;
-      const EventState st = ops_->event_query(in_flight_.front().done, &cuda);
-      if (st == EventState::kPending) break;
-      if (st == EventState::kError) {
-        fail_in_flight(cat("CUDA failed on GPU ", opt_.device, ": ", cuda));
-        break;
-      }
-      Completion c;
-      c.names = std::move(in_flight_.front().names);
-      finished_.push_back(std::move(c));
-      release(in_flight_.front());
-      in_flight_.pop_front();
-    }
+    Completion c;
+    c.names = std::move(in_flight_.front().names);
+    finished_.push_back(std::move(c));
+    release(in_flight_.front());
+    in_flight_.pop_front();
+  }
+  for (auto& kv : comms_) {
+    if (in_flight_.empty()) break;
+    const std::string nccl = kv.second.alive ? kv.second.ops->nccl_async_error() : "";
+    if (nccl.empty()) continue;
+    fail_in_flight(cat("NCCL failed on GPU ", opt_.device, ": ", nccl));
   }
   std::vector<Completion> out;
   out.swap(finished_);

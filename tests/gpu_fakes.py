@@ -1,13 +1,15 @@
-"""Helpers of the GPU executor's plan tests (tests/test_gpu_executor.py,
-tests/test_gpu_compression.py): made-up device tensors, an executor over FakeGpuOps
-(csrc/gpu/fake_gpu_ops.cc, which logs every CUDA / NCCL call in order), and readers of
-its log."""
+"""Helpers of the GPU executor's tests without a GPU (tests/test_gpu_executor.py,
+tests/test_gpu_compression.py, tests/test_gpu_completion.py): made-up device tensors, an
+executor over FakeGpuOps (csrc/gpu/fake_gpu_ops.cc, which logs every CUDA / NCCL call in
+order), readers of its log, and engines (one, or a threaded world) with fake GPUs."""
 
 from __future__ import annotations
 
 import time
 
 from ringreduce._core.gpu import testing as gt
+
+from ringreduce.testing import make_world, run_threaded
 
 F32, F64, I32, F16, BF16 = 6, 7, 2, 4, 5
 SUM, AVG, MIN, MAX, PROD = 0, 1, 2, 3, 4
@@ -31,6 +33,21 @@ def fake_gpu(engine, poll_s=None):
     if poll_s is not None:
         gt.set_device_poll(engine, poll_s)
     return ops
+
+
+def fake_gpu_world(size, fn, timeout=60):
+    """``run_threaded(size, fn(comm, fakes))`` over a threaded world whose rank r has
+    GPU r as a FakeGpuOps of its own (communicators made by the real bootstrap); the world
+    is closed after. Returns every rank's result."""
+    fakes = [gt.FakeGpuOps(id_seed=0x90 + r) for r in range(size)]
+    world = make_world(size)
+    try:
+        for r, c in enumerate(world):
+            gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
+        return run_threaded(size, lambda c: fn(c, fakes), world=world, timeout=timeout)
+    finally:
+        for c in world:
+            c.close()
 
 
 def wait_done(h, timeout=10.0):

@@ -21,6 +21,7 @@ from gpu_fakes import (
     SUM,
     call,
     executor,
+    fake_gpu_world,
     tensor,
     verbs,
     wait_done,
@@ -437,12 +438,7 @@ def test_a_failed_job_aborts_the_gpu_work_a_callers_stream_waits_for():
     # Rank 0's NCCL fails after both ranks ordered a stream after their allreduce; rank 1
     # learns it from rank 0 (the job failed), and must abort its own NCCL call, which
     # would otherwise wait for rank 0 forever and the stream with it.
-    fakes = [gt.FakeGpuOps(id_seed=0x90 + r) for r in range(2)]
-    world = make_world(2)
-    for r, c in enumerate(world):
-        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
-
-    def fn(c):
+    def fn(c, fakes):
         r = c.rank()
         h = gt.submit(c._engine, tensor("g", 8), r)
         assert _core.gpu.wait_stream(h, 0x5EED) is not None
@@ -454,11 +450,7 @@ def test_a_failed_job_aborts_the_gpu_work_a_callers_stream_waits_for():
             h.wait()
         return "nccl_abort" in fakes[r].calls()
 
-    try:
-        assert run_threaded(2, fn, world=world, timeout=60) == [True, True]
-    finally:
-        for c in world:
-            c.close()
+    assert fake_gpu_world(2, fn) == [True, True]
 
 
 def test_engine_keeps_devices_apart(comm):
@@ -590,12 +582,7 @@ def test_a_broken_gpu_on_one_rank_fails_every_rank_at_once():
     # wait for rank 0 forever (over P2P nothing tells it: its fake event never fires).
     # Rank 0's engine fails as a whole and tells every peer, so rank 1's call raises
     # within seconds, naming rank 0 and NCCL's message, instead of hanging.
-    fakes = [gt.FakeGpuOps(id_seed=0x90 + r) for r in range(2)]
-    world = make_world(2)
-    for r, c in enumerate(world):
-        gt.use_fake_gpus(c._engine, {r: fakes[r]}, bootstrap=True)
-
-    def fn(c):
+    def fn(c, fakes):
         h = gt.submit(c._engine, tensor("g", 8), c.rank())
         end = time.monotonic() + 10
         while not any(x.startswith("nccl_allreduce") for x in fakes[c.rank()].calls()):
@@ -608,11 +595,7 @@ def test_a_broken_gpu_on_one_rank_fails_every_rank_at_once():
             h.wait()
         return str(err.value), time.monotonic() - t
 
-    try:
-        (m0, _), (m1, t1) = run_threaded(2, fn, world=world, timeout=60)
-    finally:
-        for c in world:
-            c.close()
+    (m0, _), (m1, t1) = fake_gpu_world(2, fn)
     assert "rank 0: NCCL failed on GPU 0: unhandled cuda error (1)" in m0, m0
     assert "rank 0" in m1 and "unhandled cuda error (1)" in m1 and t1 < 10, (m1, t1)
 

@@ -79,7 +79,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   waker_ = std::make_shared<CompletionWaker>([this] {
     device_done_.store(true);
     wake_engine();
-    batch_.signal()->poke();  // a thread in hold_for_device() sleeps there
+    if (opt_.gpu_queue_depth > 0) batch_.signal()->poke();  // hold_for_device() sleeps there
   });
   ctx_->set_phase_observer(timeline_.get());
   bell_only_ = bell_only();

@@ -65,6 +65,7 @@ class _Process:
     """Holds the process's default Communicator between init() and shutdown()."""
 
     comm: Optional[Communicator] = None
+    process_sets: Union[None, str, Sequence[ProcessSet]] = None  # of the last init()
 
 
 def init(process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
@@ -83,6 +84,7 @@ def init(process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
     if _Process.comm is None:
         from ._bootstrap import connect
 
+        _Process.process_sets = process_sets
         comm = Communicator(*connect())
         try:
             comm.process_sets.setup(process_sets)
@@ -94,6 +96,11 @@ def init(process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
         # runs first: peers learn this rank left before MPI_Finalize can block.
         atexit.unregister(shutdown)
         atexit.register(shutdown)
+
+
+def _reinit() -> None:
+    """``init()`` with the last call's arguments (an elastic reset)."""
+    init(_Process.process_sets)
 
 
 def shutdown() -> None:

@@ -1,7 +1,9 @@
 """Rank discovery and endpoint exchange.
 
-Three launch modes, tried in this order:
+Four launch modes, tried in this order:
 
+0. under an elastic driver (``ringrun --min-np/--max-np``): the driver assigns rank and
+   size for each generation and relays the endpoint records (``elastic/_client.py``).
 1. under an MPI launcher (Open MPI, MPICH/Hydra, Intel MPI, SLURM srun with
    PMI): mpi4py gives rank and size, broadcasts the job secret and allgathers
    the endpoint records. MPI carries only these few bytes, never data.
@@ -285,6 +287,10 @@ def discover() -> tuple[int, int, bytes, Exchange]:
     Under the env-var launch rank 0's exchange function carries the rendezvous
     server as its ``rendezvous`` attribute (see ``connect``).
     """
+    from .elastic import _client as elastic
+
+    if elastic.in_elastic_job():
+        return elastic.discover()
     if launched_by_mpi():
         return _mpi()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

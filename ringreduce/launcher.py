@@ -42,7 +42,8 @@ __all__ = ["HostSlots", "launch", "main", "parse_hostfile", "parse_hosts", "run"
 SCRUBBED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "RINGREDUCE_SECRET", "RINGREDUCE_HOST_ID", "GROUP_RANK",
                  "ROLE_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID",
-                 "SLURM_STEP_ID")
+                 "SLURM_STEP_ID", "RINGREDUCE_ELASTIC_DRIVER", "RINGREDUCE_ELASTIC_WORKER",
+                 "RINGREDUCE_ELASTIC_TIMEOUT")
 SCRUBBED_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_", "I_MPI_", "MV2_",
                      "TORCHELASTIC_")
 DEFAULT_SSH = ("ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no")
@@ -207,25 +208,33 @@ def plan(command: Sequence[str], np: Optional[int] = None,
               "MASTER_PORT": str(master_port or _free_port()),
               "RINGREDUCE_SECRET": secrets.token_hex(32)}
     extra = dict(env or {})
-    specs, cwd = [], os.getcwd()
+    specs = []
     for rank, place in enumerate(places):
         same = [i for i, p in enumerate(places) if p == place]
         mine = {**launch, "RANK": str(rank), "LOCAL_RANK": str(same.index(rank)),
                 "LOCAL_WORLD_SIZE": str(len(same)),
                 **omp_wait_policy({**base, **extra}, len(same), local[rank])}
-        if local[rank]:
-            full = {"PYTHONUNBUFFERED": "1", **base, **mine, **extra}
-            specs.append(RankSpec(rank, place.host, list(command), full, False))
-            continue
-        forwarded = {k: v for k, v in base.items() if k.startswith("RINGREDUCE_")}
-        remote_env = {"PYTHONUNBUFFERED": "1", **forwarded, **mine,
-                      "RINGREDUCE_HOST_ID": f"ringrun:{place.host}", **extra}
-        assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in remote_env.items())
-        cmdline = (f"cd {shlex.quote(cwd)} 2>/dev/null; exec env {assignments} "
-                   + " ".join(shlex.quote(w) for w in command))
-        argv = _ssh_argv(ssh_command, ssh_port, place.host, cmdline)
-        specs.append(RankSpec(rank, place.host, argv, {"PYTHONUNBUFFERED": "1", **base}, True))
+        specs.append(rank_spec(rank, command, place.host, local[rank], base,
+                               {**mine, **extra}, ssh_command, ssh_port))
     return specs
+
+
+def rank_spec(rank: int, command: Sequence[str], host: str, local: bool,
+              base: Mapping[str, str], mine: Mapping[str, str], ssh_command: Optional[str],
+              ssh_port: Optional[int]) -> RankSpec:
+    """How to start one process on ``host``: locally with ``base`` plus ``mine``, or over
+    ``ssh_command`` with ``mine`` and the ``RINGREDUCE_*`` variables of ``base``."""
+    if local:
+        return RankSpec(rank, host, list(command), {"PYTHONUNBUFFERED": "1", **base, **mine},
+                        False)
+    forwarded = {k: v for k, v in base.items() if k.startswith("RINGREDUCE_")}
+    remote_env = {"PYTHONUNBUFFERED": "1", **forwarded, "RINGREDUCE_HOST_ID": f"ringrun:{host}",
+                  **mine}
+    assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in remote_env.items())
+    cmdline = (f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec env {assignments} "
+               + " ".join(shlex.quote(w) for w in command))
+    argv = _ssh_argv(ssh_command, ssh_port, host, cmdline)
+    return RankSpec(rank, host, argv, {"PYTHONUNBUFFERED": "1", **base}, True)
 
 
 def omp_wait_policy(env: Mapping[str, str], ranks_here: int, local: bool) -> dict[str, str]:
@@ -534,6 +543,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds from SIGTERM to SIGKILL when stopping ranks (default 5)")
     p.add_argument("--env", "-x", action="append", default=[], metavar="VAR[=VAL]",
                    help="set VAR for every rank (VAR alone forwards its value); repeatable")
+    e = p.add_argument_group("elastic training (Horovod's elastic horovodrun; see README)")
+    e.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                   help="fewest workers to train with (makes the job elastic)")
+    e.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                   help="most workers to grow to when hosts are added (default -np)")
+    e.add_argument("--host-discovery-script", help="prints the current 'host:slots' lines; "
+                   "run every second (makes the job elastic)")
+    e.add_argument("--slots-per-host", "--slots", dest="slots", type=int, default=1,
+                   help="slots of a discovered host printed without ':slots' (default 1)")
+    e.add_argument("--elastic-timeout", type=float, default=600.0,
+                   help="seconds a new generation may take to form (default 600)")
+    e.add_argument("--reset-limit", type=int,
+                   help="end the job after this many resets (default: no limit)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="program and its arguments")
     return p
 
@@ -559,9 +581,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         parser.error("no command given, e.g. ringrun -np 2 python train.py")
-    if a.np is None and not (a.hosts or a.hostfile):
+    elastic = a.min_np is not None or a.max_np is not None or a.host_discovery_script
+    if a.np is None and not (a.hosts or a.hostfile or elastic):
         parser.error("give -np N (or a host list with -H / --hostfile)")
     try:
+        if elastic:
+            return _main_elastic(a, command)
         hosts = parse_hosts(a.hosts) if a.hosts else None
         if a.hostfile:
             hosts = (hosts or []) + parse_hostfile(a.hostfile)
@@ -573,6 +598,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (InvalidInputError, OSError) as e:
         parser.error(str(e))
     return outcome.code
+
+
+def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
+    from .elastic.discovery import FixedHosts, ScriptHosts
+    from .elastic.driver import ElasticSettings, launch_elastic
+
+    if a.host_discovery_script and (a.hosts or a.hostfile):
+        raise InvalidInputError("give --host-discovery-script or -H/--hostfile, not both")
+    if a.host_discovery_script:
+        discovery = ScriptHosts(a.host_discovery_script, a.slots)
+    else:
+        hosts = parse_hosts(a.hosts) if a.hosts else []
+        hosts += parse_hostfile(a.hostfile) if a.hostfile else []
+        discovery = FixedHosts(hosts or [HostSlots("localhost", a.max_np or a.np or 1)])
+    np = a.np or a.min_np or a.max_np
+    settings = ElasticSettings(min_np=a.min_np or np, max_np=a.max_np or np, np=np,
+                               elastic_timeout=a.elastic_timeout, reset_limit=a.reset_limit)
+    return launch_elastic(command, discovery, settings, env=_parse_env(a.env, os.environ),
+                          ssh_command=a.ssh_command, ssh_port=a.ssh_port,
+                          driver_addr=a.master_addr, prefix_output=a.prefix_output,
+                          timeout=a.timeout, grace=a.grace_period)
 
 
 # ----------------------------------------------------------------- ringreduce.run

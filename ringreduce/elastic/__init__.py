@@ -1,0 +1,68 @@
+"""Elastic training (Horovod's ``hvd.elastic``): keep training while workers fail, hosts
+are added or removed.
+
+Start the job with ``ringrun --min-np/--max-np`` (and a ``--host-discovery-script`` to grow
+it); wrap the training function in ``run`` and keep what must survive a reset in a
+``State`` (``ObjectState`` for plain values; ``ringreduce.torch.elastic.TorchState``,
+``ringreduce.tensorflow.elastic.TensorFlowKerasState``, ``ringreduce.keras.elastic``...
+for models)::
+
+    state = ringreduce.elastic.ObjectState(epoch=0)
+
+    @ringreduce.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, 10):
+            ...
+            state.commit()
+
+    train(state)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from ..exceptions import HostsUpdatedInterrupt, PeerLostError
+from ._client import in_elastic_job, worker_id
+from .state import ObjectState, State, recoverable, run_fn
+
+__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "in_elastic_job", "recoverable",
+           "reset", "run", "run_fn"]
+
+
+def reset() -> None:
+    """Leave the current generation and join the next one (``shutdown()`` + ``init()``).
+
+    A generation that breaks up while it forms (a member died in the rendezvous) is
+    joined again; the driver ends the job (RingReduceError) when it cannot go on.
+    """
+    import ringreduce as rr
+
+    while True:
+        rr.shutdown()
+        try:
+            rr._reinit()
+            return
+        except PeerLostError as err:
+            print(f"ringreduce: elastic worker {worker_id()}: rejoining ({err})",
+                  file=sys.stderr, flush=True)
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: run ``func(state, ...)`` again from the last commit when a worker fails,
+    and from the current step when hosts are added or removed (Horovod's
+    ``hvd.elastic.run``). Outside an elastic job it runs ``func`` once after
+    ``state.sync()``.
+
+    Parameters
+    ----------
+    func : callable
+        The training function; its first argument is the ``State``.
+
+    Returns
+    -------
+    callable
+        The wrapped function.
+    """
+    return run_fn(func, reset)

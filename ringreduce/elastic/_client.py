@@ -1,0 +1,110 @@
+"""The worker's side of the elastic rendezvous: how ``init()`` learns its rank from the driver.
+
+Under ``ringrun --min-np/--max-np`` (see ``driver.py``) a worker has no fixed rank. Its
+environment names the driver (``RINGREDUCE_ELASTIC_DRIVER=host:port``), the worker's
+identity (``RINGREDUCE_ELASTIC_WORKER``) and the job secret (``RINGREDUCE_SECRET``, the
+connection's HMAC key). Every request opens one authenticated connection
+(``multiprocessing.connection``) and gets one answer:
+
+* ``("join", worker)``: answered once the driver has formed the next generation with this
+  worker in it: ``("assign", generation, rank, size, secret)``; or ``("leave", why)`` when
+  the driver removed the worker's host (the worker exits 0), or ``("fail", why)``.
+* ``("exchange", worker, generation, record)``: answered with every member's endpoint
+  record in rank order once all have sent theirs, or ``("retry", why)`` if a member died
+  first (``init()`` raises PeerLostError; ``elastic.run`` rejoins).
+* ``("updates", worker, generation)``: ``("updates", changed, removed_only)``: whether the
+  driver wants a new generation since this one was formed (hosts added or removed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing.connection import Client
+from typing import Any, Optional
+
+from ..exceptions import InvalidInputError, PeerLostError, RingReduceError
+
+DRIVER_VAR = "RINGREDUCE_ELASTIC_DRIVER"
+WORKER_VAR = "RINGREDUCE_ELASTIC_WORKER"
+TIMEOUT_VAR = "RINGREDUCE_ELASTIC_TIMEOUT"
+
+
+class Membership:
+    """This process's place in the elastic job: the generation it last joined."""
+
+    generation: Optional[int] = None
+
+
+def in_elastic_job() -> bool:
+    """True when an elastic driver (``ringrun --min-np ...``) started this process."""
+    return DRIVER_VAR in os.environ
+
+
+def _address() -> tuple[str, int]:
+    host, _, port = os.environ[DRIVER_VAR].rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidInputError(f"{DRIVER_VAR}={os.environ[DRIVER_VAR]!r} is not host:port")
+    return host, int(port)
+
+
+def _timeout() -> float:
+    return float(os.environ.get(TIMEOUT_VAR, "600"))
+
+
+def ask(request: tuple, timeout: Optional[float] = None) -> tuple:
+    """Send ``request`` to the driver and return its answer (PeerLostError if it is gone)."""
+    where = os.environ[DRIVER_VAR]
+    key = os.environ.get("RINGREDUCE_SECRET", "").encode()
+    wait = _timeout() + 30 if timeout is None else timeout
+    try:
+        with Client(_address(), authkey=key) as conn:
+            conn.send(request)
+            if not conn.poll(wait):
+                raise PeerLostError(f"elastic worker {worker_id()}: the driver at {where} did "
+                                    f"not answer {request[0]!r} within {wait:g} s")
+            return conn.recv()
+    except (OSError, EOFError) as err:
+        raise PeerLostError(f"elastic worker {worker_id()}: lost the driver at {where} "
+                            f"during {request[0]!r}: {err}") from err
+
+
+def worker_id() -> str:
+    return os.environ.get(WORKER_VAR, "?")
+
+
+def join() -> tuple[int, int, int, bytes]:
+    """Wait for the next generation; return (generation, rank, size, secret)."""
+    answer = ask(("join", worker_id()))
+    if answer[0] == "assign":
+        _, generation, rank, size, secret = answer
+        Membership.generation = generation
+        return generation, rank, size, secret
+    if answer[0] == "leave":
+        print(f"ringreduce: elastic worker {worker_id()} leaves the job: {answer[1]}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(0)
+    raise RingReduceError(f"elastic worker {worker_id()}: the driver ended the job: {answer[1]}")
+
+
+def exchange(generation: int, rank: int, record: bytes) -> list[bytes]:
+    """Allgather the endpoint records of ``generation`` through the driver."""
+    answer = ask(("exchange", worker_id(), generation, record))
+    if answer[0] == "infos":
+        return list(answer[1])
+    raise PeerLostError(f"elastic rank {rank} (worker {worker_id()}): generation {generation} "
+                        f"broke up during the rendezvous: {answer[1]}")
+
+
+def host_updates() -> tuple[bool, bool]:
+    """(changed, removed_only): whether the driver wants a new generation."""
+    if Membership.generation is None:
+        return False, False
+    answer: Any = ask(("updates", worker_id(), Membership.generation), timeout=30)
+    return bool(answer[1]), bool(answer[2])
+
+
+def discover() -> tuple[int, int, bytes, Any]:
+    """``_bootstrap.discover`` for an elastic worker: (rank, size, secret, exchange)."""
+    generation, rank, size, secret = join()
+    return rank, size, secret, lambda mine: exchange(generation, rank, mine)

@@ -1,0 +1,488 @@
+"""The elastic driver: ``ringrun --min-np/--max-np`` (Horovod's elastic ``horovodrun``).
+
+The driver starts workers on the discovered hosts, forms *generations* (a rank for every
+worker, the endpoint records relayed), and forms a new one when workers fail or hosts
+come and go. Workers talk to it through ``_client.py``; the rest of a generation's life
+(the ring, the engine's fail-fast) is the ordinary job's.
+
+State machine of a worker, as the driver sees it::
+
+    starting --join--> waiting --generation formed--> member --join--> waiting ...
+        \\                 \\                            \\
+         `--exit--> gone    `--exit--> gone              `--exit--> gone
+
+Invariants:
+
+* A generation is formed only when every live worker is ``waiting`` (so no worker is
+  left behind in an old one) and at least ``min_np`` are; ranks go by age (the oldest
+  worker is rank 0, so ``state.sync()`` spreads committed state, never a fresh
+  worker's), grouped by host.
+* A worker that exits non-zero gets its host blacklisted (as Horovod): no new workers
+  start there and the host's other workers are told to leave at their next join. A
+  worker that exits 0 on its own means training is done: no more generations form.
+* Hosts added or removed by discovery bump ``serial``; the members learn it at their
+  next ``commit()`` (``updates``) and rejoin together.
+* Nothing waits forever: a generation that cannot form within ``elastic_timeout``
+  (too few slots, a worker that never rejoins) ends the job naming who is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Listener
+from typing import Any, Optional
+
+from ..exceptions import InvalidInputError
+from ..launcher import (
+    HostSlots,
+    _binary,
+    _exit_code,
+    _how,
+    _pump,
+    _say,
+    _scrubbed_env,
+    is_local_host,
+    omp_wait_policy,
+    rank_spec,
+)
+from ._client import DRIVER_VAR, TIMEOUT_VAR, WORKER_VAR
+from .discovery import Discovery
+
+__all__ = ["ElasticSettings", "launch_elastic"]
+
+
+@dataclass
+class ElasticSettings:
+    """What ``ringrun``'s elastic flags say."""
+
+    min_np: int
+    max_np: int
+    np: int
+    elastic_timeout: float = 600.0
+    reset_limit: Optional[int] = None
+    discovery_interval: float = 1.0
+
+
+@dataclass
+class Worker:
+    """One worker process and where it stands."""
+
+    wid: str
+    age: int
+    host: str
+    slot: int
+    proc: subprocess.Popen
+    state: str = "starting"  # starting, waiting, member, gone
+    leaving: bool = False
+    generation: int = -1  # the last one it was assigned to
+    code: Optional[int] = None
+    threads: list = field(default_factory=list)
+
+
+class ElasticDriver:
+    """Starts workers, forms generations and answers the workers' requests."""
+
+    def __init__(self, command: Sequence[str], discovery: Discovery, settings: ElasticSettings,
+                 env: dict, ssh_command: Optional[str], ssh_port: Optional[int],
+                 driver_addr: Optional[str], prefix: bool, grace: float) -> None:
+        self.command, self.discovery, self.s = list(command), discovery, settings
+        self.extra, self.ssh_command, self.ssh_port = env, ssh_command, ssh_port
+        self.prefix, self.grace = prefix, grace
+        self.cond = threading.Condition()
+        self.workers: dict[str, Worker] = {}
+        self.ages = 0
+        self.blacklist: set[str] = set()
+        self.hosts: list[HostSlots] = []
+        self.generation, self.members = -1, []
+        self.records: dict[int, bytes] = {}
+        self.serial, self.formed_serial, self.removed_only = 0, 0, True
+        self.finished = False  # a worker exited 0 on its own
+        self.failure: Optional[str] = None  # why the driver ends the job
+        self.code: Optional[int] = None
+        self.target = settings.np
+        self.waiting_since: Optional[float] = None
+        self.key = secrets.token_hex(32)
+        self.listener = Listener(("0.0.0.0", 0), authkey=self.key.encode())
+        self.port = self.listener.address[1]
+        self.driver_addr = driver_addr
+        self.out, self.err, self.lock = _binary(sys.stdout), _binary(sys.stderr), threading.Lock()
+        self.signum: Optional[int] = None
+
+    # ----------------------------------------------------------------- workers
+    def _address(self) -> str:
+        if self.driver_addr:
+            return self.driver_addr
+        if all(is_local_host(h.host) for h in self.hosts):
+            return "127.0.0.1"
+        return socket.gethostname()
+
+    def start_worker(self, host: HostSlots, slot: int) -> None:
+        self.ages += 1
+        wid = f"w{self.ages}"
+        local = is_local_host(host.host)
+        base = _scrubbed_env(os.environ)
+        mine = {DRIVER_VAR: f"{self._address()}:{self.port}", WORKER_VAR: wid,
+                TIMEOUT_VAR: f"{self.s.elastic_timeout:g}", "RINGREDUCE_SECRET": self.key,
+                **omp_wait_policy({**base, **self.extra}, host.slots, local), **self.extra}
+        spec = rank_spec(self.ages, self.command, host.host, local, base, mine,
+                         self.ssh_command, self.ssh_port)
+        proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        w = Worker(wid, self.ages, host.host, slot, proc)
+        prefix = f"[{wid}@{host.host}]: ".encode() if self.prefix else b""
+        for pipe, write in ((proc.stdout, self.out), (proc.stderr, self.err)):
+            t = threading.Thread(target=_pump, args=(pipe, write, prefix, self.lock),
+                                 daemon=True)
+            t.start()
+            w.threads.append(t)
+        self.workers[wid] = w
+        _say(f"started worker {wid} on {host.host} (slot {slot}, pid {proc.pid})")
+
+    def live(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.state != "gone"]
+
+    def staying(self) -> list[Worker]:
+        return [w for w in self.live() if not w.leaving]
+
+    def fill(self) -> None:
+        """Start workers on free slots of usable hosts, up to the target size."""
+        if self.finished or self.failure:
+            return
+        used: dict[str, set] = {}
+        for w in self.live():
+            used.setdefault(w.host, set()).add(w.slot)
+        for h in self.hosts:
+            if h.host in self.blacklist:
+                continue
+            for slot in range(h.slots):
+                if len(self.staying()) >= min(self.target, self.s.max_np):
+                    return
+                if slot not in used.get(h.host, set()):
+                    self.start_worker(h, slot)
+                    used.setdefault(h.host, set()).add(slot)
+
+    def reap(self) -> None:
+        """Note workers that exited; blacklist the host of one that failed."""
+        for w in self.live():
+            code = w.proc.poll()
+            if code is None:
+                continue
+            try:  # leftovers of its session
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            w.state, w.code = "gone", code
+            if code == 0 and not w.leaving:
+                if not self.finished:
+                    _say(f"worker {w.wid} on {w.host} finished training; waiting for the "
+                         "others")
+                self.finished = True
+            elif code != 0:
+                self.worker_failed(w)
+            self.cond.notify_all()
+
+    def worker_failed(self, w: Worker) -> None:
+        left = len(self.staying())
+        _say(f"worker {w.wid} on {w.host} (pid {w.proc.pid}) {_how(w.code)}; blacklisting "
+             f"host {w.host}; {left} worker{'s' * (left != 1)} left")
+        if self.finished:
+            self.code = self.code or _exit_code(w.code)
+            return
+        self.blacklist.add(w.host)
+        for other in self.live():
+            if other.host == w.host:
+                other.leaving = True
+
+    # ---------------------------------------------------------------- discovery
+    def discover(self) -> None:
+        """Poll the host list; a change bumps ``serial`` and may start or retire workers."""
+        hosts = self.discovery.poll()
+        if hosts is None or hosts == self.hosts:
+            return
+        before = {h.host: h.slots for h in self.hosts}
+        now = {h.host: h.slots for h in hosts}
+        added = [h for h, n in now.items() if n > before.get(h, 0) and h not in self.blacklist]
+        removed = [h for h, n in before.items() if n > now.get(h, 0)]
+        self.hosts = hosts
+        if before:
+            _say(f"hosts changed: {', '.join(f'{h.host}:{h.slots}' for h in hosts) or 'none'}")
+        for w in self.live():
+            if w.slot >= now.get(w.host, 0) and not w.leaving:
+                w.leaving = True
+        if before and (added or removed) and self.generation >= 0:
+            self.serial += 1
+            self.removed_only = self.removed_only and not added
+        if added and before:
+            self.target = self.s.max_np
+        self.fill()
+
+    # -------------------------------------------------------------- generations
+    def try_form(self) -> None:
+        """Form the next generation when every live worker waits and there are enough."""
+        if self.failure or self.finished:
+            return
+        live = self.live()
+        ready = [w for w in live if w.state == "waiting"]
+        if not ready or len(ready) != len(live):
+            return
+        staying = [w for w in ready if not w.leaving]
+        if len(staying) < self.s.min_np:
+            return
+        if self.generation >= 0 and not any(w.generation >= 0 for w in staying):
+            self.fail("no worker of the last generation is left to hand its state on")
+            return
+        if self.s.reset_limit is not None and self.generation >= self.s.reset_limit:
+            self.fail(f"the reset limit ({self.s.reset_limit}) is reached")
+            return
+        self.generation += 1
+        self.members = self.order(staying)
+        self.records = {}
+        self.formed_serial, self.removed_only = self.serial, True
+        self.waiting_since = None
+        for w in self.members:
+            w.state, w.generation = "member", self.generation
+        _say(f"generation {self.generation}: {len(self.members)} rank(s): " + ", ".join(
+            f"{r}={w.wid}@{w.host}" for r, w in enumerate(self.members)))
+        self.cond.notify_all()
+
+    @staticmethod
+    def order(workers: list[Worker]) -> list[Worker]:
+        """Rank order: the oldest worker first, then host by host, by age."""
+        first_age: dict[str, int] = {}
+        for w in sorted(workers, key=lambda w: w.age):
+            first_age.setdefault(w.host, w.age)
+        return sorted(workers, key=lambda w: (first_age[w.host], w.age))
+
+    def fail(self, why: str) -> None:
+        self.failure = why
+        self.cond.notify_all()
+
+    def check_timeout(self) -> None:
+        """End the job if a generation has been waiting to form for too long."""
+        live = self.live()
+        waiting = [w for w in live if w.state == "waiting"]
+        if not waiting or self.finished or self.failure:
+            self.waiting_since = None
+            return
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        if now - self.waiting_since < self.s.elastic_timeout:
+            return
+        missing = [f"{w.wid}@{w.host} ({w.state})" for w in live if w.state != "waiting"]
+        staying = len([w for w in waiting if not w.leaving])
+        why = (f"workers {', '.join(missing)} did not rejoin" if missing else
+               f"only {staying} worker(s) are available, fewer than --min-np "
+               f"{self.s.min_np}")
+        self.fail(f"no new generation formed within --elastic-timeout "
+                  f"{self.s.elastic_timeout:g} s: {why}")
+
+    # ----------------------------------------------------------------- requests
+    def serve(self) -> None:
+        """Accept the workers' connections, one thread each (requests may block)."""
+        while True:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError):
+                if self.listener is None:
+                    return
+                continue  # a bad handshake (wrong key): refused, go on
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def answer(self, conn: Any) -> None:
+        with conn:
+            try:
+                request = conn.recv()
+                handler = {"join": self.on_join, "exchange": self.on_exchange,
+                           "updates": self.on_updates}[request[0]]
+                conn.send(handler(*request[1:]))
+            except (OSError, EOFError, KeyError, TypeError, IndexError):
+                pass  # the worker went away, or spoke nonsense: nothing to answer
+
+    def on_join(self, wid: str) -> tuple:
+        with self.cond:
+            w = self.workers.get(wid)
+            if w is None or w.state == "gone":
+                return ("fail", f"unknown worker {wid}")
+            w.state, last = "waiting", w.generation
+            self.cond.notify_all()
+            while True:
+                if w.leaving:
+                    return ("leave", f"its host {w.host} was removed from the job")
+                if self.failure:
+                    return ("fail", self.failure)
+                if self.finished:
+                    return ("fail", "another worker finished training while this one "
+                            "was rejoining")
+                if w.state == "member" and w.generation > last:
+                    return ("assign", self.generation, self.members.index(w),
+                            len(self.members), bytes.fromhex(self.key))
+                self.cond.wait(1.0)
+
+    def on_exchange(self, wid: str, generation: int, record: bytes) -> tuple:
+        with self.cond:
+            if generation != self.generation:
+                return ("retry", f"generation {self.generation} replaced it")
+            w = self.workers[wid]
+            self.records[self.members.index(w)] = record
+            self.cond.notify_all()
+            while len(self.records) < len(self.members):
+                broken = self.broken(generation)
+                if broken:
+                    return ("retry", broken)
+                self.cond.wait(1.0)
+            return ("infos", [self.records[r] for r in range(len(self.members))])
+
+    def broken(self, generation: int) -> Optional[str]:
+        if generation != self.generation:
+            return f"generation {self.generation} replaced it"
+        if self.failure:
+            return self.failure
+        for rank, w in enumerate(self.members):
+            if w.state == "gone":
+                return f"rank {rank} (worker {w.wid} on {w.host}) {_how(w.code)}"
+            if w.state == "waiting":
+                return f"rank {rank} (worker {w.wid} on {w.host}) left it"
+        return None
+
+    def on_updates(self, wid: str, generation: int) -> tuple:
+        with self.cond:
+            changed = generation == self.generation and self.serial > self.formed_serial
+            return ("updates", changed, changed and self.removed_only)
+
+    # --------------------------------------------------------------- main loop
+    def run(self, timeout: Optional[float]) -> int:
+        """Drive the job until every worker has exited; return ringrun's exit code."""
+        threading.Thread(target=self.serve, daemon=True, name="rr-elastic-serve").start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        next_discovery = 0.0
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                if now >= next_discovery and not self.finished and not self.failure:
+                    self.discover()
+                    next_discovery = now + self.s.discovery_interval
+                self.reap()
+                self.fill()
+                self.check_hosts()
+                self.try_form()
+                self.check_timeout()
+                if self.signum is not None and self.code is None:
+                    _say(f"received {signal.Signals(self.signum).name}; stopping the job")
+                    self.code = 128 + self.signum
+                    self.stop()
+                if deadline is not None and now >= deadline and self.code is None:
+                    _say(f"timed out after {timeout:g} s; stopping the job")
+                    self.code = 124
+                    self.stop()
+                if self.failure and self.code is None:
+                    _say(f"ending the job: {self.failure}")
+                    self.code = 1
+                    self.stop()
+                if not self.live() and (self.finished or self.code is not None or
+                                        self.failure):
+                    break
+                self.cond.wait(0.05)
+        self.close()
+        return self.code or 0
+
+    def check_hosts(self) -> None:
+        """Fail at once when no worker is left and no host can take a new one."""
+        if self.live() or self.finished or self.failure:
+            return
+        usable = [h for h in self.hosts if h.host not in self.blacklist]
+        if self.hosts and not usable:
+            self.fail("every host is blacklisted (a worker failed on each)")
+
+    def stop(self) -> None:
+        for w in self.live():
+            try:
+                os.killpg(w.proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        kill_at = time.monotonic() + self.grace
+
+        def killer() -> None:
+            while time.monotonic() < kill_at and any(w.proc.poll() is None
+                                                     for w in list(self.workers.values())):
+                time.sleep(0.05)
+            for w in list(self.workers.values()):
+                try:
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+        threading.Thread(target=killer, daemon=True).start()
+
+    def close(self) -> None:
+        listener, self.listener = self.listener, None
+        try:
+            listener.close()
+        except OSError:
+            pass
+        for w in self.workers.values():
+            for t in w.threads:
+                t.join(timeout=5)
+
+
+def launch_elastic(command: Sequence[str], discovery: Discovery, settings: ElasticSettings, *,
+                   env: Optional[dict] = None, ssh_command: Optional[str] = None,
+                   ssh_port: Optional[int] = None, driver_addr: Optional[str] = None,
+                   prefix_output: bool = True, timeout: Optional[float] = None,
+                   grace: float = 5.0) -> int:
+    """Run an elastic job (what ``ringrun --min-np ...`` does); return the exit code.
+
+    Parameters
+    ----------
+    command : sequence of str
+        Every worker's program.
+    discovery : Discovery
+        Where the hosts come from (a fixed list or a discovery script).
+    settings : ElasticSettings
+        ``min_np``, ``max_np``, the initial ``np``, ``elastic_timeout``, ``reset_limit``.
+    env, ssh_command, ssh_port, prefix_output, timeout, grace :
+        As for ``ringreduce.launcher.launch``.
+    driver_addr : str, optional
+        The address workers reach this driver at (default 127.0.0.1 for a local job,
+        else this host's name).
+
+    Returns
+    -------
+    int
+        0 once training finished on the last generation; 1 when the driver ended the job
+        (reason printed); 124 on timeout; 128+N on signal N; else a failed worker's code
+        after training had finished elsewhere.
+    """
+    if not command:
+        raise InvalidInputError("no command given")
+    if not 1 <= settings.min_np <= settings.np <= settings.max_np:
+        raise InvalidInputError(f"need 1 <= --min-np ({settings.min_np}) <= -np "
+                                f"({settings.np}) <= --max-np ({settings.max_np})")
+    driver = ElasticDriver(command, discovery, settings, dict(env or {}), ssh_command,
+                           ssh_port, driver_addr, prefix_output, grace)
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        def handler(signum: int, frame: Any) -> None:
+            driver.signum = signum
+
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[s] = signal.signal(s, handler)
+    try:
+        return driver.run(timeout)
+    finally:
+        with driver.cond:
+            if driver.live():
+                driver.grace = 0
+                driver.stop()
+        for s, h in old.items():
+            signal.signal(s, h)

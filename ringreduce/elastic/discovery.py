@@ -56,12 +56,13 @@ class ScriptHosts(Discovery):
         except subprocess.TimeoutExpired:
             return self._failed(f"took more than {self.timeout:g} s")
         if done.returncode != 0:
-            return self._failed(f"exited with code {done.returncode}: "
-                                f"{done.stderr.strip()[-300:]}")
+            stderr = done.stderr.strip()[-300:]
+            return self._failed(f"exited with code {done.returncode}"
+                                + (f" ({stderr})" if stderr else ""))
         try:
             hosts = self.parse(done.stdout)
         except InvalidInputError as err:
-            return self._failed(str(err))
+            return self._failed(f"printed a bad line: {err}")
         self.last_error = ""
         return hosts
 

@@ -116,6 +116,7 @@ class ElasticDriver:
         self.driver_addr = driver_addr
         self.out, self.err, self.lock = _binary(sys.stdout), _binary(sys.stderr), threading.Lock()
         self.signum: Optional[int] = None
+        self.stop_at: Optional[float] = None  # when to stop the workers that are left
 
     # ----------------------------------------------------------------- workers
     def _address(self) -> str:
@@ -192,6 +193,9 @@ class ElasticDriver:
             self.cond.notify_all()
 
     def worker_failed(self, w: Worker) -> None:
+        if self.code is not None:  # the job is ending anyway
+            _say(f"worker {w.wid} on {w.host} {_how(w.code)}")
+            return
         left = len(self.staying())
         _say(f"worker {w.wid} on {w.host} (pid {w.proc.pid}) {_how(w.code)}; blacklisting "
              f"host {w.host}; {left} worker{'s' * (left != 1)} left")
@@ -377,24 +381,31 @@ class ElasticDriver:
                 self.check_hosts()
                 self.try_form()
                 self.check_timeout()
-                if self.signum is not None and self.code is None:
-                    _say(f"received {signal.Signals(self.signum).name}; stopping the job")
-                    self.code = 128 + self.signum
-                    self.stop()
-                if deadline is not None and now >= deadline and self.code is None:
-                    _say(f"timed out after {timeout:g} s; stopping the job")
-                    self.code = 124
-                    self.stop()
-                if self.failure and self.code is None:
-                    _say(f"ending the job: {self.failure}")
-                    self.code = 1
-                    self.stop()
+                self.check_end(now, deadline, timeout)
                 if not self.live() and (self.finished or self.code is not None or
                                         self.failure):
                     break
                 self.cond.wait(0.05)
         self.close()
         return self.code or 0
+
+    def check_end(self, now: float, deadline: Optional[float], timeout: Optional[float]) -> None:
+        """Stop the workers on a signal or the timeout at once; when the driver ends the
+        job, first tell the waiting workers why (they exit with that error) and stop the
+        rest a moment later."""
+        if self.code is None:
+            if self.signum is not None:
+                _say(f"received {signal.Signals(self.signum).name}; stopping the job")
+                self.code, self.stop_at = 128 + self.signum, now
+            elif deadline is not None and now >= deadline:
+                _say(f"timed out after {timeout:g} s; stopping the job")
+                self.code, self.stop_at = 124, now
+            elif self.failure:
+                _say(f"ending the job: {self.failure}")
+                self.code, self.stop_at = 1, now + min(self.grace, 2.0)
+        if self.stop_at is not None and now >= self.stop_at:
+            self.stop_at = float("inf")
+            self.stop()
 
     def check_hosts(self) -> None:
         """Fail at once when no worker is left and no host can take a new one."""

@@ -1,0 +1,197 @@
+"""Elastic training (``ringrun --min-np/--max-np``, ``ringreduce.elastic``): the driver and
+the framework-neutral state, with numpy workers on fake hosts (see tests/elastic_jobs.py).
+
+Each launched job runs ``tests/workers/elastic_worker.py``, which reports the job size of
+every step it kept (``sizes 3x10,2x50``): that shows both the new generation and that the
+survivors went back to their last commit (every 5 steps) after a failure.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from elastic_jobs import elastic_args, generations, run_elastic
+from procs import PYTHON, WORKERS
+
+import ringreduce as rr
+import ringreduce.elastic as el
+from ringreduce.elastic.discovery import ScriptHosts
+from ringreduce.elastic.driver import ElasticDriver
+from ringreduce.launcher import HostSlots
+
+WORKER = [PYTHON, str(WORKERS / "elastic_worker.py")]
+RESULT = re.compile(r"RESULT (w\d+) rank (\d+) size (\d+) sizes (\S+) resets (\d+)")
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def results(job) -> dict[str, tuple[int, int, str, int]]:
+    """Each finished worker's (rank, size, sizes, resets), by worker id."""
+    return {m.group(1): (int(m.group(2)), int(m.group(3)), m.group(4), int(m.group(5)))
+            for m in RESULT.finditer(job.procs[0].stdout)}
+
+
+def runs(sizes: str) -> list[tuple[int, int]]:
+    return [(int(n), int(k)) for n, k in (r.split("x") for r in sizes.split(","))]
+
+
+def test_survivors_of_a_killed_worker_go_on_from_the_last_commit():
+    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1"),
+                      [*WORKER, "60", "die:w2:12"])
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w3@c"]], job.describe()
+    out = results(job)
+    # steps 11-12 ran at size 3 but were not committed: they ran again at size 2
+    assert out == {"w1": (0, 2, "3x10,2x50", 1), "w3": (1, 2, "3x10,2x50", 1)}, job.describe()
+    err = job.procs[0].stderr
+    assert "worker w2 on b" in err and "exited with code 3; blacklisting host b" in err
+    assert re.search(r"w1: reset 1 \(PeerLostError: .*rank 1 on host ringrun:b", err), err
+
+
+def test_a_lost_worker_is_replaced_and_the_new_one_gets_rank_0s_state():
+    job = run_elastic(elastic_args(2, 3, np=2, hosts="a:1,b:1,c:1"),
+                      [*WORKER, "40", "die:w2:7"])
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b"], ["w1@a", "w3@c"]], job.describe()
+    # w3 never ran steps 1-5: it has them only through sync() from rank 0
+    assert results(job) == {"w1": (0, 2, "2x40", 1), "w3": (1, 2, "2x40", 0)}, job.describe()
+
+
+def test_hosts_added_by_discovery_join_at_a_commit(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\nb:1\n")
+    job = run_elastic(elastic_args(2, 3, discovery=hosts), [*WORKER, "80", f"grow:{hosts}:6"])
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b"], ["w1@a", "w2@b", "w3@c"]], job.describe()
+    out = results(job)
+    assert sorted(out) == ["w1", "w2", "w3"] and len({v[2] for v in out.values()}) == 1, out
+    (small, k), (big, rest) = runs(out["w1"][2])
+    # the interrupt comes at a commit, and nothing is rolled back
+    assert (small, big) == (2, 3) and k % 5 == 0 and k + rest == 80, out
+    assert "hosts were added or removed" in job.procs[0].stderr
+
+
+def test_a_host_removed_by_discovery_leaves_at_a_commit(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\nb:1\nc:1\n")
+    job = run_elastic(elastic_args(2, 3, np=3, discovery=hosts),
+                      [*WORKER, "80", f"shrink:{hosts}:6"])
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w2@b"]], job.describe()
+    out = results(job)
+    assert sorted(out) == ["w1", "w2"], job.describe()
+    (big, k), (small, rest) = runs(out["w1"][2])
+    assert (big, small) == (3, 2) and k % 5 == 0 and k + rest == 80, out
+    assert "elastic worker w3 leaves the job: its host c was removed" in job.procs[0].stderr
+    assert "hosts were removed" in job.procs[0].stderr  # skip_sync: nothing to sync
+
+
+def test_too_few_workers_end_the_job_after_the_elastic_timeout():
+    t0 = time.monotonic()
+    job = run_elastic(elastic_args(2, 2, hosts="a:1,b:1", extra=["--elastic-timeout", "3"]),
+                      [*WORKER, "60", "die:w2:7"])
+    assert job.procs[0].returncode == 1, job.describe()
+    assert time.monotonic() - t0 < 30
+    err = job.procs[0].stderr
+    assert "no new generation formed within --elastic-timeout 3 s: only 1 worker(s) are " \
+           "available, fewer than --min-np 2" in err, err
+    assert "the driver ended the job" in err, err  # w1 was told, it did not hang
+
+
+def test_the_reset_limit_ends_the_job():
+    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1",
+                                   extra=["--reset-limit", "0"]), [*WORKER, "60", "die:w2:7"])
+    assert job.procs[0].returncode == 1, job.describe()
+    assert "the reset limit (0) is reached" in job.procs[0].stderr, job.describe()
+
+
+def test_a_program_that_fails_everywhere_ends_the_job_at_once():
+    t0 = time.monotonic()
+    job = run_elastic(elastic_args(1, 2, hosts="a:1,b:1"), [*WORKER, "10", "crash"])
+    assert job.procs[0].returncode == 1 and time.monotonic() - t0 < 20, job.describe()
+    assert "every host is blacklisted" in job.procs[0].stderr, job.describe()
+
+
+# ------------------------------------------------------------------ in-process
+def test_discovery_script_output_and_failures(tmp_path, capsys):
+    script = ScriptHosts("printf 'a:2\\nb\\n# c:9\\n\\n'", slots_per_host=4)
+    assert script.poll() == [HostSlots("a", 2), HostSlots("b", 4)]
+    assert ScriptHosts("echo 'a:x'").poll() is None
+    assert ScriptHosts("exit 7").poll() is None
+    assert "exited with code 7; keeping the last host list" in capsys.readouterr().err
+
+
+def test_ranks_go_by_age_grouped_by_host():
+    class W:
+        def __init__(self, wid: str, age: int, host: str) -> None:
+            self.wid, self.age, self.host = wid, age, host
+
+    ws = [W("w5", 5, "c"), W("w2", 2, "b"), W("w4", 4, "a"), W("w3", 3, "a")]
+    assert [w.wid for w in ElasticDriver.order(ws)] == ["w2", "w3", "w4", "w5"]
+    ws.append(W("w1", 1, "c"))
+    assert [w.wid for w in ElasticDriver.order(ws)] == ["w1", "w5", "w2", "w3", "w4"]
+
+
+def test_object_state_commit_restore_and_sync_in_one_process():
+    rr.init()
+    try:
+        state = el.ObjectState(epoch=0, history=[1])
+        state.history.append(2)
+        state.commit()  # no driver: no host updates, nothing raised
+        state.history.append(3)
+        state.epoch = 4
+        state.restore()
+        assert (state.epoch, state.history) == (0, [1, 2])
+        state.sync()
+        assert (state.epoch, state.history) == (0, [1, 2])
+    finally:
+        rr.shutdown()
+
+
+def test_run_outside_an_elastic_job_does_not_retry():
+    calls = []
+
+    @el.run
+    def train(state: el.ObjectState) -> None:
+        calls.append(1)
+        raise rr.PeerLostError("rank 1 left")
+
+    rr.init()
+    try:
+        with pytest.raises(rr.PeerLostError):
+            train(el.ObjectState())
+    finally:
+        rr.shutdown()
+    assert calls == [1]
+
+
+def test_run_retries_lost_peers_and_host_updates_but_not_program_errors(monkeypatch):
+    monkeypatch.setenv("RINGREDUCE_ELASTIC_DRIVER", "127.0.0.1:1")  # never reached
+    events = []
+
+    class Recording(el.State):
+        def save(self) -> None:
+            events.append("save")
+
+        def restore(self) -> None:
+            events.append("restore")
+
+        def sync(self) -> None:
+            events.append("sync")
+
+    errors = [rr.PeerLostError("lost"), rr.HostsUpdatedInterrupt(skip_sync=True),
+              rr.HostsUpdatedInterrupt(), rr.MismatchError("a bug")]
+
+    def train(state: el.State) -> None:
+        events.append("train")
+        raise errors.pop(0)
+
+    wrapped = el.run_fn(train, lambda: events.append("reset"))
+    state = Recording()
+    state.register_reset_callbacks([lambda: events.append("callback")])
+    with pytest.raises(rr.MismatchError):
+        wrapped(state)
+    assert events == ["sync", "train", "restore", "reset", "callback", "sync", "train",
+                      "reset", "callback", "train", "reset", "callback", "sync", "train"]

@@ -88,6 +88,19 @@ def test_a_host_removed_by_discovery_leaves_at_a_commit(tmp_path):
     assert "hosts were removed" in job.procs[0].stderr  # skip_sync: nothing to sync
 
 
+def test_a_frozen_worker_is_stopped_and_the_others_go_on():
+    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1",
+                                   extra=["--elastic-timeout", "3"]),
+                      [*WORKER, "60", "freeze:w2:12"], env={"RINGREDUCE_PEER_TIMEOUT_SECONDS": 2})
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w3@c"]], job.describe()
+    assert results(job) == {"w1": (0, 2, "3x10,2x50", 1), "w3": (1, 2, "3x10,2x50", 1)}
+    err = job.procs[0].stderr
+    assert "RingReduceTimeoutError" in err, err
+    assert "worker w2 on b (member) did not rejoin within --elastic-timeout 3 s; stopping it" \
+        in err, err
+
+
 def test_too_few_workers_end_the_job_after_the_elastic_timeout():
     t0 = time.monotonic()
     job = run_elastic(elastic_args(2, 2, hosts="a:1,b:1", extra=["--elastic-timeout", "3"]),

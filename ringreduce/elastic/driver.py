@@ -283,11 +283,22 @@ class ElasticDriver:
             self.waiting_since = now
         if now - self.waiting_since < self.s.elastic_timeout:
             return
-        missing = [f"{w.wid}@{w.host} ({w.state})" for w in live if w.state != "waiting"]
+        missing = [w for w in live if w.state != "waiting"]
         staying = len([w for w in waiting if not w.leaving])
-        why = (f"workers {', '.join(missing)} did not rejoin" if missing else
-               f"only {staying} worker(s) are available, fewer than --min-np "
-               f"{self.s.min_np}")
+        if missing and staying >= self.s.min_np:
+            # a frozen or hung worker must not hold the others: stop it and go on
+            for w in missing:
+                _say(f"worker {w.wid} on {w.host} ({w.state}) did not rejoin within "
+                     f"--elastic-timeout {self.s.elastic_timeout:g} s; stopping it")
+                try:
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self.waiting_since = None
+            return
+        why = (f"workers {', '.join(f'{w.wid}@{w.host} ({w.state})' for w in missing)} did "
+               "not rejoin" if missing else
+               f"only {staying} worker(s) are available, fewer than --min-np {self.s.min_np}")
         self.fail(f"no new generation formed within --elastic-timeout "
                   f"{self.s.elastic_timeout:g} s: {why}")
 

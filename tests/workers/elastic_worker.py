@@ -5,6 +5,7 @@ to ``state.sizes``; it commits every 5 steps. So the final list says which sizes
 which steps, and that steps after a failure restarted from the last commit. Actions:
 
 * ``die:W:S``: worker W exits with code 3 right after step S (before its commit);
+* ``freeze:W:S``: worker W stops itself (SIGSTOP) right after step S;
 * ``grow:FILE:S``: rank 0 appends ``c:1`` to the discovery FILE after step S;
 * ``shrink:FILE:S``: rank 0 rewrites FILE without host ``c`` after step S;
 * ``crash``: raise at once, before init (every worker fails).
@@ -14,6 +15,7 @@ Prints ``RESULT <worker> rank <r> size <n> sizes <3x10,2x50> resets <k>`` at the
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -38,6 +40,8 @@ def act(step: int) -> None:
     for a in actions:
         if a[0] == "die" and a[1] == me and int(a[2]) == step:
             os._exit(3)
+        if a[0] == "freeze" and a[1] == me and int(a[2]) == step:
+            os.kill(os.getpid(), signal.SIGSTOP)
         if a[0] == "grow" and rr.rank() == 0 and int(a[2]) == step:
             with open(a[1], "a") as f:
                 f.write("c:1\n")

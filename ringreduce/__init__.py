@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from . import elastic  # hvd.elastic
 from ._adasum import Adasum
 from ._call_checks import Average, Max, Min, Product, Sum
 from ._communicator import Communicator, Handle, reduce_isa
@@ -49,7 +50,8 @@ __all__ = [
     "RingReduceTimeoutError", "Sum", "allgather", "allgather_async", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce",
+    "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "elastic",
+    "grouped_allreduce",
     "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
     "grouped_reducescatter_async",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",

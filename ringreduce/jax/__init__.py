@@ -64,6 +64,7 @@ from ringreduce import _comm as _default_comm
 from ringreduce.checkpoint import CheckpointError, load_on_root, read_pickled_dict, save_on_root
 from ringreduce.compression import Compressor
 
+from . import elastic
 from ._bridge import run_translated
 from .compression import Compression
 from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
@@ -81,7 +82,8 @@ __all__ = [
     "RingReduceTimeoutError", "Sum", "add_process_set", "allgather", "allgather_object",
     "allreduce", "allreduce_gradients", "alltoall", "barrier", "broadcast", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "broadcast_variables", "cross_rank",
-    "cross_size", "global_process_set", "grouped_allreduce", "init", "is_initialized", "join",
+    "cross_size", "elastic", "global_process_set", "grouped_allreduce", "init",
+    "is_initialized", "join",
     "load_checkpoint", "local_rank", "local_size", "rank", "reducescatter",
     "remove_process_set", "run_translated", "save_checkpoint", "shutdown", "size", "start_timeline",
     "stop_timeline",

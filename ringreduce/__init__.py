@@ -479,8 +479,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict]
         env: Optional[dict] = None, **horovod: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``np`` (default 2) new ranks and return their values in
     rank order (Horovod's ``horovod.run``, whose other arguments, ``num_proc``,
-    ``hostfile``, ``use_gloo``..., it takes too; see ``ringreduce.launcher.run``). ``fn``
+    ``hostfile``, ``use_gloo``..., it takes too; see ``ringreduce._run.run``). ``fn``
     calls ``init()``."""
-    from .launcher import run as launch  # the launcher is imported only when used
+    from ._run import run as launch  # the launcher is imported only when used
 
     return launch(fn, args, kwargs, np, hosts, timeout, env, **horovod)

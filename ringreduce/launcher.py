@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import secrets
 import shlex
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
-from .exceptions import InvalidInputError, RingReduceError
+from .exceptions import InvalidInputError
 
-__all__ = ["HostSlots", "launch", "main", "parse_hostfile", "parse_hosts", "run"]
+__all__ = ["HostSlots", "launch", "main", "parse_hostfile", "parse_hosts"]
 
 # What a rank inherits from the launcher's own launcher (mpirun, srun, torchrun, an outer
 # ringrun) would make ringreduce (or mpi4py) join the wrong job: scrubbed from every rank.
@@ -575,7 +572,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--run-pickled"] and len(argv) == 2:
-        return _run_pickled(argv[1])
+        from ._run import run_pickled
+
+        return run_pickled(argv[1])
     parser = _parser()
     a = parser.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -619,176 +618,3 @@ def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
                           ssh_command=a.ssh_command, ssh_port=a.ssh_port,
                           driver_addr=a.master_addr, prefix_output=a.prefix_output,
                           timeout=a.timeout, grace=a.grace_period)
-
-
-# ----------------------------------------------------------------- ringreduce.run
-class _RemoteTraceback(Exception):
-    """Carries a rank's traceback text as the ``__cause__`` of the re-raised error."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-_HOROVOD_REFUSED = ("min_num_proc", "max_num_proc", "min_np", "max_np", "slots", "reset_limit",
-                    "cooldown_range", "output_filename", "mpi_args", "ssh_identity_file")
-
-
-def run(fn: Callable[..., Any], args: Sequence[Any] = (),
-        kwargs: Optional[Mapping[str, Any]] = None, np: Optional[int] = None,
-        hosts: Optional[str | Sequence[HostSlots]] = None, timeout: Optional[float] = None,
-        env: Optional[Mapping[str, str]] = None, *, num_proc: Optional[int] = None,
-        hostfile: Optional[str | os.PathLike] = None, ssh_port: Optional[int] = None,
-        executable: Optional[str] = None, use_gloo: Optional[bool] = None,
-        use_mpi: Optional[bool] = None, verbose: Any = None, disable_cache: Any = None,
-        start_timeout: Any = None, network_interface: Any = None, **horovod: Any) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``np`` new ranks; return their values in rank order.
-
-    Like ``horovod.run``: ``fn`` runs in fresh processes started as by ``ringrun`` and
-    must call ``ringreduce.init()`` itself. ``fn``, its arguments and its return value
-    travel by pickle (through a temporary directory, which remote hosts must share);
-    a function of the ``__main__`` script is found by re-running the script with
-    ``__name__ == "__mp_main__"``, as multiprocessing's spawn does, so guard its entry
-    point with ``if __name__ == "__main__":``.
-
-    Parameters
-    ----------
-    fn : callable
-        A picklable function (module level).
-    args, kwargs : optional
-        Its arguments.
-    np : int, optional
-        Number of ranks (default 1, as ``horovod.run``'s ``num_proc``).
-    hosts : str or sequence of HostSlots, optional
-        ``"host1:2,host2:2"`` or parsed entries; default all local.
-    timeout : float, optional
-        Seconds before the job is stopped (then RingReduceTimeoutError).
-    env : mapping, optional
-        Extra environment variables for the ranks.
-    num_proc, hostfile, ssh_port, executable :
-        Horovod's names: ``num_proc`` is ``np``; ``hostfile`` a file of ``host slots=N``
-        (or ``host:N``) lines, not with ``hosts``; ``ssh_port`` the port of remote ranks'
-        ssh; ``executable`` the Python that runs the ranks (default ``sys.executable``).
-    use_gloo, use_mpi, verbose, disable_cache, start_timeout, network_interface :
-        Horovod's; accepted and ignored (ringreduce has its own transport; both
-        ``use_gloo`` and ``use_mpi`` true is refused, as Horovod does).
-    **horovod :
-        Horovod's elastic arguments (``min_num_proc``, ``slots``, ``reset_limit``...),
-        ``output_filename``, ``mpi_args`` and ``ssh_identity_file`` are refused when set;
-        any other name is a TypeError.
-
-    Returns
-    -------
-    list
-        ``fn``'s return value on each rank, in rank order.
-
-    Raises
-    ------
-    Exception
-        The exception of the first rank that raised one, with that rank's traceback
-        text as its ``__cause__``; RingReduceError if a rank died without one.
-    """
-    unknown = sorted(set(horovod) - set(_HOROVOD_REFUSED))
-    if unknown:
-        raise TypeError(f"run() got an unexpected keyword argument {unknown[0]!r}")
-    refused = sorted(k for k, v in horovod.items() if v is not None)
-    if refused:
-        raise InvalidInputError(f"ringreduce.run: {', '.join(refused)} not supported (no "
-                                "elastic training, per-rank output files, MPI arguments or "
-                                "ssh identity files; ringrun's --ssh-command covers ssh)")
-    if use_gloo and use_mpi:
-        raise InvalidInputError("ringreduce.run: use_gloo and use_mpi cannot both be true")
-    if np is not None and num_proc is not None and np != num_proc:
-        raise InvalidInputError(f"ringreduce.run: np={np} and num_proc={num_proc} differ")
-    if hosts is not None and hostfile is not None:
-        raise InvalidInputError("ringreduce.run: give hosts or hostfile, not both")
-    np = np if np is not None else num_proc
-    host_list = parse_hosts(hosts) if isinstance(hosts, str) else hosts
-    if hostfile is not None:
-        host_list = parse_hostfile(hostfile)
-    if np is None:
-        np = 1  # horovod.run's num_proc default
-    from .exceptions import RingReduceTimeoutError
-
-    main_mod = sys.modules.get("__main__")
-    main_path = getattr(main_mod, "__file__", None) \
-        if getattr(fn, "__module__", None) == "__main__" else None
-    with tempfile.TemporaryDirectory(prefix="ringreduce-run-") as tmp:
-        payload = Path(tmp) / "call.pkl"
-        with open(payload, "wb") as f:
-            pickle.dump({"sys_path": [p or os.getcwd() for p in sys.path],
-                         "main_path": main_path and os.path.abspath(main_path),
-                         "call": pickle.dumps((fn, tuple(args), dict(kwargs or {})))}, f)
-        outcome = launch([executable or sys.executable, "-m", "ringreduce", "--run-pickled",
-                          str(payload)], np, host_list, env=env, timeout=timeout,
-                         ssh_port=ssh_port)
-        results = {}
-        for r in range(np):
-            path = Path(tmp) / f"result-{r}.pkl"
-            if path.exists():
-                with open(path, "rb") as f:
-                    results[r] = pickle.load(f)
-    order = ([outcome.failed_rank] if outcome.failed_rank is not None else []) + list(range(np))
-    for r in order:
-        if r in results and not results[r]["ok"]:
-            _reraise(r, results[r])
-    if outcome.code == TIMEOUT_EXIT_CODE and outcome.failed_rank is None:
-        raise RingReduceTimeoutError(f"ringreduce.run: timed out after {timeout:g} s")
-    if outcome.code != 0 or len(results) != np:
-        who = f"rank {outcome.failed_rank}" if outcome.failed_rank is not None else "the job"
-        raise RingReduceError(f"ringreduce.run: {who} ended with exit code {outcome.code} "
-                              "and no result")
-    return [results[r]["value"] for r in range(np)]
-
-
-def _reraise(rank: int, result: Mapping[str, Any]) -> None:
-    cause = _RemoteTraceback(f"\n\nrank {rank} raised:\n{result['traceback']}")
-    err = None
-    if result["error"] is not None:
-        try:
-            err = pickle.loads(result["error"])
-        except Exception:
-            err = None
-    if not isinstance(err, BaseException):
-        err = RingReduceError(f"rank {rank} raised {result['text']}")
-    raise err from cause
-
-
-def _import_main(path: str) -> None:
-    """Load the caller's ``__main__`` script as multiprocessing's spawn does."""
-    import runpy
-    import types
-
-    module = types.ModuleType("__mp_main__")
-    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
-    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
-
-
-def _run_pickled(path: str) -> int:
-    """Rank side of ``run``: call the pickled function, write its result next to it."""
-    with open(path, "rb") as f:
-        payload = pickle.load(f)
-    sys.path[:0] = [p for p in payload["sys_path"] if p not in sys.path]
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        if payload["main_path"]:
-            _import_main(payload["main_path"])
-        fn, args, kwargs = pickle.loads(payload["call"])
-        blob = pickle.dumps({"ok": True, "value": fn(*args, **kwargs)})
-        code = 0
-    except Exception as e:
-        text = traceback.format_exc()
-        sys.stderr.write(text)
-        try:
-            error: Optional[bytes] = pickle.dumps(e)
-            pickle.loads(error)
-        except Exception:
-            error = None
-        blob = pickle.dumps({"ok": False, "error": error, "text": f"{type(e).__name__}: {e}",
-                             "traceback": text})
-        code = 1
-    out = Path(path).with_name(f"result-{rank}.pkl")
-    tmp = out.with_suffix(".tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, out)
-    return code
-

@@ -386,12 +386,43 @@ def test_run_takes_horovods_arguments(tmp_path):
     for kwargs, match in [({"use_gloo": True, "use_mpi": True}, "use_gloo and use_mpi"),
                           ({"np": 2, "num_proc": 3}, "differ"),
                           ({"hosts": "localhost:2", "hostfile": str(hostfile)}, "not both"),
-                          ({"min_num_proc": 1, "output_filename": "out"},
-                           "min_num_proc, output_filename not supported")]:
+                          ({"cooldown_range": (1, 2), "output_filename": "out"},
+                           "cooldown_range, output_filename not supported")]:
         with pytest.raises(rr.InvalidInputError, match=match):
             rr.run(_rank_value, args=(0,), **kwargs)
     with pytest.raises(TypeError, match="'bogus'"):
         rr.run(_rank_value, args=(0,), bogus=1)
+
+
+def _elastic_sizes(steps: int, die: str) -> tuple[int, int, list]:
+    import os
+
+    import numpy as np
+
+    import ringreduce as rr
+
+    rr.init()
+    state = rr.elastic.ObjectState(sizes=[])
+
+    @rr.elastic.run
+    def train(state: rr.elastic.ObjectState) -> None:
+        while len(state.sizes) < steps:
+            state.sizes.append(int(rr.allreduce(np.ones(1), op=rr.Sum, name="n")[0]))
+            if os.environ["RINGREDUCE_ELASTIC_WORKER"] == die and len(state.sizes) == 7:
+                os._exit(5)
+            if len(state.sizes) % 5 == 0:
+                state.commit()
+
+    train(state)
+    return rr.rank(), rr.size(), state.sizes
+
+
+def test_run_with_horovods_elastic_arguments():
+    # two names of this machine are two hosts to the driver: w1 (rank 0) dies, its host
+    # is blacklisted, and the job goes on with the two workers of the other
+    values = rr.run(_elastic_sizes, args=(12, "w1"), hosts="localhost:1,127.0.0.1:2", np=3,
+                    min_num_proc=2, max_num_proc=3, elastic_timeout=20, timeout=60)
+    assert values == [(0, 2, [3] * 5 + [2] * 7), (1, 2, [3] * 5 + [2] * 7)]
 
 
 def test_run_reraises_a_ranks_exception():

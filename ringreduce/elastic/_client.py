@@ -34,6 +34,7 @@ class Membership:
     """This process's place in the elastic job: the generation it last joined."""
 
     generation: Optional[int] = None
+    rank: Optional[int] = None  # in that generation
 
 
 def in_elastic_job() -> bool:
@@ -78,7 +79,7 @@ def join() -> tuple[int, int, int, bytes]:
     answer = ask(("join", worker_id()))
     if answer[0] == "assign":
         _, generation, rank, size, secret = answer
-        Membership.generation = generation
+        Membership.generation, Membership.rank = generation, rank
         return generation, rank, size, secret
     if answer[0] == "leave":
         print(f"ringreduce: elastic worker {worker_id()} leaves the job: {answer[1]}",

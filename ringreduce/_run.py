@@ -1,0 +1,250 @@
+"""``ringreduce.run``: call a function on new ranks and collect what it returns (Horovod's
+``horovod.run``), in a fixed-size job or an elastic one."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .exceptions import InvalidInputError, RingReduceError
+from .launcher import TIMEOUT_EXIT_CODE, HostSlots, launch, parse_hostfile, parse_hosts
+
+__all__ = ["run", "run_pickled"]
+
+
+class _RemoteTraceback(Exception):
+    """Carries a rank's traceback text as the ``__cause__`` of the re-raised error."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+_HOROVOD_REFUSED = ("cooldown_range", "output_filename", "mpi_args", "ssh_identity_file")
+_HOROVOD_ELASTIC = ("min_num_proc", "max_num_proc", "min_np", "max_np", "slots",
+                    "reset_limit", "elastic_timeout", "host_discovery_script")
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (),
+        kwargs: Optional[Mapping[str, Any]] = None, np: Optional[int] = None,
+        hosts: Optional[str | Sequence[HostSlots]] = None, timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None, *, num_proc: Optional[int] = None,
+        hostfile: Optional[str | os.PathLike] = None, ssh_port: Optional[int] = None,
+        executable: Optional[str] = None, use_gloo: Optional[bool] = None,
+        use_mpi: Optional[bool] = None, verbose: Any = None, disable_cache: Any = None,
+        start_timeout: Any = None, network_interface: Any = None, **horovod: Any) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``np`` new ranks; return their values in rank order.
+
+    Like ``horovod.run``: ``fn`` runs in fresh processes started as by ``ringrun`` and
+    must call ``ringreduce.init()`` itself. ``fn``, its arguments and its return value
+    travel by pickle (through a temporary directory, which remote hosts must share);
+    a function of the ``__main__`` script is found by re-running the script with
+    ``__name__ == "__mp_main__"``, as multiprocessing's spawn does, so guard its entry
+    point with ``if __name__ == "__main__":``.
+
+    Parameters
+    ----------
+    fn : callable
+        A picklable function (module level).
+    args, kwargs : optional
+        Its arguments.
+    np : int, optional
+        Number of ranks (default 1, as ``horovod.run``'s ``num_proc``).
+    hosts : str or sequence of HostSlots, optional
+        ``"host1:2,host2:2"`` or parsed entries; default all local.
+    timeout : float, optional
+        Seconds before the job is stopped (then RingReduceTimeoutError).
+    env : mapping, optional
+        Extra environment variables for the ranks.
+    num_proc, hostfile, ssh_port, executable :
+        Horovod's names: ``num_proc`` is ``np``; ``hostfile`` a file of ``host slots=N``
+        (or ``host:N``) lines, not with ``hosts``; ``ssh_port`` the port of remote ranks'
+        ssh; ``executable`` the Python that runs the ranks (default ``sys.executable``).
+    use_gloo, use_mpi, verbose, disable_cache, start_timeout, network_interface :
+        Horovod's; accepted and ignored (ringreduce has its own transport; both
+        ``use_gloo`` and ``use_mpi`` true is refused, as Horovod does).
+    **horovod :
+        Horovod's elastic arguments make the job elastic, as ``ringrun``'s flags of the
+        same names: ``min_num_proc`` / ``min_np``, ``max_num_proc`` / ``max_np``,
+        ``slots`` (per discovered host), ``reset_limit``, ``elastic_timeout``,
+        ``host_discovery_script``; ``fn`` then uses ``ringreduce.elastic.run`` itself.
+        ``cooldown_range``, ``output_filename``, ``mpi_args`` and ``ssh_identity_file``
+        are refused when set; any other name is a TypeError.
+
+    Returns
+    -------
+    list
+        ``fn``'s return value on each rank, in rank order (in an elastic job: on each
+        rank of the last generation).
+
+    Raises
+    ------
+    Exception
+        The exception of the first rank that raised one, with that rank's traceback
+        text as its ``__cause__``; RingReduceError if a rank died without one.
+    """
+    unknown = sorted(set(horovod) - set(_HOROVOD_REFUSED) - set(_HOROVOD_ELASTIC))
+    if unknown:
+        raise TypeError(f"run() got an unexpected keyword argument {unknown[0]!r}")
+    refused = sorted(k for k in _HOROVOD_REFUSED if horovod.get(k) is not None)
+    if refused:
+        raise InvalidInputError(f"ringreduce.run: {', '.join(refused)} not supported (no "
+                                "blacklist cooldown, per-rank output files, MPI arguments or "
+                                "ssh identity files; ringrun's --ssh-command covers ssh)")
+    if use_gloo and use_mpi:
+        raise InvalidInputError("ringreduce.run: use_gloo and use_mpi cannot both be true")
+    if np is not None and num_proc is not None and np != num_proc:
+        raise InvalidInputError(f"ringreduce.run: np={np} and num_proc={num_proc} differ")
+    if hosts is not None and hostfile is not None:
+        raise InvalidInputError("ringreduce.run: give hosts or hostfile, not both")
+    np = np if np is not None else num_proc
+    host_list = parse_hosts(hosts) if isinstance(hosts, str) else hosts
+    if hostfile is not None:
+        host_list = parse_hostfile(hostfile)
+    elastic = {k: v for k, v in horovod.items() if k in _HOROVOD_ELASTIC and v is not None}
+    with tempfile.TemporaryDirectory(prefix="ringreduce-run-") as tmp:
+        command = [executable or sys.executable, "-m", "ringreduce", "--run-pickled",
+                   _payload(Path(tmp), fn, args, kwargs)]
+        if elastic:
+            code, failed = _launch_elastic(command, np, host_list, elastic, env, timeout,
+                                           ssh_port), None
+        else:
+            np = 1 if np is None else np  # horovod.run's num_proc default
+            outcome = launch(command, np, host_list, env=env, timeout=timeout,
+                             ssh_port=ssh_port)
+            code, failed = outcome.code, outcome.failed_rank
+        results = _results(Path(tmp))
+    return _returned(results, code, failed, None if elastic else np, timeout)
+
+
+def _payload(tmp: Path, fn: Callable[..., Any], args: Sequence[Any],
+             kwargs: Optional[Mapping[str, Any]]) -> str:
+    main_mod = sys.modules.get("__main__")
+    main_path = getattr(main_mod, "__file__", None) \
+        if getattr(fn, "__module__", None) == "__main__" else None
+    payload = tmp / "call.pkl"
+    with open(payload, "wb") as f:
+        pickle.dump({"sys_path": [p or os.getcwd() for p in sys.path],
+                     "main_path": main_path and os.path.abspath(main_path),
+                     "call": pickle.dumps((fn, tuple(args), dict(kwargs or {})))}, f)
+    return str(payload)
+
+
+def _launch_elastic(command: list[str], np: Optional[int],
+                    hosts: Optional[Sequence[HostSlots]], elastic: dict,
+                    env: Optional[Mapping[str, str]], timeout: Optional[float],
+                    ssh_port: Optional[int]) -> int:
+    from .elastic.discovery import FixedHosts, ScriptHosts
+    from .elastic.driver import ElasticSettings, launch_elastic
+
+    low = elastic.get("min_num_proc", elastic.get("min_np"))
+    high = elastic.get("max_num_proc", elastic.get("max_np"))
+    np = np or low or high or 1
+    script = elastic.get("host_discovery_script")
+    if script and hosts:
+        raise InvalidInputError("ringreduce.run: give host_discovery_script or hosts, not both")
+    discovery = ScriptHosts(script, elastic.get("slots") or 1) if script else \
+        FixedHosts(hosts or [HostSlots("localhost", high or np)])
+    settings = ElasticSettings(min_np=low or np, max_np=high or np, np=np,
+                               elastic_timeout=elastic.get("elastic_timeout", 600.0),
+                               reset_limit=elastic.get("reset_limit"))
+    return launch_elastic(command, discovery, settings, env=dict(env or {}), timeout=timeout,
+                          ssh_port=ssh_port)
+
+
+def _results(tmp: Path) -> list[dict]:
+    out = []
+    for path in sorted(tmp.glob("result-*.pkl")):
+        with open(path, "rb") as f:
+            out.append(pickle.load(f))
+    return out
+
+
+def _returned(results: list[dict], code: int, failed_rank: Optional[int],
+              np: Optional[int], timeout: Optional[float]) -> list:
+    """The values in rank order, or the first failed rank's exception raised again. In an
+    elastic job (``np`` None) only the last generation's ranks count."""
+    from .exceptions import RingReduceTimeoutError
+
+    if np is None and results:
+        last = max(r["generation"] for r in results)
+        results = [r for r in results if r["generation"] == last]
+    by_rank = {r["rank"]: r for r in results}
+    for r in ([failed_rank] if failed_rank is not None else []) + sorted(by_rank):
+        if r in by_rank and not by_rank[r]["ok"]:
+            _reraise(r, by_rank[r])
+    if code == TIMEOUT_EXIT_CODE and failed_rank is None:
+        raise RingReduceTimeoutError(f"ringreduce.run: timed out after {timeout:g} s")
+    expected = np if np is not None else len(by_rank)
+    if code != 0 or sorted(by_rank) != list(range(expected)) or not by_rank:
+        who = f"rank {failed_rank}" if failed_rank is not None else "the job"
+        raise RingReduceError(f"ringreduce.run: {who} ended with exit code {code} "
+                              "and no result")
+    return [by_rank[r]["value"] for r in range(expected)]
+
+
+def _reraise(rank: int, result: Mapping[str, Any]) -> None:
+    cause = _RemoteTraceback(f"\n\nrank {rank} raised:\n{result['traceback']}")
+    err = None
+    if result["error"] is not None:
+        try:
+            err = pickle.loads(result["error"])
+        except Exception:
+            err = None
+    if not isinstance(err, BaseException):
+        err = RingReduceError(f"rank {rank} raised {result['text']}")
+    raise err from cause
+
+
+def _import_main(path: str) -> None:
+    """Load the caller's ``__main__`` script as multiprocessing's spawn does."""
+    import runpy
+    import types
+
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
+def run_pickled(path: str) -> int:
+    """Rank side of ``run``: call the pickled function, write its result next to it (named
+    by rank, or by elastic worker with the rank and generation it ended in)."""
+    from .elastic import _client
+
+    with open(path, "rb") as f:
+        payload = pickle.load(f)
+    sys.path[:0] = [p for p in payload["sys_path"] if p not in sys.path]
+    try:
+        if payload["main_path"]:
+            _import_main(payload["main_path"])
+        fn, args, kwargs = pickle.loads(payload["call"])
+        record: dict = {"ok": True, "value": fn(*args, **kwargs)}
+        code = 0
+    except Exception as e:
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        try:
+            error: Optional[bytes] = pickle.dumps(e)
+            pickle.loads(error)
+        except Exception:
+            error = None
+        record = {"ok": False, "error": error, "text": f"{type(e).__name__}: {e}",
+                  "traceback": text}
+        code = 1
+    if _client.in_elastic_job():
+        name = _client.worker_id()
+        rank, generation = _client.Membership.rank, _client.Membership.generation
+    else:
+        rank, generation = int(os.environ.get("RANK", "0")), 0
+        name = str(rank)
+    blob = pickle.dumps({**record, "rank": rank, "generation": generation})
+    out = Path(path).with_name(f"result-{name}.pkl")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, out)
+    return code

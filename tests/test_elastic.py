@@ -127,6 +127,15 @@ def test_a_program_that_fails_everywhere_ends_the_job_at_once():
     assert "every host is blacklisted" in job.procs[0].stderr, job.describe()
 
 
+def test_the_timeout_stops_every_worker():
+    job = run_elastic(elastic_args(1, 2, np=2, hosts="a:1,b:1",
+                                   extra=["--timeout", "4", "--grace-period", "1"]),
+                      [*WORKER, "100000"])
+    assert job.procs[0].returncode == 124, job.describe()
+    assert "ringrun: timed out after 4 s; stopping the job" in job.procs[0].stderr
+    assert generations(job) == [["w1@a", "w2@b"]] and not job.survivors, job.describe()
+
+
 # ------------------------------------------------------------------ in-process
 def test_discovery_script_output_and_failures(tmp_path, capsys):
     script = ScriptHosts("printf 'a:2\\nb\\n# c:9\\n\\n'", slots_per_host=4)

@@ -183,16 +183,21 @@ exec ip netns exec "$ns" env RINGREDUCE_HOST_ID="$ns" sh -c "$*"
 """
 
 
+def write_launcher(hosts: Hosts, path: str) -> str:
+    """Write the ssh stand-in for ``hosts`` (``launcher ADDRESS COMMAND``) to ``path``."""
+    cases = "\n".join(f'{a}) ns={n};;' for a, n in zip(hosts.addrs, hosts.names))
+    with open(path, "w") as f:
+        f.write(_LAUNCHER % cases)
+    os.chmod(path, 0o755)
+    return path
+
+
 def main(argv: Sequence[str]) -> int:
     if len(argv) < 3 or argv[0] != "-n":
         print(__doc__, file=sys.stderr)
         return 2
     with Hosts(int(argv[1])) as hosts, tempfile.TemporaryDirectory() as tmp:
-        launcher = os.path.join(tmp, "launcher")
-        cases = "\n".join(f'{a}) ns={n};;' for a, n in zip(hosts.addrs, hosts.names))
-        with open(launcher, "w") as f:
-            f.write(_LAUNCHER % cases)
-        os.chmod(launcher, 0o755)
+        launcher = write_launcher(hosts, os.path.join(tmp, "launcher"))
         cmd = [a.replace("{addrs}", ",".join(hosts.addrs)).replace("{launcher}", launcher)
                for a in argv[2:]]
         env = dict(os.environ, RINGREDUCE_HOST_ID=hosts.names[0])

@@ -12,7 +12,9 @@ through ``RINGREDUCE_HOST_ID``. The worker is tests/workers/hosts_worker.py.
 * a frozen rank (SIGSTOP): every other rank names it in a warning within
   RINGREDUCE_STALL_CHECK_SECONDS and raises naming it after
   RINGREDUCE_PEER_TIMEOUT_SECONDS (the heartbeat; transport/heartbeat.h);
-* two jobs started at once on one MASTER_PORT refuse each other.
+* two jobs started at once on one MASTER_PORT refuse each other;
+* an elastic job (ringrun's driver in host 0) goes on on two hosts when the third one's
+  link is cut during training.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from netns import Hosts
+from elastic_jobs import GENERATION
+from netns import Hosts, write_launcher
 from procs import PYTHON, WORKERS, Job, _new_log_dir, base_env, run_procs
+
+ELASTIC_WORKER = str(WORKERS / "elastic_worker.py")
 
 WORKER = str(WORKERS / "hosts_worker.py")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -180,3 +185,45 @@ def test_two_jobs_on_one_port_refuse_each_other():
     assert len(winners) == 1, (ran, job.describe())
     loser = "Y" if winners[0] == "X" else "X"
     assert any((29412, loser, r) in hinted for r in (0, 1)), (hinted, job.describe())
+
+
+def test_elastic_job_goes_on_when_a_hosts_link_is_cut(tmp_path):
+    """ringrun runs in host 0 with workers on hosts 0-2; host 2's cable is pulled while
+    they train: the others lose it within the link timeout, go back to their last commit,
+    ringrun stops the unreachable worker after --elastic-timeout and forms a generation
+    of two, which finishes every step."""
+    progress = tmp_path / "step"
+    with Hosts(3) as hosts:
+        launcher = write_launcher(hosts, str(tmp_path / "launcher"))
+        a = hosts.addrs
+        cmd = hosts.command(0, [
+            PYTHON, "-m", "ringreduce", "-np", "3", "--min-np", "2", "--max-np", "3",
+            "-H", f"{a[0]}:1,{a[1]}:1,{a[2]}:1", "--ssh-command", launcher,
+            "--master-addr", a[0], "--elastic-timeout", "5",
+            PYTHON, ELASTIC_WORKER, "300", f"progress:{progress}"])
+        env = base_env({"RINGREDUCE_LINK_TIMEOUT_SECONDS": 2,
+                        "RINGREDUCE_CONNECT_TIMEOUT_SECONDS": 20,
+                        "RINGREDUCE_HOST_ID": hosts.names[0]})
+        cut_at: list[int] = []
+
+        def cut() -> None:
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                step = int(progress.read_text() or 0) if progress.exists() else 0
+                if step >= 12:
+                    cut_at.append(step)
+                    hosts.cut(2)
+                    return
+                time.sleep(0.02)
+
+        job = run_during([("ringrun", cmd, env)], _new_log_dir(None), 90, cut)
+    assert cut_at, f"the workers never got to step 12\n{job.describe()}"
+    out, err = job.procs[0].stdout, job.procs[0].stderr
+    assert job.procs[0].returncode == 0, job.describe()
+    gens = [g.group(3) for g in GENERATION.finditer(err)]
+    assert gens == [f"0=w1@{a[0]}, 1=w2@{a[1]}, 2=w3@{a[2]}", f"0=w1@{a[0]}, 1=w2@{a[1]}"], err
+    assert f"worker w3 on {a[2]} (member) did not rejoin within --elastic-timeout 5 s" in err
+    sizes = {line.split(" sizes ")[1].split()[0] for line in out.splitlines() if "RESULT" in line}
+    assert len(sizes) == 1, out  # both survivors, the same history
+    (big, k), (small, rest) = [tuple(map(int, r.split("x"))) for r in sizes.pop().split(",")]
+    assert (big, small) == (3, 2) and k % 5 == 0 and k <= cut_at[0] + 5 and k + rest == 300

@@ -8,6 +8,7 @@ which steps, and that steps after a failure restarted from the last commit. Acti
 * ``freeze:W:S``: worker W stops itself (SIGSTOP) right after step S;
 * ``grow:FILE:S``: rank 0 appends ``c:1`` to the discovery FILE after step S;
 * ``shrink:FILE:S``: rank 0 rewrites FILE without host ``c`` after step S;
+* ``progress:FILE``: rank 0 writes the step it finished to FILE after every step;
 * ``crash``: raise at once, before init (every worker fails).
 
 Prints ``RESULT <worker> rank <r> size <n> sizes <3x10,2x50> resets <k>`` at the end
@@ -38,6 +39,9 @@ state.register_reset_callbacks([lambda: resets.append(rr.size())])
 
 def act(step: int) -> None:
     for a in actions:
+        if a[0] == "progress" and rr.rank() == 0:
+            with open(a[1], "w") as f:
+                f.write(str(step))
         if a[0] == "die" and a[1] == me and int(a[2]) == step:
             os._exit(3)
         if a[0] == "freeze" and a[1] == me and int(a[2]) == step:

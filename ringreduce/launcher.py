@@ -39,8 +39,7 @@ __all__ = ["HostSlots", "launch", "main", "parse_hostfile", "parse_hosts"]
 SCRUBBED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "RINGREDUCE_SECRET", "RINGREDUCE_HOST_ID", "GROUP_RANK",
                  "ROLE_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEPID",
-                 "SLURM_STEP_ID", "RINGREDUCE_ELASTIC_DRIVER", "RINGREDUCE_ELASTIC_WORKER",
-                 "RINGREDUCE_ELASTIC_TIMEOUT")
+                 "SLURM_STEP_ID", "RINGREDUCE_ELASTIC_DRIVER", "RINGREDUCE_ELASTIC_WORKER")
 SCRUBBED_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_", "I_MPI_", "MV2_",
                      "TORCHELASTIC_")
 DEFAULT_SSH = ("ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no")

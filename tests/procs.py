@@ -38,8 +38,7 @@ SHM_DIR = Path("/dev/shm")
 # process; scrubbed from every child's environment so each test picks its mode.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "RINGREDUCE_SECRET", "RINGREDUCE_HOST_ID",
-               "RINGREDUCE_TRANSPORT", "RINGREDUCE_ELASTIC_DRIVER", "RINGREDUCE_ELASTIC_WORKER",
-               "RINGREDUCE_ELASTIC_TIMEOUT")
+               "RINGREDUCE_TRANSPORT", "RINGREDUCE_ELASTIC_DRIVER", "RINGREDUCE_ELASTIC_WORKER")
 LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_", "I_MPI_", "MV2_",
                    "SLURM_")
 

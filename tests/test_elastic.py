@@ -73,6 +73,18 @@ def test_hosts_added_by_discovery_join_at_a_commit(tmp_path):
     assert "hosts were added or removed" in job.procs[0].stderr
 
 
+def test_new_workers_wait_for_a_commit_that_comes_after_the_elastic_timeout(tmp_path):
+    # commits every 3 s, --elastic-timeout 1 s: the members must not count as stragglers
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\nb:1\n")
+    job = run_elastic(elastic_args(2, 3, discovery=hosts, extra=["--elastic-timeout", "1"]),
+                      [*WORKER, "60", f"grow:{hosts}:2", "every:30", "sleep:0.1"])
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b"], ["w1@a", "w2@b", "w3@c"]], job.describe()
+    assert {v[2] for v in results(job).values()} == {"2x30,3x30"}, job.describe()
+    assert "stopping it" not in job.procs[0].stderr, job.describe()
+
+
 def test_a_host_removed_by_discovery_leaves_at_a_commit(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a:1\nb:1\nc:1\n")

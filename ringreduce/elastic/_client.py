@@ -19,7 +19,9 @@ connection's HMAC key). Every request opens one authenticated connection
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 from multiprocessing.connection import Client
 from typing import Any, Optional
 
@@ -27,7 +29,6 @@ from ..exceptions import InvalidInputError, PeerLostError, RingReduceError
 
 DRIVER_VAR = "RINGREDUCE_ELASTIC_DRIVER"
 WORKER_VAR = "RINGREDUCE_ELASTIC_WORKER"
-TIMEOUT_VAR = "RINGREDUCE_ELASTIC_TIMEOUT"
 
 
 class Membership:
@@ -49,25 +50,42 @@ def _address() -> tuple[str, int]:
     return host, int(port)
 
 
-def _timeout() -> float:
-    return float(os.environ.get(TIMEOUT_VAR, "600"))
-
-
 def ask(request: tuple, timeout: Optional[float] = None) -> tuple:
-    """Send ``request`` to the driver and return its answer (PeerLostError if it is gone)."""
+    """Send ``request`` to the driver and return its answer (PeerLostError if it is gone).
+
+    Without ``timeout`` the answer may take as long as the driver needs (a new worker
+    waits for the running generation's next commit); the driver bounds that itself, and
+    TCP keepalive finds a driver whose host is gone.
+    """
     where = os.environ[DRIVER_VAR]
     key = os.environ.get("RINGREDUCE_SECRET", "").encode()
-    wait = _timeout() + 30 if timeout is None else timeout
     try:
         with Client(_address(), authkey=key) as conn:
+            _keepalive(conn.fileno())
             conn.send(request)
-            if not conn.poll(wait):
-                raise PeerLostError(f"elastic worker {worker_id()}: the driver at {where} did "
-                                    f"not answer {request[0]!r} within {wait:g} s")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not conn.poll(1.0):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise PeerLostError(f"elastic worker {worker_id()}: the driver at {where} "
+                                        f"did not answer {request[0]!r} within {timeout:g} s")
             return conn.recv()
     except (OSError, EOFError) as err:
         raise PeerLostError(f"elastic worker {worker_id()}: lost the driver at {where} "
                             f"during {request[0]!r}: {err}") from err
+
+
+def _keepalive(fd: int) -> None:
+    """Probe an idle connection every 5 s after 10 s; give up after 3 missed probes."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass  # not TCP (or not Linux): the driver's own bounds still hold
+    finally:
+        sock.close()
 
 
 def worker_id() -> str:

@@ -54,7 +54,7 @@ from ..launcher import (
     omp_wait_policy,
     rank_spec,
 )
-from ._client import DRIVER_VAR, TIMEOUT_VAR, WORKER_VAR
+from ._client import DRIVER_VAR, WORKER_VAR
 from .discovery import Discovery
 
 __all__ = ["ElasticSettings", "launch_elastic"]
@@ -110,6 +110,7 @@ class ElasticDriver:
         self.code: Optional[int] = None
         self.target = settings.np
         self.waiting_since: Optional[float] = None
+        self.formed_at = float("inf")  # when the current generation formed
         self.key = secrets.token_hex(32)
         self.listener = Listener(("0.0.0.0", 0), authkey=self.key.encode())
         self.port = self.listener.address[1]
@@ -132,7 +133,7 @@ class ElasticDriver:
         local = is_local_host(host.host)
         base = _scrubbed_env(os.environ)
         mine = {DRIVER_VAR: f"{self._address()}:{self.port}", WORKER_VAR: wid,
-                TIMEOUT_VAR: f"{self.s.elastic_timeout:g}", "RINGREDUCE_SECRET": self.key,
+                "RINGREDUCE_SECRET": self.key,
                 **omp_wait_policy({**base, **self.extra}, host.slots, local), **self.extra}
         spec = rank_spec(self.ages, self.command, host.host, local, base, mine,
                          self.ssh_command, self.ssh_port)
@@ -252,7 +253,7 @@ class ElasticDriver:
         self.members = self.order(staying)
         self.records = {}
         self.formed_serial, self.removed_only = self.serial, True
-        self.waiting_since = None
+        self.waiting_since, self.formed_at = None, time.monotonic()
         for w in self.members:
             w.state, w.generation = "member", self.generation
         _say(f"generation {self.generation}: {len(self.members)} rank(s): " + ", ".join(
@@ -271,14 +272,26 @@ class ElasticDriver:
         self.failure = why
         self.cond.notify_all()
 
+    def broken_up(self) -> bool:
+        """Whether the current generation is over (a member rejoined or exited), so the
+        waiting workers wait for the others to rejoin, not for its next commit."""
+        return self.generation < 0 or any(
+            w.generation == self.generation and w.state in ("waiting", "gone")
+            for w in self.workers.values())
+
     def check_timeout(self) -> None:
-        """End the job if a generation has been waiting to form for too long."""
-        live = self.live()
-        waiting = [w for w in live if w.state == "waiting"]
-        if not waiting or self.finished or self.failure:
+        """Stop the workers that hold up a generation for longer than --elastic-timeout:
+        members that do not rejoin once theirs broke up, members that never send their
+        record for a new one; end the job when too few workers are left."""
+        now = time.monotonic()
+        if self.finished or self.failure or self.exchange_overdue(now):
             self.waiting_since = None
             return
-        now = time.monotonic()
+        live = self.live()
+        waiting = [w for w in live if w.state == "waiting"]
+        if not waiting or not self.broken_up():
+            self.waiting_since = None  # new workers wait for the members' next commit
+            return
         if self.waiting_since is None:
             self.waiting_since = now
         if now - self.waiting_since < self.s.elastic_timeout:
@@ -287,13 +300,7 @@ class ElasticDriver:
         staying = len([w for w in waiting if not w.leaving])
         if missing and staying >= self.s.min_np:
             # a frozen or hung worker must not hold the others: stop it and go on
-            for w in missing:
-                _say(f"worker {w.wid} on {w.host} ({w.state}) did not rejoin within "
-                     f"--elastic-timeout {self.s.elastic_timeout:g} s; stopping it")
-                try:
-                    os.killpg(w.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            self.kill(missing, "did not rejoin")
             self.waiting_since = None
             return
         why = (f"workers {', '.join(f'{w.wid}@{w.host} ({w.state})' for w in missing)} did "
@@ -301,6 +308,27 @@ class ElasticDriver:
                f"only {staying} worker(s) are available, fewer than --min-np {self.s.min_np}")
         self.fail(f"no new generation formed within --elastic-timeout "
                   f"{self.s.elastic_timeout:g} s: {why}")
+
+    def exchange_overdue(self, now: float) -> bool:
+        """Stop the members of a new generation that have not sent their endpoint record
+        within --elastic-timeout of its forming (the others are waiting for them)."""
+        if self.generation < 0 or len(self.records) == len(self.members) or \
+                now - self.formed_at < self.s.elastic_timeout:
+            return False
+        late = [w for r, w in enumerate(self.members)
+                if r not in self.records and w.state == "member"]
+        self.kill(late, "did not send its endpoint record")
+        self.formed_at = float("inf")
+        return bool(late)
+
+    def kill(self, workers: list[Worker], why: str) -> None:
+        for w in workers:
+            _say(f"worker {w.wid} on {w.host} ({w.state}) {why} within --elastic-timeout "
+                 f"{self.s.elastic_timeout:g} s; stopping it")
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     # ----------------------------------------------------------------- requests
     def serve(self) -> None:

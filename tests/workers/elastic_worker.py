@@ -1,7 +1,7 @@
 """Elastic numpy worker for tests/test_elastic.py: ``elastic_worker.py STEPS [ACTION...]``.
 
 Each step allreduces (Sum) a vector of ones and appends its first element, the job's size,
-to ``state.sizes``; it commits every 5 steps. So the final list says which sizes ran
+to ``state.sizes``; it commits every 5 steps (see ``every``). So the final list says which sizes ran
 which steps, and that steps after a failure restarted from the last commit. Actions:
 
 * ``die:W:S``: worker W exits with code 3 right after step S (before its commit);
@@ -9,6 +9,7 @@ which steps, and that steps after a failure restarted from the last commit. Acti
 * ``grow:FILE:S``: rank 0 appends ``c:1`` to the discovery FILE after step S;
 * ``shrink:FILE:S``: rank 0 rewrites FILE without host ``c`` after step S;
 * ``progress:FILE``: rank 0 writes the step it finished to FILE after every step;
+* ``every:N``: commit every N steps instead of 5; ``sleep:S``: S seconds per step;
 * ``crash``: raise at once, before init (every worker fails).
 
 Prints ``RESULT <worker> rank <r> size <n> sizes <3x10,2x50> resets <k>`` at the end
@@ -27,6 +28,8 @@ import ringreduce.elastic as el
 
 steps = int(sys.argv[1])
 actions = [a.split(":") for a in sys.argv[2:]]
+options = {a[0]: float(a[1]) for a in actions if a[0] in ("every", "sleep")}
+every, pause = int(options.get("every", 5)), options.get("sleep", 0.01)
 me = os.environ["RINGREDUCE_ELASTIC_WORKER"]
 if ["crash"] in actions:
     raise SystemExit("crash requested")
@@ -64,9 +67,9 @@ def train(state: el.ObjectState) -> str:
         state.sizes.append(int(x[0]))
         state.step += 1
         act(state.step)
-        if state.step % 5 == 0:
+        if state.step % every == 0:
             state.commit()
-        time.sleep(0.01)
+        time.sleep(pause)
     runs = []
     for n in state.sizes:
         if runs and runs[-1][0] == n:

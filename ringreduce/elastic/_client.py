@@ -3,8 +3,8 @@
 Under ``ringrun --min-np/--max-np`` (see ``driver.py``) a worker has no fixed rank. Its
 environment names the driver (``RINGREDUCE_ELASTIC_DRIVER=host:port``), the worker's
 identity (``RINGREDUCE_ELASTIC_WORKER``) and the job secret (``RINGREDUCE_SECRET``, the
-connection's HMAC key). Every request opens one authenticated connection
-(``multiprocessing.connection``) and gets one answer:
+connection's HMAC key). The worker keeps one authenticated connection
+(``multiprocessing.connection``) for its life and sends one request at a time:
 
 * ``("join", worker)``: answered once the driver has formed the next generation with this
   worker in it: ``("assign", generation, rank, size, secret)``; or ``("leave", why)`` when
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from multiprocessing.connection import Client
 from typing import Any, Optional
@@ -50,6 +51,14 @@ def _address() -> tuple[str, int]:
     return host, int(port)
 
 
+class _Link:
+    """This process's one authenticated connection to the driver, made on first use (a
+    handshake per request would cost a few round trips each commit)."""
+
+    conn: Any = None
+    lock = threading.Lock()
+
+
 def ask(request: tuple, timeout: Optional[float] = None) -> tuple:
     """Send ``request`` to the driver and return its answer (PeerLostError if it is gone).
 
@@ -58,26 +67,39 @@ def ask(request: tuple, timeout: Optional[float] = None) -> tuple:
     TCP keepalive finds a driver whose host is gone.
     """
     where = os.environ[DRIVER_VAR]
-    key = os.environ.get("RINGREDUCE_SECRET", "").encode()
-    try:
-        with Client(_address(), authkey=key) as conn:
-            _keepalive(conn.fileno())
+    with _Link.lock:
+        try:
+            if _Link.conn is None:
+                key = os.environ.get("RINGREDUCE_SECRET", "").encode()
+                _Link.conn = Client(_address(), authkey=key)
+                tune(_Link.conn.fileno())
+            conn = _Link.conn
             conn.send(request)
             deadline = None if timeout is None else time.monotonic() + timeout
             while not conn.poll(1.0):
                 if deadline is not None and time.monotonic() > deadline:
+                    _drop()
                     raise PeerLostError(f"elastic worker {worker_id()}: the driver at {where} "
                                         f"did not answer {request[0]!r} within {timeout:g} s")
             return conn.recv()
-    except (OSError, EOFError) as err:
-        raise PeerLostError(f"elastic worker {worker_id()}: lost the driver at {where} "
-                            f"during {request[0]!r}: {err}") from err
+        except (OSError, EOFError) as err:
+            _drop()
+            raise PeerLostError(f"elastic worker {worker_id()}: lost the driver at {where} "
+                                f"during {request[0]!r}: {err}") from err
 
 
-def _keepalive(fd: int) -> None:
-    """Probe an idle connection every 5 s after 10 s; give up after 3 missed probes."""
+def _drop() -> None:
+    conn, _Link.conn = _Link.conn, None
+    if conn is not None:
+        conn.close()
+
+
+def tune(fd: int) -> None:
+    """No Nagle delay (requests are small and answered at once); keepalive probes an idle
+    connection every 5 s after 10 s and gives up after 3 missed probes."""
     sock = socket.socket(fileno=os.dup(fd))
     try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
             if hasattr(socket, name):

@@ -54,7 +54,7 @@ from ..launcher import (
     omp_wait_policy,
     rank_spec,
 )
-from ._client import DRIVER_VAR, WORKER_VAR
+from ._client import DRIVER_VAR, WORKER_VAR, tune
 from .discovery import Discovery
 
 __all__ = ["ElasticSettings", "launch_elastic"]
@@ -343,14 +343,19 @@ class ElasticDriver:
             threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
 
     def answer(self, conn: Any) -> None:
+        """Answer one worker's requests, one at a time, until it hangs up."""
+        tune(conn.fileno())
+        handlers = {"join": self.on_join, "exchange": self.on_exchange,
+                    "updates": self.on_updates}
         with conn:
-            try:
-                request = conn.recv()
-                handler = {"join": self.on_join, "exchange": self.on_exchange,
-                           "updates": self.on_updates}[request[0]]
-                conn.send(handler(*request[1:]))
-            except (OSError, EOFError, KeyError, TypeError, IndexError):
-                pass  # the worker went away, or spoke nonsense: nothing to answer
+            while True:
+                try:
+                    request = conn.recv()
+                    conn.send(handlers[request[0]](*request[1:]))
+                except (OSError, EOFError):
+                    return  # the worker went away
+                except (KeyError, TypeError, IndexError):
+                    return  # it spoke nonsense: nothing to answer
 
     def on_join(self, wid: str) -> tuple:
         with self.cond:

@@ -184,3 +184,13 @@ def test_hosts_benchmark_across_network_namespaces():
                   "2x2 interleaved hier"):
         assert any(line.startswith(label) or label in line for line in rows), label
     assert "hierarchical is" in res.stdout
+
+
+def test_elastic_benchmark_recovers_both_systems():
+    pytest.importorskip("torch")
+    out = stdout(run_single(BENCH / "elastic.py",
+                            ["--mb", "1", "--steps", "30", "--every", "5", "--die-at", "12",
+                             "--repeats", "1"], timeout=120))
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("ringreduce", "torchrun")}
+    assert rows["ringreduce"][-1] == "2" and rows["torchrun"][-1] == "3", out

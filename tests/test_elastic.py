@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 
+import numpy as np
 import pytest
 from elastic_jobs import elastic_args, generations, run_elastic
 from procs import PYTHON, WORKERS
@@ -180,6 +181,23 @@ def test_object_state_commit_restore_and_sync_in_one_process():
         assert (state.epoch, state.history) == (0, [1, 2])
         state.sync()
         assert (state.epoch, state.history) == (0, [1, 2])
+    finally:
+        rr.shutdown()
+
+
+def test_object_state_reuses_its_saved_arrays_and_keeps_them_apart():
+    rr.init()
+    try:
+        state = el.ObjectState(w=np.zeros(4), tag="a")
+        saved = state._saved_state["w"]
+        state.w += 1
+        state.commit()
+        assert state._saved_state["w"] is saved  # copied into, not reallocated
+        state.w += 1  # in place: the commit must not see it
+        state.w = state.w.astype(np.float32)  # a new dtype: copied afresh
+        state.restore()
+        np.testing.assert_array_equal(state.w, np.ones(4))
+        assert state.w is not state._saved_state["w"] and state.w.dtype == np.float64
     finally:
         rr.shutdown()
 

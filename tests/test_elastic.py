@@ -133,6 +133,16 @@ def test_the_reset_limit_ends_the_job():
     assert "the reset limit (0) is reached" in job.procs[0].stderr, job.describe()
 
 
+def test_a_discovery_that_finds_no_host_ends_the_job_after_the_elastic_timeout(tmp_path):
+    t0 = time.monotonic()
+    job = run_elastic(elastic_args(1, 2, discovery=tmp_path / "missing.txt",
+                                   extra=["--elastic-timeout", "2"]), [*WORKER, "10"])
+    assert job.procs[0].returncode == 1 and time.monotonic() - t0 < 20, job.describe()
+    err = job.procs[0].stderr
+    assert "host discovery script 'cat " in err and "exited with code 1" in err, err
+    assert "host discovery found no host within --elastic-timeout 2 s" in err, err
+
+
 def test_a_program_that_fails_everywhere_ends_the_job_at_once():
     t0 = time.monotonic()
     job = run_elastic(elastic_args(1, 2, hosts="a:1,b:1"), [*WORKER, "10", "crash"])

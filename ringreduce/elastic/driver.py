@@ -118,6 +118,7 @@ class ElasticDriver:
         self.out, self.err, self.lock = _binary(sys.stdout), _binary(sys.stderr), threading.Lock()
         self.signum: Optional[int] = None
         self.stop_at: Optional[float] = None  # when to stop the workers that are left
+        self.no_hosts_since: Optional[float] = None
 
     # ----------------------------------------------------------------- workers
     def _address(self) -> str:
@@ -137,9 +138,15 @@ class ElasticDriver:
                 **omp_wait_policy({**base, **self.extra}, host.slots, local), **self.extra}
         spec = rank_spec(self.ages, self.command, host.host, local, base, mine,
                          self.ssh_command, self.ssh_port)
-        proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        try:
+            proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as err:
+            _say(f"cannot start worker {wid} on {host.host} ({spec.argv[0]}): {err}; "
+                 f"blacklisting host {host.host}")
+            self.blacklist.add(host.host)
+            return
         w = Worker(wid, self.ages, host.host, slot, proc)
         prefix = f"[{wid}@{host.host}]: ".encode() if self.prefix else b""
         for pipe, write in ((proc.stdout, self.out), (proc.stderr, self.err)):
@@ -422,7 +429,7 @@ class ElasticDriver:
                     next_discovery = now + self.s.discovery_interval
                 self.reap()
                 self.fill()
-                self.check_hosts()
+                self.check_hosts(now)
                 self.try_form()
                 self.check_timeout()
                 self.check_end(now, deadline, timeout)
@@ -451,13 +458,20 @@ class ElasticDriver:
             self.stop_at = float("inf")
             self.stop()
 
-    def check_hosts(self) -> None:
-        """Fail at once when no worker is left and no host can take a new one."""
+    def check_hosts(self, now: float) -> None:
+        """Fail at once when no worker is left and no host can take a new one, and after
+        --elastic-timeout when discovery has found no host at all."""
         if self.live() or self.finished or self.failure:
+            self.no_hosts_since = None
             return
         usable = [h for h in self.hosts if h.host not in self.blacklist]
         if self.hosts and not usable:
             self.fail("every host is blacklisted (a worker failed on each)")
+        elif not self.hosts:
+            self.no_hosts_since = self.no_hosts_since or now
+            if now - self.no_hosts_since >= self.s.elastic_timeout:
+                self.fail(f"host discovery found no host within --elastic-timeout "
+                          f"{self.s.elastic_timeout:g} s")
 
     def stop(self) -> None:
         for w in self.live():

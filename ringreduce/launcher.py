@@ -25,7 +25,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Optional
@@ -498,20 +499,30 @@ def launch(command: Sequence[str], np: Optional[int] = None,
     """
     specs = plan(command, np, hosts, master_addr, master_port, env, ssh_command, ssh_port)
     job = _Job(specs, prefix_output, grace)
+    with signals_to(job):
+        try:
+            failed = job.start()
+            return failed if failed is not None else _watch(job, timeout)
+        finally:
+            if job.running():  # an exception in the launcher itself: leave nothing behind
+                job.stop(signal.SIGKILL)
+                job.wait_all()
+
+
+@contextmanager
+def signals_to(target: Any) -> Iterator[None]:
+    """While inside, SIGINT, SIGTERM and SIGHUP set ``target.signum`` (for the launcher's
+    loop to act on) instead of their usual effect; only in the main thread."""
     old = {}
     if threading.current_thread() is threading.main_thread():
         def handler(signum: int, frame: Any) -> None:
-            job.signum = signum
+            target.signum = signum
 
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old[s] = signal.signal(s, handler)
     try:
-        failed = job.start()
-        return failed if failed is not None else _watch(job, timeout)
+        yield
     finally:
-        if job.running():  # an exception in the launcher itself: leave nothing behind
-            job.stop(signal.SIGKILL)
-            job.wait_all()
         for s, h in old.items():
             signal.signal(s, h)
 

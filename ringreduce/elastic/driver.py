@@ -53,6 +53,7 @@ from ..launcher import (
     is_local_host,
     omp_wait_policy,
     rank_spec,
+    signals_to,
 )
 from ._client import DRIVER_VAR, WORKER_VAR, tune
 from .discovery import Discovery
@@ -539,19 +540,11 @@ def launch_elastic(command: Sequence[str], discovery: Discovery, settings: Elast
                                 f"({settings.np}) <= --max-np ({settings.max_np})")
     driver = ElasticDriver(command, discovery, settings, dict(env or {}), ssh_command,
                            ssh_port, driver_addr, prefix_output, grace)
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        def handler(signum: int, frame: Any) -> None:
-            driver.signum = signum
-
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            old[s] = signal.signal(s, handler)
-    try:
-        return driver.run(timeout)
-    finally:
-        with driver.cond:
-            if driver.live():
-                driver.grace = 0
-                driver.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
+    with signals_to(driver):
+        try:
+            return driver.run(timeout)
+        finally:
+            with driver.cond:
+                if driver.live():  # an exception in the driver itself: stop everything
+                    driver.grace = 0
+                    driver.stop()

@@ -13,15 +13,15 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+from elastic_jobs import elastic_args, generations, run_elastic  # noqa: E402
+from procs import PYTHON, WORKERS  # noqa: E402
+
 import ringreduce as rr  # noqa: E402
 import ringreduce.keras as rk  # noqa: E402
 import ringreduce.tensorflow as rt  # noqa: E402
-from ringreduce.tensorflow._bridge import call  # noqa: E402
 from ringreduce.elastic import recoverable  # noqa: E402
 from ringreduce.exceptions import InvalidInputError, PeerLostError  # noqa: E402
-
-from elastic_jobs import elastic_args, generations, run_elastic  # noqa: E402
-from procs import WORKERS  # noqa: E402
+from ringreduce.tensorflow._bridge import call  # noqa: E402
 
 WORKER = str(WORKERS / "elastic_tf_worker.py")
 EPOCHS, STEPS = 4, 6  # as in the worker
@@ -146,7 +146,8 @@ def _events(job) -> list[dict]:
 def test_keras_fit_survives_a_dead_worker() -> None:
     """Three workers on hosts a, b, c; b's dies in epoch 1: a and c go on from the last
     commit (not from epoch 0) and finish every epoch with the same weights."""
-    job = run_elastic(elastic_args(2, 3, hosts="a:1,b:1,c:1"), [WORKER, "keras"], timeout=90)
+    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1"), [PYTHON, WORKER, "keras"],
+                      timeout=90)
     info = job.procs[0].describe()
     assert job.procs[0].returncode == 0, info
     gens = generations(job)
@@ -175,8 +176,8 @@ def test_custom_loop_new_host_gets_rank0_state(tmp_path: Path) -> None:
     Adam state (its own optimizer not built yet) through sync()."""
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a:1\nb:1\n")
-    job = run_elastic(elastic_args(2, 3, discovery=hosts), [WORKER, "loop", str(hosts)],
-                      timeout=90)
+    job = run_elastic(elastic_args(2, 3, discovery=hosts),
+                      [PYTHON, WORKER, "loop", str(hosts)], timeout=90)
     info = job.procs[0].describe()
     assert job.procs[0].returncode == 0, info
     gens = generations(job)
@@ -193,3 +194,28 @@ def test_custom_loop_new_host_gets_rank0_state(tmp_path: Path) -> None:
     done = [e for e in events if e["ev"] == "done"]
     assert len(done) == 3 and len({e["weights"] for e in done}) == 1, done
     assert all(e["iterations"] == EPOCHS * STEPS and e["epoch"] == EPOCHS for e in done), done
+
+
+def test_sizes_in_elastic_graphs_are_read_when_they_run(solo, monkeypatch) -> None:
+    """A traced step outlives a reset: in an elastic job size_op() is read at run time."""
+    traced = tf.function(lambda: rt.size_op())
+    assert "Const" in [op.type for op in traced.get_concrete_function().graph.get_operations()]
+    monkeypatch.setenv("RINGREDUCE_ELASTIC_DRIVER", "127.0.0.1:1")
+    traced = tf.function(lambda: rt.size_op())
+    ops = [op.type for op in traced.get_concrete_function().graph.get_operations()]
+    assert "EagerPyFunc" in ops and int(traced()) == 1
+
+
+def test_broadcast_callback_broadcasts_again_after_a_reset(solo) -> None:
+    """Workers that join build the callback afresh: the old ones must broadcast too."""
+    model = _model()
+    callback = rk.callbacks.BroadcastGlobalVariablesCallback(0)
+    _train(model, callbacks=[callback])
+    first = callback._done_on
+    assert callback.broadcast_done and first is rr._comm()
+    _train(model, callbacks=[callback])
+    assert callback._done_on is first  # same communicator: once is enough
+    rr.shutdown()
+    rr.init()
+    _train(model, callbacks=[callback])
+    assert callback._done_on is rr._comm() and callback._done_on is not first

@@ -100,6 +100,7 @@ def loop_job(discovery: str) -> None:
     hvd.init()
     model = make_model(int(WID[1:]))
     opt = keras.optimizers.Adam(0.01)
+    log("before", model=checksum(model.variables), built=bool(opt.built))
     state = hvd.elastic.TensorFlowKerasState(model, opt, epoch=0, step=0)
 
     @tf.function
@@ -110,8 +111,6 @@ def loop_job(discovery: str) -> None:
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
-
-    log("before", model=checksum(model.variables), built=bool(opt.built))
 
     @hvd.elastic.run
     def train(state: object) -> None:

@@ -34,13 +34,14 @@ from typing import Any, Callable, Optional
 import keras
 
 from ringreduce import elastic as _elastic
+from ringreduce.elastic import HostsUpdatedInterrupt, ObjectState, State, reset
 from ringreduce.elastic.variables import VariablesState
 from ringreduce.exceptions import InvalidInputError
 
 from .callbacks import _Callback
 
-__all__ = ["CommitStateCallback", "KerasState", "UpdateBatchStateCallback",
-           "UpdateEpochStateCallback", "run"]
+__all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState",
+           "State", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "reset", "run"]
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

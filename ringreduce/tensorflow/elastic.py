@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from ringreduce import elastic as _elastic
+from ringreduce.elastic import HostsUpdatedInterrupt, ObjectState, State, reset
 from ringreduce.elastic.variables import VariablesState
 from ringreduce.exceptions import InvalidInputError
 
@@ -39,7 +40,8 @@ from ringreduce.keras.elastic import KerasState as TensorFlowKerasState
 from ._bridge import run_translated
 from .variables import broadcast_variables
 
-__all__ = ["TensorFlowKerasState", "TensorFlowState", "run"]
+__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
+           "TensorFlowState", "reset", "run"]
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -125,7 +125,7 @@ def loop_job(discovery: str) -> None:
             x, y = data(BATCH, 1000 * state.epoch + 10 * state.step + hvd.rank())
             step(tf.constant(x), tf.constant(y))
             if hvd.size() == 2 and state.epoch >= 1:
-                time.sleep(0.3)  # leave the driver time to see the new host
+                time.sleep(0.5)  # leave the driver time to see the new host
             state.step += 1
             if state.step == STEPS:
                 state.epoch, state.step = state.epoch + 1, 0

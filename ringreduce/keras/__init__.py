@@ -53,7 +53,7 @@ from ringreduce import (
 )
 from ringreduce.checkpoint import CheckpointError
 
-from . import callbacks
+from . import callbacks, elastic
 from .optimizer import DistributedOptimizer
 from .saving import load_model, save_model
 
@@ -87,7 +87,7 @@ __all__ = [
     "Max", "Min", "MismatchError", "NotInitializedError", "PeerLostError", "Product",
     "RingReduceError", "RingReduceTimeoutError", "Sum", "allgather", "allgather_object",
     "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
-    "broadcast_object", "broadcast_variables", "callbacks", "cross_rank", "cross_size",
+    "broadcast_object", "broadcast_variables", "callbacks", "cross_rank", "cross_size", "elastic",
     "grouped_allreduce", "init", "is_initialized", "join", "load_model", "local_rank",
     "local_size", "rank", "reducescatter", "save_model", "shutdown", "size",
     "start_timeline", "stop_timeline",

@@ -93,10 +93,16 @@ class BroadcastGlobalVariablesCallback(_Callback):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._done_on: Any = None  # the communicator of the broadcast
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        """Broadcast now if the model is built (every rank decides alike: same script)."""
+        """Broadcast now if the model is built (every rank decides alike: same script).
+
+        After an elastic reset (a new communicator) it broadcasts again: the workers that
+        just joined built this callback afresh, and every rank must take part alike."""
         super().on_train_begin(logs)
+        if self.broadcast_done and self._done_on is not self._rr_get():
+            self.broadcast_done = False
         if not self.broadcast_done and self.model.built and self.model.variables:
             self._broadcast()
 
@@ -116,7 +122,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
         broadcast_keras_variables(c, variables, c._check_root(self.root_rank,
                                                               "BroadcastGlobalVariablesCallback"),
                                   "BroadcastGlobalVariablesCallback")
-        self.broadcast_done = True
+        self.broadcast_done, self._done_on = True, c
 
 
 class MetricAverageCallback(_Callback):
@@ -223,11 +229,11 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def __init__(self, initial_lr: float, warmup_epochs: int = 5,
                  momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
                  verbose: int = 0) -> None:
-        size = _rr._binder()().size()
-
         def multiplier(epoch: float) -> float:
             # Horovod's: one batch ahead, so that each epoch ends on a round number and
-            # the last batch of warmup already runs at initial_lr.
+            # the last batch of warmup already runs at initial_lr. The size is read now:
+            # an elastic job changes it (and workers that join build this callback then).
+            size = self._rr_get().size()
             epoch += 1.0 / self._steps if self._steps else 0.0
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 

@@ -56,7 +56,7 @@ from ringreduce.checkpoint import CheckpointError
 from ringreduce.compression import Compressor
 
 from ._bridge import comm as _comm
-from ._bridge import run_translated
+from ._bridge import current_int, run_translated
 from .compression import Compression
 from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 from .tape import DistributedGradientTape
@@ -81,6 +81,7 @@ __all__ = [
     "RingReduceTimeoutError", "Sum", "allgather", "allgather_object", "allreduce", "alltoall",
     "barrier", "broadcast", "broadcast_global_variables", "broadcast_object",
     "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "elastic",
     "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_initialized", "join",
     "load_checkpoint", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "rank_op", "size_op", "mpi_enabled",
@@ -88,6 +89,15 @@ __all__ = [
     "run_translated", "save_checkpoint", "shutdown", "size",
     "start_timeline", "stop_timeline", "use_communicator",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``hvd.elastic`` (Horovod's ``horovod.tensorflow.elastic``), imported on first use.
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module(".elastic", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def join() -> int:
@@ -158,28 +168,25 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
                             f"a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
 
 
-def _constant(value: int, name: str) -> tf.Tensor:
-    return tf.constant(value, tf.int32, name=name)
-
-
 def size_op(name: Any = None) -> tf.Tensor:
-    """Horovod's ``size_op``: ``size()`` as an int32 tensor."""
-    return _constant(_comm().size(), name or "size")
+    """Horovod's ``size_op``: ``size()`` as an int32 tensor (read when a graph runs, in an
+    elastic job)."""
+    return current_int(lambda: _comm().size(), name or "size")
 
 
 def rank_op(name: Any = None) -> tf.Tensor:
     """Horovod's ``rank_op``: ``rank()`` as an int32 tensor."""
-    return _constant(_comm().rank(), name or "rank")
+    return current_int(lambda: _comm().rank(), name or "rank")
 
 
 def local_size_op(name: Any = None) -> tf.Tensor:
     """Horovod's ``local_size_op``."""
-    return _constant(_comm().local_size(), name or "local_size")
+    return current_int(lambda: _comm().local_size(), name or "local_size")
 
 
 def local_rank_op(name: Any = None) -> tf.Tensor:
     """Horovod's ``local_rank_op``."""
-    return _constant(_comm().local_rank(), name or "local_rank")
+    return current_int(lambda: _comm().local_rank(), name or "local_rank")
 
 
 def _no() -> bool:

@@ -44,8 +44,8 @@ from ringreduce._arrays import ALIGNMENT
 from ringreduce._dtypes import SUPPORTED, dtype_code
 from ringreduce.exceptions import InvalidInputError, RingReduceError
 
-__all__ = ["binder", "call", "check_tensor", "comm", "graph_name", "run_translated", "translate",
-           "translated"]
+__all__ = ["binder", "call", "check_tensor", "comm", "current_int", "graph_name", "run_translated",
+           "translate", "translated"]
 
 comm = _rr._comm
 binder = _rr._binder
@@ -258,6 +258,19 @@ def call(body: Body, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType]
             outs = tf.py_function(run, wire, touts, name=_op_name(what))
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     return [tf.bitcast(o, tf.bfloat16) if b else o for o, b in zip(outs, out_bf16)]
+
+
+def current_int(value: Callable[[], int], name: str) -> tf.Tensor:
+    """``value()`` as an int32 tensor: a constant, except in a graph of an elastic job, where
+    it is read each time the graph runs (``size()`` changes at each reset, and a traced
+    ``tf.function`` outlives it, as Horovod's ``size_op`` in elastic mode)."""
+    from ringreduce.elastic._client import in_elastic_job
+
+    if tf.executing_eagerly() or not in_elastic_job():
+        return tf.constant(value(), tf.int32, name=name)
+    out = tf.py_function(lambda: np.int32(value()), [], tf.int32, name=_op_name(name))
+    out.set_shape([])
+    return out
 
 
 def _op_name(what: str) -> str:

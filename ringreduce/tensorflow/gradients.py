@@ -30,6 +30,7 @@ from ringreduce import Average, Communicator
 from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce.compression import Compressor
+from ringreduce.elastic._client import in_elastic_job
 from ringreduce.exceptions import InvalidInputError
 
 from ._bridge import binder
@@ -95,8 +96,8 @@ class GradientAverager:
     def __call__(self, grads: Sequence[Any]) -> list:
         """The averaged gradients, in order (``None`` stays ``None``)."""
         grads = list(grads)
-        if self.get().size() == 1:
-            return grads
+        if self.get().size() == 1 and (tf.executing_eagerly() or not in_elastic_job()):
+            return grads  # (a traced step of an elastic job may run again at a larger size)
         out: list = [None] * len(grads)
         dense, ctxs = [], []
         for i, g in enumerate(grads):

@@ -27,7 +27,7 @@ from ringreduce._refusals import reports_refusals
 from ringreduce.compression import Compressor
 from ringreduce.exceptions import InvalidInputError, call_label
 
-from ._bridge import binder, call, check_tensor, graph_name
+from ._bridge import binder, call, check_tensor, current_int, graph_name
 from .compression import Compression
 
 __all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allreduce",
@@ -101,7 +101,7 @@ def _allreduce_sparse(t: tf.IndexedSlices, op: int, name: Optional[str],
     values = allgather(t.values, name=_suffix(name, "values"), _get=get)
     indices = allgather(t.indices, name=_suffix(name, "indices"), _get=get)
     if op == Average:
-        values = values / tf.cast(get().size(), values.dtype)
+        values = values / tf.cast(current_int(lambda: get().size(), "size"), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 

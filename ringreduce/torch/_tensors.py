@@ -62,11 +62,12 @@ def instance_index(table: Any, c: Communicator) -> int:
 
     In an elastic job the count is the process's over all generations: a worker that joins
     later makes its optimizers in the same order as the others made theirs, while the
-    others, after a reset, make none (and one they do make gets a name of its own).
+    others, after a reset, make none (and one they do make gets a name of its own). Ranks
+    as threads (``use_communicator``) count per communicator.
     """
     from ringreduce.elastic import in_elastic_job
 
-    key = _ELASTIC_JOB if in_elastic_job() else c
+    key = _ELASTIC_JOB if in_elastic_job() and _rr._thread.comm is None else c
     index = table.get(key, 0)
     table[key] = index + 1
     return index

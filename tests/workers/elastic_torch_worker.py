@@ -31,7 +31,7 @@ WID = os.environ.get("RINGREDUCE_ELASTIC_WORKER", "w?")
 HOST = os.environ.get("RINGREDUCE_HOST_ID", "").rpartition(":")[2]
 MODE = sys.argv[1]
 N, BS, EPOCHS = 48, 4, 2
-KILL_STEP, GROW_STEP = 5, 3
+KILL_STEP, GROW_STEP = 7, 3
 COMMIT_EVERY = 2
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from procs import PYTHON, WORKERS, Job, base_env, run_procs
 

@@ -153,18 +153,32 @@ def test_optimizer_setup_is_deferred_in_an_elastic_job(monkeypatch):
             unbucketed = grads()
             state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0)
             state.sync()
+            with torch.no_grad():  # a failure before the first commit: back to rank 0's
+                model[0].weight.add_(c.rank() + 1)
+            state.restore()
+            synced = [p.detach().clone() for p in model.parameters()]
             bucketed = grads()
             held = all(opt._rr_buckets.holds(p.grad) for p in model.parameters())
             again = opt.elastic_setup()  # already set up for this communicator
-            return before, unbucketed, bucketed, held, again, opt.bucket_stats()
+            # A reset that skips sync() (hosts only removed): on_reset() drops the buckets,
+            # the first commit() lays them out again.
+            first = opt._rr_buckets
+            state.on_reset()
+            dropped = opt._rr_buckets is None and all(p.grad is None for p in model.parameters())
+            state.commit()
+            relaid = opt._rr_buckets is not None and opt._rr_buckets is not first
+            held = held and dropped and relaid and torch.equal(grads()[0], bucketed[0]) and all(
+                opt._rr_buckets.holds(p.grad) for p in model.parameters())
+            return before, unbucketed, bucketed, held, again, opt.bucket_stats(), synced
 
     out = run_threaded(2, body, timeout=20)
-    for before, _, _, held, again, stats in out:
+    for before, _, _, held, again, stats, _ in out:
         assert before is None and held and again is False
         assert stats["buckets"] == 1 and stats["fallbacks"] == 0
     # before the sync the models differed: the averages still agree across ranks
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
     assert all(torch.equal(a, b) for a, b in zip(out[0][2], out[1][2]))
+    assert all(torch.equal(a, b) for a, b in zip(out[0][6], out[1][6]))
 
 
 # -------------------------------------------------------------------- launched

@@ -219,8 +219,12 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        """Rank 0's state to every rank, which also becomes every rank's committed state
+        (a worker that just joined would otherwise restore its own initial state if the
+        generation failed before its first commit)."""
         for handler in self._handlers.values():
             handler.sync()
+            handler.save()
         super().sync()
 
     def commit(self) -> None:

@@ -16,6 +16,12 @@ How it works (Horovod's design):
 * Every collective here is an allreduce or (sparse gradients) an allgather, so
   a rank that has called ``join()`` answers them with neutral elements and the
   others' steps average over the ranks that still have data.
+* In an elastic job (``ringrun --min-np``) the constructor runs no collective: a worker
+  that joins later constructs its optimizer while the others, after a reset, do not.
+  ``elastic_setup()`` (run by ``TorchState.sync()`` on every rank at the start of each
+  generation) agrees on the parameters and lays the buckets out on the current
+  communicator; ``elastic_drop()`` (after a reset) forgets the closed generation. Until
+  set up, gradients are averaged without buckets.
 """
 
 from __future__ import annotations
@@ -581,7 +587,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
-    Collective: every rank must wrap an optimizer over the same parameters.
+    Collective: every rank must wrap an optimizer over the same parameters (in an elastic
+    job the collective part waits for ``TorchState.sync()``, see ``elastic_setup``).
 
     Parameters
     ----------

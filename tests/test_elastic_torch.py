@@ -181,6 +181,36 @@ def test_optimizer_setup_is_deferred_in_an_elastic_job(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(out[0][6], out[1][6]))
 
 
+def test_reset_drops_an_interrupted_step(monkeypatch):
+    """A step cut short (gradients in flight, no step()) is forgotten at a reset, also by a
+    DistributedOptimizer that no TorchState holds."""
+    import ringreduce as rr
+    import ringreduce.elastic
+
+    monkeypatch.setenv("RINGREDUCE_ELASTIC_DRIVER", "127.0.0.1:1")
+    monkeypatch.setattr(rr, "shutdown", lambda: None)
+    monkeypatch.setattr(rr, "_reinit", lambda: None)
+
+    def body(c):
+        with hvd.use_communicator(c):
+            model = torch.nn.Linear(3, 2)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           backward_passes_per_step=2)
+            model(torch.ones(1, 3)).sum().backward()  # one of two passes: partial
+            with pytest.raises(hvd.InvalidInputError, match="zero_grad"):
+                opt.zero_grad()
+            ringreduce.elastic.reset()
+            opt.zero_grad()  # nothing in flight any more
+            grads_gone = all(p.grad is None for p in model.parameters())
+            for _ in range(2):
+                model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            return grads_gone, model.weight.grad.clone()
+
+    [(gone, grad)] = run_threaded(1, body, timeout=20)
+    assert gone and torch.equal(grad, torch.full((2, 3), 2.0))
+
+
 # -------------------------------------------------------------------- launched
 def worker_logs(job) -> dict[str, list[dict]]:
     """Each worker's events (by worker id: ranks change between generations)."""

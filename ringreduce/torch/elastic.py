@@ -32,9 +32,10 @@ optimizers a ``TorchState`` holds are set up for each generation's communicator 
 ``sync()`` (every rank, at the start of the generation): the ranks agree on the
 parameters and the gradient buckets are laid out afresh in the new job's shared memory.
 After a reset that skips ``sync()`` (hosts were only removed) the first ``commit()`` does
-it. Until then gradients are averaged without buckets. After every reset ``on_reset``
-drops what belonged to the closed generation (in-flight allreduces, partial
-accumulations, bucket views): every ``p.grad`` is None again.
+it. Until then gradients are averaged without buckets. Every reset makes every
+DistributedOptimizer of the process drop what belonged to the closed generation (in-flight
+allreduces, partial accumulations, bucket views; ``ringreduce.elastic.after_reset``):
+every ``p.grad`` is None again.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch
 from ringreduce import Average, Communicator, Sum
 from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes, optimizer_scales
-from ringreduce.elastic import in_elastic_job
+from ringreduce.elastic import after_reset, in_elastic_job
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
@@ -221,6 +221,8 @@ class _DistributedMixin:
         self._rr_register(named)
         if not in_elastic_job():
             self._rr_collective_setup()
+        else:
+            after_reset(self.elastic_drop)
         # In an elastic job the setup waits for TorchState.sync() (elastic_setup): a worker
         # that joins later constructs its optimizer while the others do not.
 

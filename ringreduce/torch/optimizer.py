@@ -221,10 +221,9 @@ class _DistributedMixin:
         self._rr_register(named)
         if not in_elastic_job():
             self._rr_collective_setup()
-        else:
+        else:  # the setup waits for TorchState.sync() (elastic_setup): a worker that joins
+            # later constructs its optimizer while the others do not
             after_reset(self.elastic_drop)
-        # In an elastic job the setup waits for TorchState.sync() (elastic_setup): a worker
-        # that joins later constructs its optimizer while the others do not.
 
     def _rr_collective_setup(self) -> None:
         """Agree on the parameters and lay out the gradient buckets on the current
@@ -246,8 +245,8 @@ class _DistributedMixin:
         """Forget the last generation (local, no communication): its in-flight allreduces,
         partial accumulations and gradient buckets; every ``p.grad`` becomes None.
 
-        Until ``elastic_setup()`` gradients are averaged without buckets. Called by
-        ``TorchState`` after a reset; harmless to call twice.
+        Until ``elastic_setup()`` gradients are averaged without buckets. Called after
+        every ``ringreduce.elastic.reset()`` in an elastic job; harmless to call twice.
         """
         for s in self._rr_order:
             s.handle = s.grad = s.buf = s.ctx = s.prior = None

@@ -21,21 +21,40 @@ for models)::
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable
 
 from ..exceptions import HostsUpdatedInterrupt, PeerLostError
 from ._client import in_elastic_job, worker_id
 from .state import ObjectState, State, recoverable, run_fn
 
-__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "in_elastic_job", "recoverable",
-           "reset", "run", "run_fn"]
+__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "after_reset", "in_elastic_job",
+           "recoverable", "reset", "run", "run_fn"]
+
+_AFTER_RESET: list[weakref.WeakMethod] = []
+
+
+def after_reset(method: Callable[[], Any]) -> None:
+    """Call the bound ``method`` after every ``reset()`` (once the new generation is
+    joined, before the state's reset callbacks), for as long as its object lives.
+
+    For framework layers: e.g. a DistributedOptimizer forgets the closed generation's
+    in-flight allreduces and gradient buffers, whether or not a State holds it.
+
+    Parameters
+    ----------
+    method : bound method
+        Takes no arguments; held weakly.
+    """
+    _AFTER_RESET.append(weakref.WeakMethod(method))
 
 
 def reset() -> None:
     """Leave the current generation and join the next one (``shutdown()`` + ``init()``).
 
     A generation that breaks up while it forms (a member died in the rendezvous) is
-    joined again; the driver ends the job (RingReduceError) when it cannot go on.
+    joined again; the driver ends the job (RingReduceError) when it cannot go on. Then the
+    ``after_reset`` methods run.
     """
     import ringreduce as rr
 
@@ -43,10 +62,16 @@ def reset() -> None:
         rr.shutdown()
         try:
             rr._reinit()
-            return
+            break
         except PeerLostError as err:
             print(f"ringreduce: elastic worker {worker_id()}: rejoining ({err})",
                   file=sys.stderr, flush=True)
+    for ref in list(_AFTER_RESET):
+        method = ref()
+        if method is None:
+            _AFTER_RESET.remove(ref)
+        else:
+            method()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -58,6 +58,7 @@ from ringreduce import (
 )
 from ringreduce.checkpoint import CheckpointError
 
+from . import elastic
 from ._tensors import comm as _comm
 from .broadcast import (
     allgather_object,
@@ -105,7 +106,7 @@ from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum", "Average", "CheckpointError", "Communicator", "Compression", "Compressor",
-    "DistributedOptimizer", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "DistributedOptimizer", "Handle", "elastic", "HorovodInternalError", "HostsUpdatedInterrupt",
     "InvalidInputError", "Max", "Min", "MismatchError",
     "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
     "RingReduceTimeoutError", "Sum", "SyncBatchNorm", "allgather", "allgather_async",

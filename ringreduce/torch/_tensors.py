@@ -49,6 +49,30 @@ def binder(process_set: Optional[ProcessSet] = None) -> Callable[[], Communicato
     return lambda: bound().process_sets.communicator(process_set, "ringreduce.torch")
 
 
+class _ElasticJob:
+    """Stands for every communicator of an elastic job in the instance counters."""
+
+
+_ELASTIC_JOB = _ElasticJob()
+
+
+def instance_index(table: Any, c: Communicator) -> int:
+    """How many objects of a kind (``table``: a WeakKeyDictionary) were made before this one
+    on ``c``; it goes into their collectives' names, which must match across ranks.
+
+    In an elastic job the count is the process's over all generations: a worker that joins
+    later makes its optimizers in the same order as the others made theirs, while the
+    others, after a reset, make none (and one they do make gets a name of its own). Ranks
+    as threads (``use_communicator``) count per communicator.
+    """
+    from ringreduce.elastic import in_elastic_job
+
+    key = _ELASTIC_JOB if in_elastic_job() and _rr._thread.comm is None else c
+    index = table.get(key, 0)
+    table[key] = index + 1
+    return index
+
+
 def _bfloat16() -> Any:
     try:
         import ml_dtypes

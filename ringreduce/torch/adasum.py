@@ -25,9 +25,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ringreduce._adasum import Adasum
+from ringreduce.elastic import in_elastic_job
 from ringreduce.process_sets import ProcessSet
 
-from ._tensors import binder, to_numpy, to_torch
+from ._tensors import binder, instance_index, to_numpy, to_torch
 from .broadcast import agree
 from .compression import Compressor
 
@@ -40,16 +41,15 @@ class _AdasumMixin:
     def _rr_adasum_setup(self, named: dict, compression: type[Compressor],
                          process_set: Optional[ProcessSet] = None) -> None:
         self._rr_comm = binder(process_set)
-        c = self._rr_comm()
-        index = _INSTANCES.get(c, 0)
-        _INSTANCES[c] = index + 1
+        index = instance_index(_INSTANCES, self._rr_comm())
         self._rr_name = "adasum.delta" if index == 0 else f"adasum{index}.delta"
         self._rr_compression = compression
         self._rr_params = sorted(((n, p) for p, n in named.items()), key=lambda np_: np_[0])
         self._rr_original: Callable[[], Any] = lambda: None
-        agree("DistributedOptimizer(op=Adasum)",
-              [(n, (tuple(p.shape), str(p.dtype))) for n, p in self._rr_params],
-              " on the parameters", process_set=process_set)
+        if not in_elastic_job():  # there, a late worker constructs it while others do not
+            agree("DistributedOptimizer(op=Adasum)",
+                  [(n, (tuple(p.shape), str(p.dtype))) for n, p in self._rr_params],
+                  " on the parameters", process_set=process_set)
 
     def synchronize(self) -> None:
         """Nothing to wait for: with Adasum the parameter changes are combined in step()."""

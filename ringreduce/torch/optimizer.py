@@ -16,6 +16,12 @@ How it works (Horovod's design):
 * Every collective here is an allreduce or (sparse gradients) an allgather, so
   a rank that has called ``join()`` answers them with neutral elements and the
   others' steps average over the ranks that still have data.
+* In an elastic job (``ringrun --min-np``) the constructor runs no collective: a worker
+  that joins later constructs its optimizer while the others, after a reset, do not.
+  ``elastic_setup()`` (run by ``TorchState.sync()`` on every rank at the start of each
+  generation) agrees on the parameters and lays the buckets out on the current
+  communicator; ``elastic_drop()`` (after a reset) forgets the closed generation. Until
+  set up, gradients are averaged without buckets.
 """
 
 from __future__ import annotations
@@ -33,10 +39,18 @@ import torch
 from ringreduce import Average, Communicator, Sum
 from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes, optimizer_scales
+from ringreduce.elastic import after_reset, in_elastic_job
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.process_sets import ProcessSet, global_process_set
 
-from ._tensors import allreduce_cuda_, binder, current_stream, to_numpy, wait_cuda_
+from ._tensors import (
+    allreduce_cuda_,
+    binder,
+    current_stream,
+    instance_index,
+    to_numpy,
+    wait_cuda_,
+)
 from .adasum import _AdasumMixin
 from .broadcast import agree
 from .buckets import GradientBuckets, bucket_slots
@@ -180,9 +194,7 @@ class _DistributedMixin:
                   scales: tuple[float, float], sparse_as_dense: bool,
                   process_set: ProcessSet, gradient_buckets: Optional[bool] = None) -> None:
         self._rr_comm: Callable[[], Communicator] = binder(process_set)
-        c = self._rr_comm()
-        index = _INSTANCES.get(c, 0)
-        _INSTANCES[c] = index + 1
+        index = instance_index(_INSTANCES, self._rr_comm())
         self._rr_prefix = "grad." if index == 0 else f"grad{index}."
         self._rr_compression = compression
         self._rr_passes = passes
@@ -194,24 +206,75 @@ class _DistributedMixin:
         self._rr_inflight: list = []  # slots with an allreduce in flight, in submission order
         self._rr_partial: set = set()  # slots with fewer than k passes accumulated
         self._rr_hooks: list = []
+        self._rr_bucket_hooks: list = []  # the buckets' pre-hooks (replaced with the buckets)
         self._rr_orphans: list = []  # CUDA handles of an interrupted step, until done
         self._rr_ref = weakref.ref(self)
         self._rr_synchronized = False
         self._rr_should_sync = True
         self._rr_original: Callable[[], Any] = lambda: None
         self._rr_frozen: dict = {}  # parameter -> name, for those without requires_grad
+        self._rr_named = named
+        self._rr_bucket_flag = gradient_buckets
+        self._rr_process_set = process_set
+        self._rr_buckets: Optional[GradientBuckets] = None
+        self._rr_ready: Callable[[], Optional[Communicator]] = lambda: None
         self._rr_register(named)
+        if not in_elastic_job():
+            self._rr_collective_setup()
+        else:  # the setup waits for TorchState.sync() (elastic_setup): a worker that joins
+            # later constructs its optimizer while the others do not
+            after_reset(self.elastic_drop)
+
+    def _rr_collective_setup(self) -> None:
+        """Agree on the parameters and lay out the gradient buckets on the current
+        communicator (collective over the process set; buckets over the whole job)."""
+        c, process_set = self._rr_comm(), self._rr_process_set
         agree("DistributedOptimizer", [(s.name, (tuple(s.param.shape), str(s.param.dtype)))
                                        for s in self._rr_order], " on the parameters",
               process_set=process_set)
-        self._rr_buckets: Optional[GradientBuckets] = None
-        params = [p for p in named if p in self._rr_slots]  # registration order
+        params = [p for p in self._rr_named if p in self._rr_slots]  # registration order
         # Buckets are shared_zeros memory, which the whole job allocates together.
         whole_job = process_set is None or process_set.process_set_id == 0
-        if whole_job and buckets_enabled(gradient_buckets, compression is Compression.none,
-                                         params):
+        if whole_job and buckets_enabled(self._rr_bucket_flag,
+                                         self._rr_compression is Compression.none, params):
             self._rr_buckets = GradientBuckets(lambda n: c.shared_zeros(n, np.uint8), params)
             self._rr_attach_buckets(params)
+        self._rr_ready = weakref.ref(c)
+
+    def elastic_drop(self) -> None:
+        """Forget the last generation (local, no communication): its in-flight allreduces,
+        partial accumulations and gradient buckets; every ``p.grad`` becomes None.
+
+        Until ``elastic_setup()`` gradients are averaged without buckets. Called after
+        every ``ringreduce.elastic.reset()`` in an elastic job; harmless to call twice.
+        """
+        for s in self._rr_order:
+            s.handle = s.grad = s.buf = s.ctx = s.prior = None
+            s.stream, s.delay = None, self._rr_passes
+            s.param.grad = None
+        self._rr_inflight, self._rr_orphans = [], []
+        self._rr_partial.clear()
+        self._rr_synchronized = False
+        for handle in self._rr_bucket_hooks:
+            handle.remove()
+        self._rr_bucket_hooks = []
+        self._rr_buckets = None
+        self._rr_ready = lambda: None
+
+    def elastic_setup(self) -> bool:
+        """Make this optimizer ready for the current communicator (collective: every rank
+        of the new generation calls it at the same point, e.g. in ``TorchState.sync()``).
+
+        If it was set up for an earlier communicator, that generation is forgotten first
+        (``elastic_drop``); then the ranks agree on the parameters and the gradient buckets
+        are laid out afresh in the new communicator's shared memory. Returns False (and
+        does nothing) when it is already set up for the current communicator.
+        """
+        if self._rr_ready() is self._rr_comm():
+            return False
+        self.elastic_drop()
+        self._rr_collective_setup()
+        return True
 
     def _rr_attach_buckets(self, params: list) -> None:
         ref, owners = self._rr_ref, _OWNERS
@@ -221,7 +284,8 @@ class _DistributedMixin:
             def owned(key: int = key) -> bool:
                 return (owners.get(key) or (None,))[0] is ref
 
-            self._rr_hooks.append(p.register_hook(self._rr_buckets.pre_hook(p, owned)))
+            self._rr_bucket_hooks.append(
+                p.register_hook(self._rr_buckets.pre_hook(p, owned)))
 
     def bucket_stats(self) -> dict:
         """The gradient buckets: how many, their bytes, and ``fallbacks``, the gradients
@@ -524,7 +588,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
-    Collective: every rank must wrap an optimizer over the same parameters.
+    Collective: every rank must wrap an optimizer over the same parameters (in an elastic
+    job the collective part waits for ``TorchState.sync()``, see ``elastic_setup``).
 
     Parameters
     ----------

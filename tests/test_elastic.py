@@ -63,14 +63,14 @@ def test_a_lost_worker_is_replaced_and_the_new_one_gets_rank_0s_state():
 def test_hosts_added_by_discovery_join_at_a_commit(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a:1\nb:1\n")
-    job = run_elastic(elastic_args(2, 3, discovery=hosts), [*WORKER, "80", f"grow:{hosts}:6"])
+    job = run_elastic(elastic_args(2, 3, discovery=hosts), [*WORKER, "300", f"grow:{hosts}:6"])
     assert job.procs[0].returncode == 0, job.describe()
     assert generations(job) == [["w1@a", "w2@b"], ["w1@a", "w2@b", "w3@c"]], job.describe()
     out = results(job)
     assert sorted(out) == ["w1", "w2", "w3"] and len({v[2] for v in out.values()}) == 1, out
     (small, k), (big, rest) = runs(out["w1"][2])
     # the interrupt comes at a commit, and nothing is rolled back
-    assert (small, big) == (2, 3) and k % 5 == 0 and k + rest == 80, out
+    assert (small, big) == (2, 3) and k % 5 == 0 and k + rest == 300, out
     assert "hosts were added or removed" in job.procs[0].stderr
 
 
@@ -90,13 +90,13 @@ def test_a_host_removed_by_discovery_leaves_at_a_commit(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a:1\nb:1\nc:1\n")
     job = run_elastic(elastic_args(2, 3, np=3, discovery=hosts),
-                      [*WORKER, "80", f"shrink:{hosts}:6"])
+                      [*WORKER, "300", f"shrink:{hosts}:6"])
     assert job.procs[0].returncode == 0, job.describe()
     assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w2@b"]], job.describe()
     out = results(job)
     assert sorted(out) == ["w1", "w2"], job.describe()
     (big, k), (small, rest) = runs(out["w1"][2])
-    assert (big, small) == (3, 2) and k % 5 == 0 and k + rest == 80, out
+    assert (big, small) == (3, 2) and k % 5 == 0 and k + rest == 300, out
     assert "elastic worker w3 leaves the job: its host c was removed" in job.procs[0].stderr
     assert "hosts were removed" in job.procs[0].stderr  # skip_sync: nothing to sync
 
@@ -112,6 +112,21 @@ def test_a_frozen_worker_is_stopped_and_the_others_go_on():
     assert "RingReduceTimeoutError" in err, err
     assert "worker w2 on b (member) did not rejoin within --elastic-timeout 3 s; stopping it" \
         in err, err
+
+
+def test_a_removed_host_replaced_on_a_free_slot_makes_every_rank_sync(tmp_path):
+    # only a removal (skip_sync), but ringrun starts a replacement on d: it syncs, so the
+    # survivors must too, or the new generation's first collectives would not match
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\nb:1\nc:1\nd:1\n")
+    job = run_elastic(elastic_args(2, 3, np=3, discovery=hosts),
+                      [*WORKER, "300", f"shrink:{hosts}:6"])
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w2@b", "w4@d"]], \
+        job.describe()
+    out = results(job)
+    assert sorted(out) == ["w1", "w2", "w4"] and len({v[2] for v in out.values()}) == 1, out
+    assert out["w1"][2] == "3x300", out  # size 3 throughout, nothing rolled back
 
 
 def test_too_few_workers_end_the_job_after_the_elastic_timeout():

@@ -7,8 +7,9 @@ connection's HMAC key). The worker keeps one authenticated connection
 (``multiprocessing.connection``) for its life and sends one request at a time:
 
 * ``("join", worker)``: answered once the driver has formed the next generation with this
-  worker in it: ``("assign", generation, rank, size, secret)``; or ``("leave", why)`` when
-  the driver removed the worker's host (the worker exits 0), or ``("fail", why)``.
+  worker in it: ``("assign", generation, rank, size, secret, newcomers)`` (newcomers: some
+  member was in no generation before, so every rank must sync); or ``("leave", why)``
+  when the driver removed the worker's host (the worker exits 0), or ``("fail", why)``.
 * ``("exchange", worker, generation, record)``: answered with every member's endpoint
   record in rank order once all have sent theirs, or ``("retry", why)`` if a member died
   first (``init()`` raises PeerLostError; ``elastic.run`` rejoins).
@@ -37,6 +38,7 @@ class Membership:
 
     generation: Optional[int] = None
     rank: Optional[int] = None  # in that generation
+    newcomers = False  # whether it has workers that were in no generation before
 
 
 def in_elastic_job() -> bool:
@@ -118,8 +120,9 @@ def join() -> tuple[int, int, int, bytes]:
     """Wait for the next generation; return (generation, rank, size, secret)."""
     answer = ask(("join", worker_id()))
     if answer[0] == "assign":
-        _, generation, rank, size, secret = answer
+        _, generation, rank, size, secret, newcomers = answer
         Membership.generation, Membership.rank = generation, rank
+        Membership.newcomers = newcomers
         return generation, rank, size, secret
     if answer[0] == "leave":
         print(f"ringreduce: elastic worker {worker_id()} leaves the job: {answer[1]}",

@@ -105,6 +105,7 @@ class ElasticDriver:
         self.hosts: list[HostSlots] = []
         self.generation, self.members = -1, []
         self.records: dict[int, bytes] = {}
+        self.newcomers = False  # the current generation has workers new to the job
         self.serial, self.formed_serial, self.removed_only = 0, 0, True
         self.finished = False  # a worker exited 0 on its own
         self.failure: Optional[str] = None  # why the driver ends the job
@@ -257,6 +258,7 @@ class ElasticDriver:
         if self.s.reset_limit is not None and self.generation >= self.s.reset_limit:
             self.fail(f"the reset limit ({self.s.reset_limit}) is reached")
             return
+        self.newcomers = any(w.generation < 0 for w in staying)
         self.generation += 1
         self.members = self.order(staying)
         self.records = {}
@@ -382,7 +384,7 @@ class ElasticDriver:
                             "was rejoining")
                 if w.state == "member" and w.generation > last:
                     return ("assign", self.generation, self.members.index(w),
-                            len(self.members), bytes.fromhex(self.key))
+                            len(self.members), bytes.fromhex(self.key), self.newcomers)
                 self.cond.wait(1.0)
 
     def on_exchange(self, wid: str, generation: int, record: bytes) -> tuple:

@@ -215,5 +215,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                   f"({why})", file=sys.stderr, flush=True)
             reset()
             state.on_reset()
+            # Only removals skip the sync, and only if nobody new joined: ringrun may have
+            # started a replacement, which syncs (its first attempt), so all must.
+            skip_sync = skip_sync and not _client.Membership.newcomers
 
     return wrapper

@@ -64,7 +64,10 @@ def broadcast_keras_variables(comm: Any, variables: list, root_rank: int, what: 
     """Overwrite Keras variables with ``root_rank``'s values (eager; any backend)."""
     agree(comm, what, [(i, (tuple(v.shape), str(v.dtype))) for i, v in enumerate(variables)],
           " on the variables to broadcast")
-    arrays = [np.array(keras.ops.convert_to_numpy(v), order="C") for v in variables]
+    # Variable.numpy(): keras.ops.convert_to_numpy(variable) goes through the TF variable's
+    # __array__, which numpy 2 warns about (no copy keyword)
+    arrays = [np.array(v.numpy() if hasattr(v, "numpy") else keras.ops.convert_to_numpy(v),
+                       order="C") for v in variables]
     handles = [comm.broadcast_async_(a, root_rank, f"{what}.{i}") for i, a in enumerate(arrays)]
     wait_all(handles)
     for v, a in zip(variables, arrays):

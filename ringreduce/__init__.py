@@ -87,6 +87,11 @@ def init(process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
         from ._bootstrap import connect
 
         _Process.process_sets = process_sets
+        if process_sets not in (None, "dynamic") and elastic.in_elastic_job():
+            raise InvalidInputError(
+                "init(process_sets=[...]): static process sets cannot follow an elastic "
+                "job, whose ranks change at every reset; use init(process_sets=\"dynamic\") "
+                "and add_process_set() after each reset (a reset callback)")
         comm = Communicator(*connect())
         try:
             comm.process_sets.setup(process_sets)

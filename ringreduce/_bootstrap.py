@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import Callable
 
@@ -300,7 +301,25 @@ def discover() -> tuple[int, int, bytes, Exchange]:
 
 def connect() -> tuple[_core.Context, object]:
     """Create and connect this process's core Context; also return what must live as long
-    (rank 0's rendezvous server under the env-var launch, else None)."""
+    (rank 0's rendezvous server under the env-var launch, else None).
+
+    In an elastic job a generation that breaks up while it connects (a member died) is
+    joined again, as often as the driver forms a new one; it ends the job otherwise.
+    """
+    from .elastic import _client as elastic
+
+    while True:
+        try:
+            return _connect_once()
+        except PeerLostError as err:
+            if not elastic.in_elastic_job():
+                raise
+            print(f"ringreduce: elastic worker {elastic.worker_id()}: rejoining ({err})",
+                  file=sys.stderr, flush=True)
+            elastic.Membership.wants_sync = True
+
+
+def _connect_once() -> tuple[_core.Context, object]:
     rank, size, secret, exchange = discover()
     server = getattr(exchange, "rendezvous", None)
     ctx = _core.Context(rank, size, secret, host_id())

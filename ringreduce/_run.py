@@ -172,12 +172,17 @@ def _returned(results: list[dict], code: int, failed_rank: Optional[int],
     from .exceptions import RingReduceTimeoutError
 
     if np is None and results:
-        last = max(r["generation"] for r in results)
-        results = [r for r in results if r["generation"] == last]
+        last = max(-1 if r["generation"] is None else r["generation"] for r in results)
+        results = [r for r in results if (-1 if r["generation"] is None else r["generation"])
+                   == last]
+        if last < 0:  # no worker got into a generation: report the first one's error
+            for r in results:
+                if not r["ok"]:
+                    _reraise("a worker that joined no generation", r)
     by_rank = {r["rank"]: r for r in results}
     for r in ([failed_rank] if failed_rank is not None else []) + sorted(by_rank):
         if r in by_rank and not by_rank[r]["ok"]:
-            _reraise(r, by_rank[r])
+            _reraise(f"rank {r}", by_rank[r])
     if code == TIMEOUT_EXIT_CODE and failed_rank is None:
         raise RingReduceTimeoutError(f"ringreduce.run: timed out after {timeout:g} s")
     expected = np if np is not None else len(by_rank)
@@ -188,8 +193,8 @@ def _returned(results: list[dict], code: int, failed_rank: Optional[int],
     return [by_rank[r]["value"] for r in range(expected)]
 
 
-def _reraise(rank: int, result: Mapping[str, Any]) -> None:
-    cause = _RemoteTraceback(f"\n\nrank {rank} raised:\n{result['traceback']}")
+def _reraise(who: str, result: Mapping[str, Any]) -> None:
+    cause = _RemoteTraceback(f"\n\n{who} raised:\n{result['traceback']}")
     err = None
     if result["error"] is not None:
         try:
@@ -197,7 +202,7 @@ def _reraise(rank: int, result: Mapping[str, Any]) -> None:
         except Exception:
             err = None
     if not isinstance(err, BaseException):
-        err = RingReduceError(f"rank {rank} raised {result['text']}")
+        err = RingReduceError(f"{who} raised {result['text']}")
     raise err from cause
 
 

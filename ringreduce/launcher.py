@@ -591,6 +591,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not command:
         parser.error("no command given, e.g. ringrun -np 2 python train.py")
     elastic = a.min_np is not None or a.max_np is not None or a.host_discovery_script
+    if not elastic and (a.reset_limit is not None or a.slots != 1 or
+                        a.elastic_timeout != 600.0):
+        parser.error("--slots, --elastic-timeout and --reset-limit are for elastic jobs: "
+                     "give --min-np / --max-np (or --host-discovery-script) too")
+    if a.host_discovery_script and a.np is None and a.min_np is None and a.max_np is None:
+        parser.error("--host-discovery-script needs -np, --min-np or --max-np")
     if a.np is None and not (a.hosts or a.hostfile or elastic):
         parser.error("give -np N (or a host list with -H / --hostfile)")
     try:

@@ -174,6 +174,45 @@ def test_the_timeout_stops_every_worker():
     assert generations(job) == [["w1@a", "w2@b"]] and not job.survivors, job.describe()
 
 
+def test_a_signal_or_timeout_before_the_first_generation_starts_nobody_new():
+    job = run_elastic(elastic_args(2, 2, hosts="a:1,b:1",
+                                   extra=["--timeout", "1", "--grace-period", "1"]),
+                      [*WORKER, "10", "late:5"])
+    assert job.procs[0].returncode == 124, job.describe()
+    err = job.procs[0].stderr
+    assert "started worker w3" not in err and not generations(job), err
+    assert not job.survivors, job.describe()
+
+
+def test_a_worker_still_waiting_when_training_ends_leaves_with_0(tmp_path):
+    # the job grows, but the members never commit again: w3 waits until they finish
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\nb:1\n")
+    job = run_elastic(elastic_args(2, 3, discovery=hosts),
+                      [*WORKER, "50", f"grow:{hosts}:2", "every:1000", "sleep:0.06"])
+    assert job.procs[0].returncode == 0, job.describe()
+    err = job.procs[0].stderr
+    assert "started worker w3 on c" in err, err
+    assert "elastic worker w3 leaves the job: training finished" in err, err
+    assert generations(job) == [["w1@a", "w2@b"]], job.describe()
+
+
+def test_a_member_lost_in_the_rendezvous_makes_the_others_rejoin():
+    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1"),
+                      [*WORKER, "20", "rendezvous-death:w2"])
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w3@c"]], job.describe()
+    assert results(job) == {"w1": (0, 2, "2x20", 0), "w3": (1, 2, "2x20", 0)}, job.describe()
+    assert "broke up during the rendezvous" in job.procs[0].stderr
+
+
+def test_static_process_sets_are_refused_in_an_elastic_job(monkeypatch):
+    monkeypatch.setenv("RINGREDUCE_ELASTIC_DRIVER", "127.0.0.1:1")  # never reached
+    with pytest.raises(rr.InvalidInputError, match="static process sets cannot follow"):
+        rr.init(process_sets=[rr.ProcessSet([0])])
+    assert not rr.is_initialized()
+
+
 # ------------------------------------------------------------------ in-process
 def test_discovery_script_output_and_failures(tmp_path, capsys):
     script = ScriptHosts("printf 'a:2\\nb\\n# c:9\\n\\n'", slots_per_host=4)
@@ -265,10 +304,23 @@ def test_run_retries_lost_peers_and_host_updates_but_not_program_errors(monkeypa
         events.append("train")
         raise errors.pop(0)
 
-    wrapped = el.run_fn(train, lambda: events.append("reset"))
+    def reset() -> None:  # the driver's answer: sync unless no member asked for it
+        events.append("reset")
+        el._client.Membership.sync = el._client.Membership.wants_sync
+
+    wrapped = el.run_fn(train, reset)
     state = Recording()
     state.register_reset_callbacks([lambda: events.append("callback")])
     with pytest.raises(rr.MismatchError):
         wrapped(state)
     assert events == ["sync", "train", "restore", "reset", "callback", "sync", "train",
                       "reset", "callback", "train", "reset", "callback", "sync", "train"]
+
+
+def test_elastic_flags_without_an_elastic_job_are_usage_errors():
+    from ringreduce.launcher import main
+
+    for args in (["--reset-limit", "2", "-np", "2"], ["--host-discovery-script", "true"]):
+        with pytest.raises(SystemExit) as info:
+            main([*args, PYTHON, "-c", "pass"])
+        assert info.value.code == 2

@@ -52,6 +52,22 @@ def test_jax_state_survives_a_killed_worker_with_donated_buffers():
     assert np.abs(got - sgd_reference([3] * 12 + [2] * 3)).max() > 5e-3  # not kept
 
 
+@pytest.mark.timeout(120)
+def test_a_replacement_worker_gets_rank_0s_jax_state():
+    # w3 starts after w2 dies: its losses are [], rank 0's a list of floats; both must
+    # sync them the same way (the choice of collective comes from the constructor)
+    job = run_elastic(elastic_args(2, 3, np=2, hosts="a:1,b:1,c:1", extra=["--elastic-timeout",
+                                                                           "20"]),
+                      [PYTHON, str(WORKERS / "elastic_jax_worker.py"), "15", "die:w2:7"],
+                      timeout=100)
+    assert job.procs[0].returncode == 0, job.describe()
+    assert generations(job) == [["w1@a", "w2@b"], ["w1@a", "w3@c"]], job.describe()
+    out = {m.group(1): m.groups()[1:] for m in RESULT.finditer(job.procs[0].stdout)}
+    assert sorted(out) == ["w1", "w3"] and out["w1"][3] == out["w3"][3], out
+    got = np.array([float(v) for v in out["w3"][4].split(",")])
+    np.testing.assert_allclose(got, sgd_reference([2] * 15), atol=1e-4)
+
+
 def test_jax_state_save_restore_sync_in_one_process():
     hvd.init()
     try:

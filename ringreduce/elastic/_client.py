@@ -6,10 +6,11 @@ identity (``RINGREDUCE_ELASTIC_WORKER``) and the job secret (``RINGREDUCE_SECRET
 connection's HMAC key). The worker keeps one authenticated connection
 (``multiprocessing.connection``) for its life and sends one request at a time:
 
-* ``("join", worker)``: answered once the driver has formed the next generation with this
-  worker in it: ``("assign", generation, rank, size, secret, newcomers)`` (newcomers: some
-  member was in no generation before, so every rank must sync); or ``("leave", why)``
-  when the driver removed the worker's host (the worker exits 0), or ``("fail", why)``.
+* ``("join", worker, wants_sync)``: answered once the driver has formed the next
+  generation with this worker in it: ``("assign", generation, rank, size, secret,
+  sync)``, where ``sync`` says whether every member runs ``state.sync()`` (one answer for
+  all: true when a member is new to the job or asked for it); ``("leave", why)`` when the
+  worker's host was removed or training ended (the worker exits 0); or ``("fail", why)``.
 * ``("exchange", worker, generation, record)``: answered with every member's endpoint
   record in rank order once all have sent theirs, or ``("retry", why)`` if a member died
   first (``init()`` raises PeerLostError; ``elastic.run`` rejoins).
@@ -38,7 +39,8 @@ class Membership:
 
     generation: Optional[int] = None
     rank: Optional[int] = None  # in that generation
-    newcomers = False  # whether it has workers that were in no generation before
+    wants_sync = True  # sent with the next join: this rank's retry loop wants a sync
+    sync = True  # the driver's answer for the generation: every member syncs, or none
 
 
 def in_elastic_job() -> bool:
@@ -118,11 +120,10 @@ def worker_id() -> str:
 
 def join() -> tuple[int, int, int, bytes]:
     """Wait for the next generation; return (generation, rank, size, secret)."""
-    answer = ask(("join", worker_id()))
+    answer = ask(("join", worker_id(), Membership.wants_sync))
     if answer[0] == "assign":
-        _, generation, rank, size, secret, newcomers = answer
-        Membership.generation, Membership.rank = generation, rank
-        Membership.newcomers = newcomers
+        _, generation, rank, size, secret, sync = answer
+        Membership.generation, Membership.rank, Membership.sync = generation, rank, sync
         return generation, rank, size, secret
     if answer[0] == "leave":
         print(f"ringreduce: elastic worker {worker_id()} leaves the job: {answer[1]}",

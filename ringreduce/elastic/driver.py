@@ -38,8 +38,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Listener
-from typing import Any, Optional
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Optional
 
 from ..exceptions import InvalidInputError
 from ..launcher import (
@@ -85,6 +86,7 @@ class Worker:
     state: str = "starting"  # starting, waiting, member, gone
     leaving: bool = False
     generation: int = -1  # the last one it was assigned to
+    wants_sync: bool = True  # what it asked for at its last join
     code: Optional[int] = None
     threads: list = field(default_factory=list)
 
@@ -105,7 +107,7 @@ class ElasticDriver:
         self.hosts: list[HostSlots] = []
         self.generation, self.members = -1, []
         self.records: dict[int, bytes] = {}
-        self.newcomers = False  # the current generation has workers new to the job
+        self.sync = True  # whether the current generation's members run state.sync()
         self.serial, self.formed_serial, self.removed_only = 0, 0, True
         self.finished = False  # a worker exited 0 on its own
         self.failure: Optional[str] = None  # why the driver ends the job
@@ -114,8 +116,8 @@ class ElasticDriver:
         self.waiting_since: Optional[float] = None
         self.formed_at = float("inf")  # when the current generation formed
         self.key = secrets.token_hex(32)
-        self.listener = Listener(("0.0.0.0", 0), authkey=self.key.encode())
-        self.port = self.listener.address[1]
+        self.listener: Optional[socket.socket] = socket.create_server(("0.0.0.0", 0))
+        self.port = self.listener.getsockname()[1]
         self.driver_addr = driver_addr
         self.out, self.err, self.lock = _binary(sys.stdout), _binary(sys.stderr), threading.Lock()
         self.signum: Optional[int] = None
@@ -167,7 +169,7 @@ class ElasticDriver:
 
     def fill(self) -> None:
         """Start workers on free slots of usable hosts, up to the target size."""
-        if self.finished or self.failure:
+        if self.finished or self.failure or self.code is not None:
             return
         used: dict[str, set] = {}
         for w in self.live():
@@ -210,7 +212,8 @@ class ElasticDriver:
         _say(f"worker {w.wid} on {w.host} (pid {w.proc.pid}) {_how(w.code)}; blacklisting "
              f"host {w.host}; {left} worker{'s' * (left != 1)} left")
         if self.finished:
-            self.code = self.code or _exit_code(w.code)
+            if w.generation == self.generation:  # a member of the last generation failed
+                self.code = self.code or _exit_code(w.code)
             return
         self.blacklist.add(w.host)
         for other in self.live():
@@ -219,8 +222,15 @@ class ElasticDriver:
 
     # ---------------------------------------------------------------- discovery
     def discover(self) -> None:
-        """Poll the host list; a change bumps ``serial`` and may start or retire workers."""
-        hosts = self.discovery.poll()
+        """Poll the host list; a change bumps ``serial`` and may start or retire workers.
+
+        Called holding ``cond``; the script runs with it released, so that a slow script
+        holds up no commit, join or exchange meanwhile."""
+        self.cond.release()
+        try:
+            hosts = self.discovery.poll()
+        finally:
+            self.cond.acquire()
         if hosts is None or hosts == self.hosts:
             return
         before = {h.host: h.slots for h in self.hosts}
@@ -230,9 +240,8 @@ class ElasticDriver:
         self.hosts = hosts
         if before:
             _say(f"hosts changed: {', '.join(f'{h.host}:{h.slots}' for h in hosts) or 'none'}")
-        for w in self.live():
-            if w.slot >= now.get(w.host, 0) and not w.leaving:
-                w.leaving = True
+        for w in self.live():  # a host listed again keeps the workers that have not left
+            w.leaving = w.slot >= now.get(w.host, 0) or w.host in self.blacklist
         if before and (added or removed) and self.generation >= 0:
             self.serial += 1
             self.removed_only = self.removed_only and not added
@@ -243,7 +252,7 @@ class ElasticDriver:
     # -------------------------------------------------------------- generations
     def try_form(self) -> None:
         """Form the next generation when every live worker waits and there are enough."""
-        if self.failure or self.finished:
+        if self.failure or self.finished or self.code is not None:
             return
         live = self.live()
         ready = [w for w in live if w.state == "waiting"]
@@ -258,7 +267,9 @@ class ElasticDriver:
         if self.s.reset_limit is not None and self.generation >= self.s.reset_limit:
             self.fail(f"the reset limit ({self.s.reset_limit}) is reached")
             return
-        self.newcomers = any(w.generation < 0 for w in staying)
+        # One answer for every member: a fresh worker syncs, so all must, and so must all
+        # if any member asks (its attempt failed: the others may have seen an interrupt).
+        self.sync = any(w.generation < 0 or w.wants_sync for w in staying)
         self.generation += 1
         self.members = self.order(staying)
         self.records = {}
@@ -343,18 +354,24 @@ class ElasticDriver:
     # ----------------------------------------------------------------- requests
     def serve(self) -> None:
         """Accept the workers' connections, one thread each (requests may block)."""
-        while True:
+        while self.listener is not None:
             try:
-                conn = self.listener.accept()
-            except (OSError, EOFError):
-                if self.listener is None:
-                    return
-                continue  # a bad handshake (wrong key): refused, go on
-            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+                sock, _ = self.listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self.answer, args=(sock,), daemon=True).start()
 
-    def answer(self, conn: Any) -> None:
-        """Answer one worker's requests, one at a time, until it hangs up."""
-        tune(conn.fileno())
+    def answer(self, sock: socket.socket) -> None:
+        """Authenticate one connection (here, so that a silent one holds up nobody else),
+        then answer its requests, one at a time, until it hangs up."""
+        tune(sock.fileno())
+        conn = Connection(sock.detach())
+        try:  # what multiprocessing's Listener.accept does, off the accept thread
+            deliver_challenge(conn, self.key.encode())
+            answer_challenge(conn, self.key.encode())
+        except (OSError, EOFError, AuthenticationError):
+            conn.close()  # a stranger, or a wrong key: refused
+            return
         handlers = {"join": self.on_join, "exchange": self.on_exchange,
                     "updates": self.on_updates}
         with conn:
@@ -367,24 +384,27 @@ class ElasticDriver:
                 except (KeyError, TypeError, IndexError):
                     return  # it spoke nonsense: nothing to answer
 
-    def on_join(self, wid: str) -> tuple:
+    def on_join(self, wid: str, wants_sync: bool = True) -> tuple:
         with self.cond:
             w = self.workers.get(wid)
             if w is None or w.state == "gone":
                 return ("fail", f"unknown worker {wid}")
-            w.state, last = "waiting", w.generation
+            w.state, last, w.wants_sync = "waiting", w.generation, wants_sync
             self.cond.notify_all()
             while True:
+                if w.state == "gone":
+                    return ("fail", "it exited")
                 if w.leaving:
                     return ("leave", f"its host {w.host} was removed from the job")
                 if self.failure:
                     return ("fail", self.failure)
+                if self.code is not None:
+                    return ("fail", "ringrun is stopping the job")
                 if self.finished:
-                    return ("fail", "another worker finished training while this one "
-                            "was rejoining")
+                    return ("leave", "training finished while it was waiting to join")
                 if w.state == "member" and w.generation > last:
                     return ("assign", self.generation, self.members.index(w),
-                            len(self.members), bytes.fromhex(self.key), self.newcomers)
+                            len(self.members), bytes.fromhex(self.key), self.sync)
                 self.cond.wait(1.0)
 
     def on_exchange(self, wid: str, generation: int, record: bytes) -> tuple:
@@ -499,9 +519,10 @@ class ElasticDriver:
     def close(self) -> None:
         listener, self.listener = self.listener, None
         try:
-            listener.close()
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
         except OSError:
             pass
+        listener.close()
         for w in self.workers.values():
             for t in w.threads:
                 t.join(timeout=5)

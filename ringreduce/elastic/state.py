@@ -213,10 +213,12 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
             resets += 1
             print(f"ringreduce: elastic worker {_client.worker_id()}: reset {resets} "
                   f"({why})", file=sys.stderr, flush=True)
+            # Whether to sync is the driver's one answer for the whole generation: ranks
+            # that saw the interrupt and ranks that lost a peer during the same commit
+            # would otherwise disagree, and a replacement ringrun started always syncs.
+            _client.Membership.wants_sync = not skip_sync
             reset()
             state.on_reset()
-            # Only removals skip the sync, and only if nobody new joined: ringrun may have
-            # started a replacement, which syncs (its first attempt), so all must.
-            skip_sync = skip_sync and not _client.Membership.newcomers
+            skip_sync = not _client.Membership.sync
 
     return wrapper

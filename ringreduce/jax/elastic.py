@@ -57,9 +57,10 @@ class JaxState(State):
     """Pytrees (parameters, optax state) and plain values, kept as attributes.
 
     ``save`` copies every leaf (JAX arrays stay on their devices, with their sharding and
-    weak types); ``sync`` sends rank 0's values to every rank: pytrees of arrays and
-    numbers leaf by leaf with ``broadcast_parameters`` (checked for equal structure,
-    shapes and dtypes), anything else with ``broadcast_object``.
+    weak types); ``sync`` sends rank 0's values to every rank: the keywords given as
+    pytrees of arrays and numbers leaf by leaf with ``broadcast_parameters`` (checked for
+    equal structure, shapes and dtypes), the others (judged from the values given here,
+    e.g. ``losses=[]``) with ``broadcast_object``.
 
     Parameters
     ----------
@@ -73,6 +74,10 @@ class JaxState(State):
                  get_rank: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
         super().__init__(bcast_object, get_rank)
         self._names = list(kwargs)
+        # Which values travel as arrays is fixed here, from what the script passed (the
+        # same on every rank), never from live values: `losses=[]` on a fresh worker and
+        # `[0.5]` on rank 0 would otherwise pick different collectives.
+        self._arrays = [n for n, v in kwargs.items() if _is_array_tree(v)]
         for name, value in kwargs.items():
             setattr(self, name, value)
         self.save()
@@ -86,11 +91,10 @@ class JaxState(State):
             setattr(self, name, jax.tree_util.tree_map(_copy_leaf, value))
 
     def sync(self) -> None:
-        plain = {n: getattr(self, n) for n in self._names
-                 if not _is_array_tree(getattr(self, n))}
-        for name in self._names:
-            if name not in plain:
-                setattr(self, name, broadcast_parameters(getattr(self, name), 0))
-        for name, value in (self._bcast_object(plain) if plain else {}).items():
-            setattr(self, name, value)
+        for name in self._arrays:
+            setattr(self, name, broadcast_parameters(getattr(self, name), 0))
+        plain = {n: getattr(self, n) for n in self._names if n not in self._arrays}
+        if len(self._arrays) < len(self._names):
+            for name, value in self._bcast_object(plain).items():
+                setattr(self, name, value)
         self.save()

@@ -26,7 +26,9 @@ me = os.environ["RINGREDUCE_ELASTIC_WORKER"]
 hvd.init()
 tx = hvd.DistributedOptimizer(optax.sgd(0.1))
 params = {"w": jnp.zeros(4, jnp.float32), "b": jnp.asarray(0.0)}
-state = hvd.elastic.JaxState(params=params, opt_state=tx.init(params), step=0)
+# `losses` starts empty: a fresh worker's [] and rank 0's [0.5, ...] must still be synced
+# the same way (as an object) on both
+state = hvd.elastic.JaxState(params=params, opt_state=tx.init(params), step=0, losses=[])
 
 
 @jax.jit
@@ -51,6 +53,7 @@ def train(state):
         y = x @ np.arange(1, 5, dtype=np.float32) + 0.5
         state.params, state.opt_state = step_jit(state.params, state.opt_state, x, y)
         state.step += 1
+        state.losses.append(float(loss(state.params, x, y)))
         for a in actions:
             if a[0] == "die" and a[1] == me and int(a[2]) == state.step:
                 os._exit(3)
@@ -62,6 +65,7 @@ train(state)
 leaves = jax.tree_util.tree_leaves(state.params)
 digest = hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in leaves)).hexdigest()[:16]
 values = ",".join(f"{v:.6f}" for v in [*np.asarray(state.params["w"]), float(state.params["b"])])
+assert len(state.losses) == state.step, (len(state.losses), state.step)
 print(f"RESULT {me} rank {hvd.rank()} size {hvd.size()} step {state.step} digest {digest} "
       f"w {values}", flush=True)
 hvd.shutdown()

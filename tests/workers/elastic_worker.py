@@ -10,6 +10,9 @@ which steps, and that steps after a failure restarted from the last commit. Acti
 * ``shrink:FILE:S``: rank 0 rewrites FILE without host ``c`` after step S;
 * ``progress:FILE``: rank 0 writes the step it finished to FILE after every step;
 * ``every:N``: commit every N steps instead of 5; ``sleep:S``: S seconds per step;
+* ``late:S``: sleep S seconds before ``init()``;
+* ``rendezvous-death:W``: worker W exits (code 3) after the driver gave it a rank, before
+  it sends its endpoint record (the others' rendezvous breaks up);
 * ``crash``: raise at once, before init (every worker fails).
 
 Prints ``RESULT <worker> rank <r> size <n> sizes <3x10,2x50> resets <k>`` at the end
@@ -34,6 +37,12 @@ me = os.environ["RINGREDUCE_ELASTIC_WORKER"]
 if ["crash"] in actions:
     raise SystemExit("crash requested")
 
+for a in actions:
+    if a[0] == "late":
+        time.sleep(float(a[1]))
+    if a[0] == "rendezvous-death" and a[1] == me:
+        el._client.join()
+        os._exit(3)
 rr.init()
 state = el.ObjectState(step=0, sizes=[])
 resets = []

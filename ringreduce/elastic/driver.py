@@ -242,9 +242,13 @@ class ElasticDriver:
             _say(f"hosts changed: {', '.join(f'{h.host}:{h.slots}' for h in hosts) or 'none'}")
         for w in self.live():  # a host listed again keeps the workers that have not left
             w.leaving = w.slot >= now.get(w.host, 0) or w.host in self.blacklist
-        if before and (added or removed) and self.generation >= 0:
+        # a change that moves no worker (an unused host gone, a host added at --max-np)
+        # interrupts nobody
+        grows = bool(added) and len(self.staying()) < self.s.max_np
+        shrinks = any(w.leaving and w.host in removed for w in self.live())
+        if before and (grows or shrinks) and self.generation >= 0:
             self.serial += 1
-            self.removed_only = self.removed_only and not added
+            self.removed_only = self.removed_only and not grows
         if added and before:
             self.target = self.s.max_np
         self.fill()

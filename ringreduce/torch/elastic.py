@@ -41,7 +41,7 @@ every ``p.grad`` is None again.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -60,20 +60,7 @@ __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "T
            "run"]
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: Horovod's ``hvd.elastic.run`` (see ``ringreduce.elastic.run``).
-
-    Parameters
-    ----------
-    func : callable
-        The training function; its first argument is the ``TorchState``.
-
-    Returns
-    -------
-    callable
-        ``func`` wrapped in the elastic retry loop (sync, run, restore/reset on failure).
-    """
-    return _elastic.run_fn(func, _elastic.reset)
+run = _elastic.run  # Horovod's hvd.elastic.run: the retry loop is ringreduce.elastic's
 
 
 class ElasticSampler(ElasticIndices, torch.utils.data.Sampler):

@@ -225,12 +225,15 @@ def test_discovery_script_output_and_failures(tmp_path, capsys):
 def test_ranks_go_by_age_grouped_by_host():
     class W:
         def __init__(self, wid: str, age: int, host: str) -> None:
-            self.wid, self.age, self.host = wid, age, host
+            self.wid, self.age, self.host, self.connected = wid, age, host, True
 
     ws = [W("w5", 5, "c"), W("w2", 2, "b"), W("w4", 4, "a"), W("w3", 3, "a")]
     assert [w.wid for w in ElasticDriver.order(ws)] == ["w2", "w3", "w4", "w5"]
     ws.append(W("w1", 1, "c"))
     assert [w.wid for w in ElasticDriver.order(ws)] == ["w1", "w5", "w2", "w3", "w4"]
+    for w in ws:  # only w4 has state: it is rank 0, its host first
+        w.connected = w.wid == "w4"
+    assert [w.wid for w in ElasticDriver.order(ws)] == ["w4", "w3", "w1", "w5", "w2"]
 
 
 def test_object_state_commit_restore_and_sync_in_one_process():

@@ -87,6 +87,7 @@ class Worker:
     leaving: bool = False
     generation: int = -1  # the last one it was assigned to
     wants_sync: bool = True  # what it asked for at its last join
+    connected: bool = False  # was in a generation whose rendezvous completed (has state)
     code: Optional[int] = None
     threads: list = field(default_factory=list)
 
@@ -108,6 +109,7 @@ class ElasticDriver:
         self.generation, self.members = -1, []
         self.records: dict[int, bytes] = {}
         self.sync = True  # whether the current generation's members run state.sync()
+        self.any_connected = False  # some generation's rendezvous completed
         self.serial, self.formed_serial, self.removed_only = 0, 0, True
         self.finished = False  # a worker exited 0 on its own
         self.failure: Optional[str] = None  # why the driver ends the job
@@ -265,7 +267,7 @@ class ElasticDriver:
         staying = [w for w in ready if not w.leaving]
         if len(staying) < self.s.min_np:
             return
-        if self.generation >= 0 and not any(w.generation >= 0 for w in staying):
+        if self.any_connected and not any(w.connected for w in staying):
             self.fail("no worker of the last generation is left to hand its state on")
             return
         if self.s.reset_limit is not None and self.generation >= self.s.reset_limit:
@@ -273,7 +275,7 @@ class ElasticDriver:
             return
         # One answer for every member: a fresh worker syncs, so all must, and so must all
         # if any member asks (its attempt failed: the others may have seen an interrupt).
-        self.sync = any(w.generation < 0 or w.wants_sync for w in staying)
+        self.sync = any(not w.connected or w.wants_sync for w in staying)
         self.generation += 1
         self.members = self.order(staying)
         self.records = {}
@@ -287,11 +289,14 @@ class ElasticDriver:
 
     @staticmethod
     def order(workers: list[Worker]) -> list[Worker]:
-        """Rank order: the oldest worker first, then host by host, by age."""
-        first_age: dict[str, int] = {}
+        """Rank order: rank 0 is the oldest worker that has state (it was in a generation
+        whose rendezvous completed; a worker whose only generation broke up while forming
+        has none), then host by host, by age."""
+        anchor = min(workers, key=lambda w: (not w.connected, w.age))
+        first_age: dict[str, int] = {anchor.host: -1}
         for w in sorted(workers, key=lambda w: w.age):
             first_age.setdefault(w.host, w.age)
-        return sorted(workers, key=lambda w: (first_age[w.host], w.age))
+        return sorted(workers, key=lambda w: (first_age[w.host], w is not anchor, w.age))
 
     def fail(self, why: str) -> None:
         self.failure = why
@@ -423,6 +428,9 @@ class ElasticDriver:
                 if broken:
                     return ("retry", broken)
                 self.cond.wait(1.0)
+            for w in self.members:
+                w.connected = True
+            self.any_connected = True
             return ("infos", [self.records[r] for r in range(len(self.members))])
 
     def broken(self, generation: int) -> Optional[str]:

@@ -20,12 +20,11 @@ for models)::
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any, Callable
 
-from ..exceptions import HostsUpdatedInterrupt, PeerLostError
-from ._client import in_elastic_job, worker_id
+from ..exceptions import HostsUpdatedInterrupt
+from ._client import in_elastic_job
 from .state import ObjectState, State, recoverable, run_fn
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "after_reset", "in_elastic_job",
@@ -50,22 +49,15 @@ def after_reset(method: Callable[[], Any]) -> None:
 
 
 def reset() -> None:
-    """Leave the current generation and join the next one (``shutdown()`` + ``init()``).
-
-    A generation that breaks up while it forms (a member died in the rendezvous) is
-    joined again; the driver ends the job (RingReduceError) when it cannot go on. Then the
+    """Leave the current generation and join the next one (``shutdown()`` + ``init()``;
+    ``init()`` itself joins again when a generation breaks up while it forms, and the
+    driver ends the job with a RingReduceError when it cannot go on). Then the
     ``after_reset`` methods run.
     """
     import ringreduce as rr
 
-    while True:
-        rr.shutdown()
-        try:
-            rr._reinit()
-            break
-        except PeerLostError as err:
-            print(f"ringreduce: elastic worker {worker_id()}: rejoining ({err})",
-                  file=sys.stderr, flush=True)
+    rr.shutdown()
+    rr._reinit()
     for ref in list(_AFTER_RESET):
         method = ref()
         if method is None:

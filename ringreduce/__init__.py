@@ -14,6 +14,7 @@ buffer protocol)::
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from . import elastic  # hvd.elastic
+from . import _horovod_settings, elastic  # elastic: hvd.elastic
 from ._adasum import Adasum
 from ._call_checks import Average, Max, Min, Product, Sum
 from ._communicator import Communicator, Handle, reduce_isa
@@ -86,6 +87,7 @@ def init(process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
     if _Process.comm is None:
         from ._bootstrap import connect
 
+        _horovod_settings.apply_to_environ()
         _Process.process_sets = process_sets
         if process_sets not in (None, "dynamic") and elastic.in_elastic_job():
             raise InvalidInputError(
@@ -99,6 +101,7 @@ def init(process_sets: Union[None, str, Sequence[ProcessSet]] = None) -> None:
             comm.close()
             raise
         _Process.comm = comm
+        _horovod_settings.warn_no_effect(os.environ, comm.rank())
         # Registered after mpi4py's own exit hook (imported by connect), so it
         # runs first: peers learn this rank left before MPI_Finalize can block.
         atexit.unregister(shutdown)

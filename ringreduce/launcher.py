@@ -16,6 +16,7 @@ the whole job when one rank fails. It is not a cluster manager: on clusters use
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shlex
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
+from . import _horovodrun
 from .exceptions import InvalidInputError
 
 __all__ = ["HostSlots", "launch", "main", "parse_hostfile", "parse_hosts"]
@@ -184,7 +186,7 @@ def plan(command: Sequence[str], np: Optional[int] = None,
 
     Local ranks get this environment (minus launcher variables) and run ``command``
     directly; remote ranks run ``<ssh> host 'cd CWD; exec env VARS... command'`` with the
-    launch variables, every ``RINGREDUCE_*`` variable and ``env`` forwarded.
+    launch variables, every ``RINGREDUCE_*`` and ``HOROVOD_*`` variable and ``env`` forwarded.
     """
     if not command:
         raise InvalidInputError("no command given")
@@ -224,7 +226,7 @@ def rank_spec(rank: int, command: Sequence[str], host: str, local: bool,
     if local:
         return RankSpec(rank, host, list(command), {"PYTHONUNBUFFERED": "1", **base, **mine},
                         False)
-    forwarded = {k: v for k, v in base.items() if k.startswith("RINGREDUCE_")}
+    forwarded = {k: v for k, v in base.items() if k.startswith(("RINGREDUCE_", "HOROVOD_"))}
     remote_env = {"PYTHONUNBUFFERED": "1", **forwarded, "RINGREDUCE_HOST_ID": f"ringrun:{host}",
                   **mine}
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in remote_env.items())
@@ -290,20 +292,38 @@ def _binary(stream: IO) -> Callable[[bytes], None]:
 
 
 def _pump(pipe: IO[bytes], write: Callable[[bytes], None], prefix: bytes,
-          lock: threading.Lock) -> None:
-    """Copy ``pipe`` to ``write`` line by line, each line whole and prefixed."""
+          lock: threading.Lock, copy: Optional[IO[bytes]] = None, stamp: bool = False) -> None:
+    """Copy ``pipe`` to ``write`` line by line, each line whole and prefixed (after the
+    time with ``stamp``); also, unprefixed, to ``copy`` (closed at the end) if given."""
     broken = False  # our own output closed (e.g. `ringrun ... | head`): keep draining
-    with pipe:
+    with pipe, copy or contextlib.nullcontext():
         for line in iter(pipe.readline, b""):
-            if broken:
-                continue
             if not line.endswith(b"\n"):
                 line += b"\n"
+            if copy is not None:
+                copy.write(line)
+                copy.flush()
+            if broken:
+                continue
+            head = time.strftime("%a %b %d %H:%M:%S %Y").encode() + prefix if stamp else prefix
             with lock:
                 try:
-                    write(prefix + line)
+                    write(head + line)
                 except (OSError, ValueError):
                     broken = True
+
+
+def output_files(directory: str, name: str) -> tuple[IO[bytes], IO[bytes]]:
+    """``directory/name/stdout`` and ``.../stderr``, opened for writing (horovodrun's
+    ``--output-filename`` layout)."""
+    where = os.path.join(directory, name)
+    os.makedirs(where, exist_ok=True)
+    return open(os.path.join(where, "stdout"), "wb"), open(os.path.join(where, "stderr"), "wb")
+
+
+def padded_rank(rank: int, size: int) -> str:
+    """``rank`` with leading zeros, so that ``rank.<N>`` folders sort in rank order."""
+    return str(rank).zfill(len(str(max(size - 1, 0))))
 
 
 def _say(text: str) -> None:
@@ -311,6 +331,19 @@ def _say(text: str) -> None:
 
 
 # ------------------------------------------------------------------------------ job
+@dataclass
+class OutputSettings:
+    """Where ranks' output goes besides ringrun's own stdout/stderr."""
+
+    directory: Optional[str] = None  # also to <directory>/<name>/stdout, stderr
+    timestamp: bool = False  # each line starts with the time
+    verbose: bool = False  # ringrun says where each process started
+
+    def files(self, name: str) -> tuple[Optional[IO[bytes]], Optional[IO[bytes]]]:
+        """The copies of one process's stdout and stderr (None, None without a directory)."""
+        return output_files(self.directory, name) if self.directory else (None, None)
+
+
 @dataclass
 class Outcome:
     """How a job ended: the launcher's exit code and, if one rank failed, which."""
@@ -323,10 +356,12 @@ class Outcome:
 class _Job:
     """The running ranks: started in sessions of their own, watched, stopped together."""
 
-    def __init__(self, specs: Sequence[RankSpec], prefix: bool, grace: float) -> None:
+    def __init__(self, specs: Sequence[RankSpec], prefix: bool, grace: float,
+                 output: Optional[OutputSettings] = None) -> None:
         self.specs = list(specs)
         self.prefix = prefix
         self.grace = grace
+        self.output = output or OutputSettings()
         self.procs: list[Optional[subprocess.Popen]] = []
         self.codes: list[Optional[int]] = [None] * len(self.specs)
         self.threads: list[threading.Thread] = []
@@ -348,10 +383,15 @@ class _Job:
                 self.wait_all()
                 return Outcome(127, spec.rank, self.codes)
             self.procs.append(proc)
+            if self.output.verbose:
+                _say(f"rank {spec.rank} started on {spec.host} (pid {proc.pid}"
+                     f"{', over ssh' if spec.remote else ''})")
             prefix = f"[{spec.rank}]: ".encode() if self.prefix else b""
-            for pipe, write in ((proc.stdout, out), (proc.stderr, err)):
-                t = threading.Thread(target=_pump, args=(pipe, write, prefix, self.lock),
-                                     daemon=True)
+            copies = self.output.files(f"rank.{padded_rank(spec.rank, len(self.specs))}")
+            for pipe, write, copy in zip((proc.stdout, proc.stderr), (out, err), copies):
+                t = threading.Thread(target=_pump, daemon=True,
+                                     args=(pipe, write, prefix, self.lock, copy,
+                                           self.output.timestamp))
                 t.start()
                 self.threads.append(t)
         return None
@@ -462,7 +502,8 @@ def launch(command: Sequence[str], np: Optional[int] = None,
            master_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
            ssh_command: Optional[str] = None, ssh_port: Optional[int] = None,
            prefix_output: bool = True, timeout: Optional[float] = None,
-           grace: float = DEFAULT_GRACE_SECONDS) -> Outcome:
+           grace: float = DEFAULT_GRACE_SECONDS,
+           output: Optional[OutputSettings] = None) -> Outcome:
     """Run ``command`` as ``np`` ranks and wait for them (what ``ringrun`` does).
 
     Parameters
@@ -490,6 +531,9 @@ def launch(command: Sequence[str], np: Optional[int] = None,
         Stop every rank after this many seconds (the code is then 124).
     grace : float
         Seconds between SIGTERM (or the forwarded signal) and SIGKILL.
+    output : OutputSettings, optional
+        Also write each rank's output to ``<directory>/rank.<rank>/stdout`` and ``stderr``
+        (horovodrun's ``--output-filename``), and/or start each line with the time.
 
     Returns
     -------
@@ -498,7 +542,7 @@ def launch(command: Sequence[str], np: Optional[int] = None,
         signal N), 124 on timeout, 128+N when the launcher got signal N.
     """
     specs = plan(command, np, hosts, master_addr, master_port, env, ssh_command, ssh_port)
-    job = _Job(specs, prefix_output, grace)
+    job = _Job(specs, prefix_output, grace, output)
     with signals_to(job):
         try:
             failed = job.start()
@@ -537,10 +581,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-np", "-n", "--num-proc", dest="np", type=int,
                    help="number of ranks (default: all slots of the host list)")
     p.add_argument("-H", "--hosts", help="host1:slots,host2:slots,... (default localhost)")
-    p.add_argument("--hostfile", help="file with lines 'host', 'host:N' or 'host slots=N'")
+    p.add_argument("-hostfile", "--hostfile",
+                   help="file with lines 'host', 'host:N' or 'host slots=N'")
     p.add_argument("--ssh-command", help="runs a command line on a host: "
                    "'<cmd> <host> <command line>' ({host} in it is replaced instead)")
-    p.add_argument("--ssh-port", type=int, help="ssh port (with the default ssh command)")
+    p.add_argument("-p", "--ssh-port", type=int, help="ssh port (with the default ssh command)")
     p.add_argument("--master-addr", help="rank 0's address (default: first host)")
     p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     p.add_argument("--prefix-output", action=argparse.BooleanOptionalAction, default=True,
@@ -563,6 +608,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a new generation may take to form (default 600)")
     e.add_argument("--reset-limit", type=int,
                    help="end the job after this many resets (default: no limit)")
+    _horovodrun.add_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="program and its arguments")
     return p
 
@@ -587,6 +633,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_pickled(argv[1])
     parser = _parser()
     a = parser.parse_args(argv)
+    if a.version or a.check_build:
+        from . import __version__
+
+        print(_horovodrun.check_build() if a.check_build else f"ringrun {__version__}")
+        return 0
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         parser.error("no command given, e.g. ringrun -np 2 python train.py")
@@ -600,19 +651,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.np is None and not (a.hosts or a.hostfile or elastic):
         parser.error("give -np N (or a host list with -H / --hostfile)")
     try:
+        _horovod_flags(a)
         if elastic:
             return _main_elastic(a, command)
         hosts = parse_hosts(a.hosts) if a.hosts else None
         if a.hostfile:
             hosts = (hosts or []) + parse_hostfile(a.hostfile)
         outcome = launch(command, a.np, hosts, master_addr=a.master_addr,
-                         master_port=a.master_port, env=_parse_env(a.env, os.environ),
+                         master_port=a.master_port, env=a.rank_env,
                          ssh_command=a.ssh_command, ssh_port=a.ssh_port,
                          prefix_output=a.prefix_output, timeout=a.timeout,
-                         grace=a.grace_period)
+                         grace=a.grace_period, output=a.output)
     except (InvalidInputError, OSError) as e:
         parser.error(str(e))
     return outcome.code
+
+
+def _horovod_flags(a: argparse.Namespace) -> None:
+    """horovodrun's flags into what ringrun uses: ``a.rank_env`` (every rank's extra
+    variables, ``--env`` last), ``a.output``, and the ssh command for ``-i``."""
+    if a.config_file:
+        _horovodrun.apply_config_file(a)
+    why = _horovodrun.refused(a)
+    if why:
+        raise InvalidInputError(why)
+    env, useless = _horovodrun.rank_env(a)
+    if useless:
+        _say(f"{', '.join(useless)}: no effect in ringreduce (see the README's Settings)")
+    a.rank_env = {**env, **_parse_env(a.env, os.environ)}
+    a.output = OutputSettings(a.output_filename, a.prefix_timestamp, a.verbose)
+    if a.ssh_identity_file:
+        a.ssh_command = shlex.join([*DEFAULT_SSH, "-i", a.ssh_identity_file])
 
 
 def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
@@ -630,7 +699,7 @@ def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
     np = a.np or a.min_np or a.max_np
     settings = ElasticSettings(min_np=a.min_np or np, max_np=a.max_np or np, np=np,
                                elastic_timeout=a.elastic_timeout, reset_limit=a.reset_limit)
-    return launch_elastic(command, discovery, settings, env=_parse_env(a.env, os.environ),
+    return launch_elastic(command, discovery, settings, env=a.rank_env,
                           ssh_command=a.ssh_command, ssh_port=a.ssh_port,
                           driver_addr=a.master_addr, prefix_output=a.prefix_output,
                           timeout=a.timeout, grace=a.grace_period)

@@ -1,5 +1,6 @@
 #include "common/logging.h"
 
+#include <cctype>
 #include <cstdio>
 #include <mutex>
 
@@ -10,6 +11,7 @@ namespace rr {
 namespace {
 LogLevel parse_level() {
   std::string s = env_str("RINGREDUCE_LOG_LEVEL", "warning");
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (s == "error") return LogLevel::kError;
   if (s == "info") return LogLevel::kInfo;
   if (s == "debug") return LogLevel::kDebug;

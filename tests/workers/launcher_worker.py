@@ -5,8 +5,11 @@ fail R C         print pids; rank R exits with code C after 0.3 s, the others sl
 sleep            print pids (and of a child ``sleep``), then sleep
 ignore-term      like sleep, but SIGTERM is ignored (only SIGKILL ends it)
 env              print the launch variables
+settings         init, print the RINGREDUCE_* settings as JSON and the Sum of rank+1
+stall            init; rank 0 allreduces, rank 1 never does (sleeps): rank 0 prints the error
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +20,31 @@ import time
 def pids() -> None:
     child = subprocess.Popen(["sleep", "120"])
     print(f"pid {os.getpid()} child {child.pid}", flush=True)
+
+
+def settings_or_stall(mode: str) -> None:
+    import numpy as np
+
+    import ringreduce as rr
+
+    rr.init()
+    if mode == "settings":
+        ours = {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith("RINGREDUCE_") and k not in ("RINGREDUCE_SECRET", "RINGREDUCE_HOST_ID")
+        }
+        total = rr.allreduce(np.array([rr.rank() + 1.0]), op=rr.Sum, name="x")[0]
+        print(f"settings {json.dumps(ours, sort_keys=True)} sum {total:g}", flush=True)
+    elif rr.rank() == 0:
+        start = time.monotonic()
+        try:
+            rr.allreduce(np.ones(2), name="lonely")
+        except rr.RingReduceError as e:
+            print(f"after {time.monotonic() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
+    else:
+        time.sleep(5)
+    rr.shutdown()
 
 
 def main() -> None:
@@ -46,6 +74,8 @@ def main() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         pids()
         time.sleep(120)
+    elif mode in ("settings", "stall"):
+        settings_or_stall(mode)
     elif mode == "env":
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "RINGREDUCE_HOST_ID", "OMPI_COMM_WORLD_SIZE", "RR_EXTRA")

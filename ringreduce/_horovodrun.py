@@ -1,0 +1,312 @@
+"""``horovodrun``'s flags on ``ringrun``: a Horovod launch line runs with the name changed.
+
+``horovodrun`` turns its tuning flags into ``HOROVOD_*`` variables for the ranks
+(``--fusion-threshold-mb 32`` is ``HOROVOD_FUSION_THRESHOLD=33554432``); this module does the
+same and converts them with the one table in ``_horovod_settings``, so a flag, a YAML
+``--config-file`` entry and an exported Horovod variable mean the same thing. Flags for
+things ringreduce does not have (the autotuner, NCCL streams, MPI threading) are accepted and
+named in one line, as the variables are; flags that would need another launcher
+(``--mpi``, ``--mpi-args``, ``--binding-args``, ``--jsrun``) are usage errors that say what
+to run instead. Explicit flags beat the config file, as in Horovod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from ._horovod_settings import NO_EFFECT, translate
+from .exceptions import InvalidInputError
+
+__all__ = ["add_arguments", "apply_config_file", "check_build", "rank_env", "refused"]
+
+_MB = 1 << 20
+# (flag dest, Horovod variable, conversion of the flag's value to the variable's text)
+_FLAG_VARS: tuple[tuple[str, str, Any], ...] = (
+    ("fusion_threshold_mb", "HOROVOD_FUSION_THRESHOLD", lambda v: int(v * _MB)),
+    ("cycle_time_ms", "HOROVOD_CYCLE_TIME", None),
+    ("cache_capacity", "HOROVOD_CACHE_CAPACITY", None),
+    ("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", int),
+    ("hierarchical_allgather", "HOROVOD_HIERARCHICAL_ALLGATHER", int),
+    ("autotune", "HOROVOD_AUTOTUNE", int),
+    ("timeline_filename", "HOROVOD_TIMELINE", None),
+    ("timeline_mark_cycles", "HOROVOD_TIMELINE_MARK_CYCLES", int),
+    ("stall_check_warning_time_seconds", "HOROVOD_STALL_CHECK_TIME_SECONDS", None),
+    ("stall_check_shutdown_time_seconds", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", None),
+    ("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", int),
+    ("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", None),
+    ("thread_affinity", "HOROVOD_THREAD_AFFINITY", None),
+    ("gloo_timeout_seconds", "HOROVOD_GLOO_TIMEOUT_SECONDS", None),
+    ("log_level", "HOROVOD_LOG_LEVEL", None),
+)
+# YAML sections of horovodrun's --config-file: (section, key) -> flag dest
+_CONFIG_KEYS = {
+    ("params", "fusion_threshold_mb"): "fusion_threshold_mb",
+    ("params", "cycle_time_ms"): "cycle_time_ms",
+    ("params", "cache_capacity"): "cache_capacity",
+    ("params", "hierarchical_allreduce"): "hierarchical_allreduce",
+    ("params", "hierarchical_allgather"): "hierarchical_allgather",
+    ("autotune", "enabled"): "autotune",
+    ("timeline", "filename"): "timeline_filename",
+    ("timeline", "mark_cycles"): "timeline_mark_cycles",
+    ("stall_check", "enabled"): "stall_check",
+    ("stall_check", "warning_time_seconds"): "stall_check_warning_time_seconds",
+    ("stall_check", "shutdown_time_seconds"): "stall_check_shutdown_time_seconds",
+    ("library_options", "mpi_threads_disable"): "mpi_threads_disable",
+    ("library_options", "num_nccl_streams"): "num_nccl_streams",
+    ("library_options", "gloo_timeout_seconds"): "gloo_timeout_seconds",
+    ("logging", "level"): "log_level",
+}
+_NO_EFFECT_KEYS = {("logging", "with_timestamp"), ("library_options", "ccl_bgt_affinity")}
+_AUTOTUNE_FLAGS = (
+    "log_file",
+    "warmup_samples",
+    "steps_per_sample",
+    "bayes_opt_max_samples",
+    "gaussian_process_noise",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add horovodrun's flags that ringrun did not have yet (all default to None)."""
+    p.add_argument("-v", "--version", action="store_true", help="print the version and exit")
+    p.add_argument(
+        "-cb",
+        "--check-build",
+        action="store_true",
+        help="show the frameworks, launchers and transports available, and exit",
+    )
+    p.add_argument(
+        "--config-file",
+        help="horovodrun's YAML settings (params, timeline, "
+        "stall_check, library_options, logging); flags given win",
+    )
+    p.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each rank's output "
+        "to DIR/rank.<rank>/stdout and stderr (elastic: DIR/worker.<id>/...)",
+    )
+    p.add_argument(
+        "-prefix-timestamp",
+        "--prefix-output-with-timestamp",
+        action="store_true",
+        dest="prefix_timestamp",
+        help="start each output line with the time",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        help="seconds the ranks may take to "
+        "connect (RINGREDUCE_CONNECT_TIMEOUT_SECONDS; default 60, or "
+        "HOROVOD_START_TIMEOUT)",
+    )
+    p.add_argument(
+        "--network-interface",
+        "--network-interfaces",
+        dest="nics",
+        help="interface the ranks talk over (RINGREDUCE_IFACE)",
+    )
+    p.add_argument("-i", "--ssh-identity-file", help="ssh's -i (with the default ssh command)")
+    p.add_argument("--verbose", action="store_true", help="print where each rank runs")
+    p.add_argument("--disable-cache", action="store_true", help="accepted (no check cache)")
+    p.add_argument(
+        "--tcp",
+        action="store_true",
+        dest="tcp_flag",
+        help="no InfiniBand for NCCL (NCCL_IB_DISABLE=1), as horovodrun",
+    )
+    p.add_argument(
+        "--gloo",
+        action="store_true",
+        dest="use_gloo",
+        help="accepted: ringrun is the launch without MPI",
+    )
+    for name in ("--mpi", "--jsrun"):
+        p.add_argument(name, action="store_true", dest=f"use_{name[2:]}", help=argparse.SUPPRESS)
+    for name in ("--mpi-args", "--binding-args"):
+        p.add_argument(name, dest=name[2:].replace("-", "_"), help=argparse.SUPPRESS)
+    _add_tuning(p.add_argument_group("tuning (horovodrun's; see README, Settings)"))
+
+
+def _add_tuning(g: Any) -> None:
+    flag = argparse.BooleanOptionalAction
+    g.add_argument("--fusion-threshold-mb", type=float, help="largest fused allreduce, MiB")
+    g.add_argument("--cycle-time-ms", type=float, help="least time between rounds")
+    g.add_argument("--cache-capacity", type=int, help="response cache entries")
+    g.add_argument(
+        "--hierarchical-allreduce",
+        action=flag,
+        help="shm inside hosts, ring across (default: where it wins)",
+    )
+    g.add_argument("--hierarchical-allgather", action=flag, help="no effect")
+    g.add_argument("--autotune", action=flag, help="no effect (no autotuner)")
+    for name in _AUTOTUNE_FLAGS:
+        g.add_argument(f"--autotune-{name.replace('_', '-')}", help=argparse.SUPPRESS)
+    g.add_argument("--timeline-filename", help="rank 0 writes a Chrome trace there")
+    g.add_argument("--timeline-mark-cycles", action=flag, help="no effect")
+    g.add_argument("--stall-check", action=flag, help="--no-stall-check: no stall warnings")
+    g.add_argument(
+        "--stall-check-warning-time-seconds",
+        type=float,
+        help="stalled tensors are logged after this long (default 60)",
+    )
+    g.add_argument(
+        "--stall-check-shutdown-time-seconds",
+        type=float,
+        help="a stall this long fails the job (default off)",
+    )
+    g.add_argument("--mpi-threads-disable", action=flag, help="no effect")
+    g.add_argument("--num-nccl-streams", type=int, help="no effect")
+    g.add_argument("--thread-affinity", type=int, help="no effect")
+    g.add_argument("--gloo-timeout-seconds", type=float, help="as --start-timeout")
+    g.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"),
+    )
+    g.add_argument(
+        "--log-with-timestamp",
+        "--log-without-timestamp",
+        "--log-hide-timestamp",
+        action="store_true",
+        dest="log_timestamp",
+        help=argparse.SUPPRESS,
+    )
+
+
+def refused(a: argparse.Namespace) -> Optional[str]:
+    """Why these arguments cannot run under ringrun, or None."""
+    if a.use_mpi or a.use_jsrun or a.mpi_args is not None or a.binding_args is not None:
+        return (
+            "--mpi, --jsrun, --mpi-args and --binding-args need MPI's launcher: run "
+            "`mpirun [its options] -np N python train.py` directly (ringreduce picks up "
+            "mpirun's ranks), or leave them out for ringrun's own launch"
+        )
+    if a.ssh_identity_file and a.ssh_command:
+        return "give --ssh-identity-file or --ssh-command, not both"
+    if a.nics and "," in a.nics:
+        return f"--network-interface {a.nics}: ringreduce talks over one interface; name one"
+    return None
+
+
+def apply_config_file(a: argparse.Namespace) -> None:
+    """Fill the flags not given on the command line from ``a.config_file`` (YAML)."""
+    try:
+        import yaml
+    except ImportError:
+        raise InvalidInputError("--config-file needs PyYAML: pip install pyyaml") from None
+    with open(a.config_file) as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, Mapping):
+        raise InvalidInputError(f"{a.config_file}: expected a mapping of sections")
+    controller = str(config.get("controller", "gloo")).lower()
+    if controller not in ("gloo", "mpi"):
+        raise InvalidInputError(f"{a.config_file}: no such controller {controller!r}")
+    a.use_mpi = a.use_mpi or (controller == "mpi" and not a.use_gloo)
+    for section, values in config.items():
+        if section == "controller":
+            continue
+        if not isinstance(values, Mapping):
+            raise InvalidInputError(f"{a.config_file}: section {section!r} is not a mapping")
+        for key, value in values.items():
+            dest = _CONFIG_KEYS.get((section, key))
+            if dest is None and section != "autotune" and (section, key) not in _NO_EFFECT_KEYS:
+                raise InvalidInputError(f"{a.config_file}: unknown setting {section}.{key}")
+            if dest is not None and getattr(a, dest) is None:
+                setattr(a, dest, value)
+
+
+def _horovod_vars(a: argparse.Namespace) -> dict[str, str]:
+    """The ``HOROVOD_*`` variables horovodrun would give the ranks for these flags."""
+    out = {}
+    for dest, var, conv in _FLAG_VARS:
+        value = getattr(a, dest)
+        if value is not None and not (dest == "timeline_mark_cycles" and not a.timeline_filename):
+            out[var] = str(conv(value) if conv else value)
+    if a.stall_check is False:
+        out["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    return out
+
+
+def rank_env(
+    a: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> tuple[dict[str, str], list[str]]:
+    """Variables for every rank from the Horovod flags, and the flags without effect.
+
+    Returns
+    -------
+    (dict, list)
+        ``RINGREDUCE_*`` (and ``NCCL_IB_DISABLE`` for ``--tcp``) values, and the names
+        of the flags that change nothing in ringreduce, for one line from ringrun.
+    """
+    horovod = _horovod_vars(a)
+    env = {k: v for k, v in translate(horovod).items() if v}
+    timeout = max(
+        (
+            t
+            for t in (
+                a.start_timeout,
+                a.gloo_timeout_seconds,
+                _float(environ.get("HOROVOD_START_TIMEOUT")),
+            )
+            if t
+        ),
+        default=None,
+    )
+    if timeout:
+        env["RINGREDUCE_CONNECT_TIMEOUT_SECONDS"] = str(timeout)
+    if a.nics:
+        env["RINGREDUCE_IFACE"] = a.nics
+    if a.tcp_flag:
+        env["NCCL_IB_DISABLE"] = "1"
+    useless = sorted(
+        {
+            "--" + v[len("HOROVOD_") :].lower().replace("_", "-")
+            for v, x in horovod.items()
+            if v in NO_EFFECT and x not in ("0", "")
+        }
+    )
+    return env, useless
+
+
+def _float(text: Optional[str]) -> Optional[float]:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        raise InvalidInputError(f"HOROVOD_START_TIMEOUT={text!r}: expected seconds") from None
+
+
+def check_build() -> str:
+    """horovodrun --check-build's table, for this installation."""
+    from . import __version__, cuda_built, nccl_built
+
+    def row(ok: bool, name: str) -> str:
+        return f"    [{'X' if ok else ' '}] {name}"
+
+    def has(module: str) -> bool:
+        return importlib.util.find_spec(module) is not None
+
+    lines = [
+        f"ringreduce v{__version__}:",
+        "",
+        "Available Frameworks:",
+        row(has("torch"), "PyTorch"),
+        row(has("tensorflow"), "TensorFlow"),
+        row(has("keras"), "Keras"),
+        row(has("jax"), "JAX"),
+        "",
+        "Available Launchers:",
+        row(True, "ringrun (and torchrun-style variables)"),
+        row(has("mpi4py"), "MPI (mpirun, srun: through mpi4py)"),
+        "",
+        "Available Tensor Operations:",
+        row(True, "shared memory (within a host)"),
+        row(True, "TCP (across hosts)"),
+        row(cuda_built(), "CUDA"),
+        row(nccl_built(), "NCCL"),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,328 @@
+"""Horovod's settings: ``HOROVOD_*`` variables at ``init()`` and ``horovodrun``'s flags on
+``ringrun`` (``ringreduce/_horovod_settings.py``, ``ringreduce/_horovodrun.py``).
+
+In one process: the conversion table, precedence, the config file, refusals. Launched (hard
+timeouts, tests/procs.py): a horovodrun command line under ringrun, and Horovod variables
+passed through ``mpirun -genv`` taking effect in the core (timeline, stall shutdown).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+from procs import PYTHON, WORKERS, base_env, require_mpirun, run_procs
+
+import ringreduce as rr
+from ringreduce import _horovod_settings as hs
+from ringreduce import _horovodrun, launcher
+
+WORKER = str(WORKERS / "launcher_worker.py")
+RINGRUN = [PYTHON, "-m", "ringreduce"]
+SETTINGS_LINE = re.compile(r"^(?:\S.*?)?\[(\d+)\]: settings (\{.*\}) sum ([\d.]+)$", re.M)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ----------------------------------------------------------------------- one process
+def test_horovod_variables_convert_to_ringreduce_settings():
+    got = hs.translate(
+        {
+            "HOROVOD_FUSION_THRESHOLD": "33554432",
+            "HOROVOD_CYCLE_TIME": "3.5",
+            "HOROVOD_CACHE_CAPACITY": "0",
+            "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+            "HOROVOD_TIMELINE": "/tmp/t.json",
+            "HOROVOD_LOG_LEVEL": "TRACE",
+            "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120",
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": "90",
+            "HOROVOD_GLOO_IFACE": "eth1",
+            "HOROVOD_DYNAMIC_PROCESS_SETS": "true",
+            "HOROVOD_RANK": "3",
+        }
+    )
+    assert got == {
+        "RINGREDUCE_FUSION_THRESHOLD": "33554432",
+        "RINGREDUCE_CYCLE_TIME_MS": "3.5",
+        "RINGREDUCE_CACHE_CAPACITY": "0",
+        "RINGREDUCE_HIERARCHICAL_ALLREDUCE": "1",
+        "RINGREDUCE_TIMELINE": "/tmp/t.json",
+        "RINGREDUCE_LOG_LEVEL": "debug",
+        "RINGREDUCE_STALL_CHECK_SECONDS": "30.0",
+        "RINGREDUCE_STALL_SHUTDOWN_SECONDS": "120.0",
+        "RINGREDUCE_CONNECT_TIMEOUT_SECONDS": "90.0",
+        "RINGREDUCE_IFACE": "eth1",
+        "RINGREDUCE_DYNAMIC_PROCESS_SETS": "1",
+    }
+    # A disabled stall check wins over a stall time, as in Horovod; DYNAMIC opens no file.
+    assert hs.translate(
+        {
+            "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
+            "HOROVOD_STALL_CHECK_DISABLE": "1",
+            "HOROVOD_TIMELINE": "DYNAMIC",
+            "HOROVOD_LOG_LEVEL": "fatal",
+        }
+    ) == {
+        "RINGREDUCE_STALL_CHECK_SECONDS": "0",
+        "RINGREDUCE_TIMELINE": "",
+        "RINGREDUCE_LOG_LEVEL": "error",
+    }
+    assert hs.translate(
+        {"HOROVOD_STALL_CHECK_TIME_SECONDS": "30", "HOROVOD_STALL_CHECK_DISABLE": "0"}
+    ) == {"RINGREDUCE_STALL_CHECK_SECONDS": "30.0"}
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("HOROVOD_FUSION_THRESHOLD", "64MB"),
+        ("HOROVOD_CYCLE_TIME", "-1"),
+        ("HOROVOD_HIERARCHICAL_ALLREDUCE", "maybe"),
+        ("HOROVOD_LOG_LEVEL", "loud"),
+    ],
+)
+def test_a_bad_horovod_value_names_the_variable(name, value):
+    with pytest.raises(rr.InvalidInputError, match=f"{name}={value!r}"):
+        hs.translate({name: value})
+
+
+def test_explicit_ringreduce_settings_win_and_a_later_init_recomputes():
+    env = {
+        "HOROVOD_FUSION_THRESHOLD": "1024",
+        "HOROVOD_CYCLE_TIME": "2",
+        "RINGREDUCE_CYCLE_TIME_MS": "7",
+    }
+    assert hs.apply_to_environ(env) == {"RINGREDUCE_FUSION_THRESHOLD": "1024"}
+    assert env["RINGREDUCE_CYCLE_TIME_MS"] == "7"  # the user's own setting
+    assert env["RINGREDUCE_FROM_HOROVOD"] == "RINGREDUCE_FUSION_THRESHOLD"
+    env["HOROVOD_FUSION_THRESHOLD"] = "2048"  # changed before an elastic reset's init()
+    hs.apply_to_environ(env)
+    assert env["RINGREDUCE_FUSION_THRESHOLD"] == "2048"
+    del env["HOROVOD_FUSION_THRESHOLD"]
+    assert hs.apply_to_environ(env) == {}
+    assert "RINGREDUCE_FUSION_THRESHOLD" not in env and "RINGREDUCE_FROM_HOROVOD" not in env
+
+
+def test_knobs_without_effect_are_named_once_on_rank_0(capsys):
+    env = {
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_AUTOTUNE_LOG": "x.csv",
+        "HOROVOD_NUM_NCCL_STREAMS": "2",
+        "HOROVOD_MPI_THREADS_DISABLE": "0",
+        "HOROVOD_RANK": "1",
+    }
+    assert hs.no_effect(env) == [
+        "HOROVOD_AUTOTUNE",
+        "HOROVOD_AUTOTUNE_LOG",
+        "HOROVOD_NUM_NCCL_STREAMS",
+    ]
+    hs.warn_no_effect(env, rank=1)
+    hs.warn_no_effect({**env, "RINGREDUCE_LOG_LEVEL": "ERROR"}, rank=0)
+    assert capsys.readouterr().err == ""
+    hs.warn_no_effect(env, rank=0)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HOROVOD_NUM_NCCL_STREAMS (the GPU backend" in err
+
+
+def _flags(*argv: str) -> object:
+    a = launcher._parser().parse_args([*argv, "python", "t.py"])
+    launcher._horovod_flags(a)
+    return a
+
+
+def test_horovodrun_flags_become_every_ranks_settings(capsys):
+    a = _flags(
+        "--fusion-threshold-mb",
+        "32",
+        "--cycle-time-ms",
+        "2.5",
+        "--cache-capacity",
+        "512",
+        "--no-hierarchical-allreduce",
+        "--timeline-filename",
+        "t.json",
+        "--timeline-mark-cycles",
+        "--no-stall-check",
+        "--stall-check-shutdown-time-seconds",
+        "300",
+        "--log-level",
+        "info",
+        "--start-timeout",
+        "120",
+        "--gloo-timeout-seconds",
+        "45",
+        "--network-interface",
+        "eth1",
+        "--tcp",
+        "--autotune",
+        "--num-nccl-streams",
+        "2",
+        "-x",
+        "RINGREDUCE_CACHE_CAPACITY=9",
+        "-p",
+        "2222",
+        "-i",
+        "/k/id",
+    )
+    assert a.rank_env == {
+        "RINGREDUCE_FUSION_THRESHOLD": str(32 << 20),
+        "RINGREDUCE_CYCLE_TIME_MS": "2.5",
+        "RINGREDUCE_CACHE_CAPACITY": "9",
+        "RINGREDUCE_HIERARCHICAL_ALLREDUCE": "0",
+        "RINGREDUCE_TIMELINE": "t.json",
+        "RINGREDUCE_STALL_CHECK_SECONDS": "0",
+        "RINGREDUCE_STALL_SHUTDOWN_SECONDS": "300.0",
+        "RINGREDUCE_LOG_LEVEL": "info",
+        "RINGREDUCE_CONNECT_TIMEOUT_SECONDS": "120.0",
+        "RINGREDUCE_IFACE": "eth1",
+        "NCCL_IB_DISABLE": "1",
+    }
+    assert (
+        "--autotune, --num-nccl-streams, --timeline-mark-cycles: no effect"
+        in capsys.readouterr().err
+    )
+    argv = launcher._ssh_argv(a.ssh_command, a.ssh_port, "far", "true")
+    assert argv[:3] == ["ssh", "-p", "2222"] and argv[-4:] == ["-i", "/k/id", "far", "true"]
+
+
+def test_config_file_fills_what_the_command_line_left_out(tmp_path):
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text(
+        "controller: gloo\nparams:\n  fusion_threshold_mb: 16\n  cycle_time_ms: 4\n"
+        "  hierarchical_allreduce: true\nautotune:\n  enabled: false\n"
+        "  warmup_samples: 5\ntimeline:\n  filename: tl.json\nstall_check:\n"
+        "  enabled: false\n  warning_time_seconds: 10\nlogging:\n  level: ERROR\n"
+        "  with_timestamp: true\n"
+    )
+    a = _flags("--config-file", str(cfg), "--cycle-time-ms", "1")
+    assert a.rank_env == {
+        "RINGREDUCE_FUSION_THRESHOLD": str(16 << 20),
+        "RINGREDUCE_CYCLE_TIME_MS": "1.0",
+        "RINGREDUCE_HIERARCHICAL_ALLREDUCE": "1",
+        "RINGREDUCE_TIMELINE": "tl.json",
+        "RINGREDUCE_STALL_CHECK_SECONDS": "0",
+        "RINGREDUCE_LOG_LEVEL": "error",
+    }
+    cfg.write_text("params:\n  fusion_threshold: 16\n")
+    with pytest.raises(rr.InvalidInputError, match="unknown setting params.fusion_threshold"):
+        _flags("--config-file", str(cfg))
+    cfg.write_text("controller: mpi\n")
+    with pytest.raises(rr.InvalidInputError, match="need MPI's launcher"):
+        _flags("--config-file", str(cfg))
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--mpi"], "need MPI's launcher"),
+        (["--mpi-args=--map-by ppr:6:node"], "mpirun"),
+        (["--binding-args", "x"], "mpirun"),
+        (["--network-interface", "eth0,eth1"], "one interface"),
+        (["-i", "k", "--ssh-command", "rsh"], "not both"),
+    ],
+)
+def test_flags_that_need_another_launcher_say_what_to_run(argv, match):
+    with pytest.raises(rr.InvalidInputError, match=match):
+        _flags(*argv)
+
+
+def test_check_build_and_version(capsys):
+    assert launcher.main(["-cb"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ringreduce v{rr.__version__}:") and "[X] shared memory" in out
+    assert f"[{'X' if rr.nccl_built() else ' '}] NCCL" in out
+    assert launcher.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"ringrun {rr.__version__}\n"
+    assert _horovodrun.check_build().count("\n") == out.count("\n") - 1
+
+
+def test_output_files_sort_in_rank_order():
+    assert [launcher.padded_rank(r, 12) for r in (0, 3, 11)] == ["00", "03", "11"]
+    assert launcher.padded_rank(0, 1) == "0"
+
+
+# -------------------------------------------------------------------------- launched
+def test_a_horovodrun_command_line_runs_under_ringrun(tmp_path):
+    log_dir = Path(tempfile.mkdtemp(prefix="rr-hvdrun-"))
+    argv = [
+        *RINGRUN,
+        "-np",
+        "2",
+        "--fusion-threshold-mb",
+        "8",
+        "--cycle-time-ms",
+        "0",
+        "--timeline-filename",
+        "tl.json",
+        "--autotune",
+        "--output-filename",
+        "out",
+        "-prefix-timestamp",
+        "--verbose",
+        PYTHON,
+        WORKER,
+        "settings",
+    ]
+    job = run_procs(
+        [("ringrun", argv, base_env({"HOROVOD_CACHE_CAPACITY": "64"}, log_dir))],
+        30,
+        log_dir,
+        cwd=tmp_path,
+    )
+    proc = job.procs[0]
+    assert proc.returncode == 0, job.describe()
+    got = {int(r): (json.loads(s), float(t)) for r, s, t in SETTINGS_LINE.findall(proc.stdout)}
+    assert sorted(got) == [0, 1], job.describe()
+    for settings, total in got.values():
+        assert total == 3
+        assert settings["RINGREDUCE_FUSION_THRESHOLD"] == str(8 << 20)
+        assert settings["RINGREDUCE_CYCLE_TIME_MS"] == "0.0"
+        assert settings["RINGREDUCE_CACHE_CAPACITY"] == "64"  # exported, not a flag
+    for line in proc.stdout.splitlines():  # horovodrun's -prefix-timestamp
+        assert re.match(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[\d\]: ", line), line
+    assert "ringrun: --autotune: no effect" in proc.stderr
+    assert "ringrun: rank 1 started on localhost (pid" in proc.stderr
+    events = json.loads((tmp_path / "tl.json").read_text())
+    assert any(e.get("name") == "NEGOTIATE_ALLREDUCE" for e in events)
+    for r in (0, 1):  # horovodrun's --output-filename layout, lines without prefixes
+        out = (tmp_path / "out" / f"rank.{r}" / "stdout").read_text()
+        assert out.startswith("settings {") and out.endswith("sum 3\n"), out
+        assert (tmp_path / "out" / f"rank.{r}" / "stderr").exists()
+
+
+def test_horovod_variables_through_mpirun_take_effect(tmp_path):
+    mpirun = require_mpirun()
+    log_dir = Path(tempfile.mkdtemp(prefix="rr-hvdenv-"))
+    genv = {
+        "HOROVOD_TIMELINE": str(tmp_path / "tl.json"),
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": "0.5",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "1",
+    }
+    args = [a for k, v in genv.items() for a in ("-genv", k, v)]
+    job = run_procs(
+        [
+            (
+                "mpirun",
+                [str(mpirun), "-np", "2", *args, PYTHON, WORKER, "stall"],
+                base_env(None, log_dir),
+            )
+        ],
+        40,
+        log_dir,
+    )
+    proc = job.procs[0]
+    assert proc.returncode == 0, job.describe()
+    m = re.search(r"after ([\d.]+) s: RingReduceTimeoutError: (.*)", proc.stdout)
+    assert m and float(m.group(1)) < 5, job.describe()
+    assert "lonely" in m.group(2), job.describe()
+    assert proc.stderr.count("Horovod settings without effect") == 1, job.describe()
+    assert "HOROVOD_AUTOTUNE (no autotuner" in proc.stderr
+    assert any(
+        e.get("name") == "NEGOTIATE_ALLREDUCE"
+        for e in json.loads((tmp_path / "tl.json").read_text())
+    )

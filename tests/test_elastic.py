@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import math
 import re
+import signal
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Client
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -19,7 +26,7 @@ from procs import PYTHON, WORKERS
 
 import ringreduce as rr
 import ringreduce.elastic as el
-from ringreduce.elastic.discovery import FixedHosts, ScriptHosts
+from ringreduce.elastic.discovery import Discovery, FixedHosts, ScriptHosts
 from ringreduce.elastic.driver import ElasticDriver, ElasticSettings
 from ringreduce.elastic.hosts import Blacklist
 from ringreduce.launcher import HostSlots
@@ -455,3 +462,76 @@ def test_a_host_back_from_its_cooldown_makes_the_members_rejoin():
             assert d.on_updates("w1", 0) == ("updates", True, False)
     finally:
         d.close()
+
+
+class _SlowHosts(Discovery):
+    """A discovery script that takes ``seconds`` and finds no host."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.polls = seconds, 0
+
+    def poll(self) -> Optional[list[HostSlots]]:
+        self.polls += 1
+        time.sleep(self.seconds)
+        return []
+
+
+@contextmanager
+def _running(discovery: Discovery) -> Iterator[ElasticDriver]:
+    """The driver's real main loop and server in a thread (no host: no worker starts);
+    stopped as by a signal."""
+    d = ElasticDriver([PYTHON, "-c", "pass"], discovery,
+                      ElasticSettings(1, 1, 1, discovery_interval=0.2), {}, None, None,
+                      "127.0.0.1", True, 1.0)
+    loop = threading.Thread(target=d.run, args=(None,), daemon=True)
+    loop.start()
+    try:
+        yield d
+    finally:
+        with d.cond:
+            d.signum = signal.SIGTERM
+        loop.join(timeout=10)
+        assert not loop.is_alive()
+
+
+def _connect(d: ElasticDriver):
+    """A worker's authenticated connection to the driver (what ``_client.ask`` makes)."""
+    return Client(("127.0.0.1", d.port), authkey=d.key.encode())
+
+
+def test_a_slow_discovery_script_holds_up_no_commit():
+    # the script takes 1 s; a commit's "updates" request must not wait for it (it did
+    # when the script ran under the driver's lock: up to 1 s per commit)
+    with _running(_SlowHosts(1.0)) as d:
+        with _connect(d) as conn:
+            took = []
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                t = time.monotonic()
+                conn.send(("updates", "w1", 0))
+                assert conn.recv() == ("updates", False, False)
+                took.append(time.monotonic() - t)
+                time.sleep(0.05)
+        assert d.discovery.polls >= 2  # type: ignore[attr-defined]
+    assert max(took) < 0.4, f"slowest answer {max(took):.2f} s over {len(took)} requests"
+
+
+def test_an_idle_connection_holds_up_no_new_worker():
+    # a stranger connects to ringrun's port and says nothing; a worker connecting after
+    # it must still be answered (the handshake used to run on the accept thread)
+    with _running(FixedHosts([])) as d:
+        idle = socket.create_connection(("127.0.0.1", d.port))
+        try:
+            answers: list = []
+
+            def worker() -> None:
+                with _connect(d) as conn:
+                    conn.send(("updates", "w1", 0))
+                    answers.append(conn.recv())
+
+            t = threading.Thread(target=worker, daemon=True)
+            t.start()
+            t.join(timeout=5)
+            assert answers == [("updates", False, False)], "the worker got no answer in 5 s"
+        finally:
+            idle.close()

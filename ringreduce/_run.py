@@ -25,9 +25,9 @@ class _RemoteTraceback(Exception):
         return str(self.args[0])
 
 
-_HOROVOD_REFUSED = ("cooldown_range", "output_filename", "mpi_args", "ssh_identity_file")
+_HOROVOD_REFUSED = ("output_filename", "mpi_args", "ssh_identity_file")
 _HOROVOD_ELASTIC = ("min_num_proc", "max_num_proc", "min_np", "max_np", "slots",
-                    "reset_limit", "elastic_timeout", "host_discovery_script")
+                    "reset_limit", "elastic_timeout", "host_discovery_script", "cooldown_range")
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (),
@@ -72,9 +72,10 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         Horovod's elastic arguments make the job elastic, as ``ringrun``'s flags of the
         same names: ``min_num_proc`` / ``min_np``, ``max_num_proc`` / ``max_np``,
         ``slots`` (per discovered host), ``reset_limit``, ``elastic_timeout``,
-        ``host_discovery_script``; ``fn`` then uses ``ringreduce.elastic.run`` itself.
-        ``cooldown_range``, ``output_filename``, ``mpi_args`` and ``ssh_identity_file``
-        are refused when set; any other name is a TypeError.
+        ``host_discovery_script``, ``cooldown_range`` (``(min, max)`` seconds, as
+        ``--blacklist-cooldown-range``); ``fn`` then uses ``ringreduce.elastic.run``
+        itself. ``output_filename``, ``mpi_args`` and ``ssh_identity_file`` are refused
+        when set; any other name is a TypeError.
 
     Returns
     -------
@@ -94,8 +95,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
     refused = sorted(k for k in _HOROVOD_REFUSED if horovod.get(k) is not None)
     if refused:
         raise InvalidInputError(f"ringreduce.run: {', '.join(refused)} not supported (no "
-                                "blacklist cooldown, per-rank output files, MPI arguments or "
-                                "ssh identity files; ringrun's --ssh-command covers ssh)")
+                                "per-rank output files, MPI arguments or ssh identity files; "
+                                "ringrun's --ssh-command covers ssh)")
     if use_gloo and use_mpi:
         raise InvalidInputError("ringreduce.run: use_gloo and use_mpi cannot both be true")
     if np is not None and num_proc is not None and np != num_proc:
@@ -141,6 +142,7 @@ def _launch_elastic(command: list[str], np: Optional[int],
                     ssh_port: Optional[int]) -> int:
     from .elastic.discovery import FixedHosts, ScriptHosts
     from .elastic.driver import ElasticSettings, launch_elastic
+    from .elastic.hosts import check_cooldown_range
 
     low = elastic.get("min_num_proc", elastic.get("min_np"))
     high = elastic.get("max_num_proc", elastic.get("max_np"))
@@ -152,7 +154,9 @@ def _launch_elastic(command: list[str], np: Optional[int],
         FixedHosts(hosts or [HostSlots("localhost", high or np)])
     settings = ElasticSettings(min_np=low or np, max_np=high or np, np=np,
                                elastic_timeout=elastic.get("elastic_timeout", 600.0),
-                               reset_limit=elastic.get("reset_limit"))
+                               reset_limit=elastic.get("reset_limit"),
+                               cooldown_range=check_cooldown_range(
+                                   elastic.get("cooldown_range")))
     return launch_elastic(command, discovery, settings, env=dict(env or {}), timeout=timeout,
                           ssh_port=ssh_port)
 

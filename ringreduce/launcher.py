@@ -608,6 +608,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a new generation may take to form (default 600)")
     e.add_argument("--reset-limit", type=int,
                    help="end the job after this many resets (default: no limit)")
+    e.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=float, nargs=2,
+                   metavar=("MIN", "MAX"),
+                   help="a failed host comes back after a cooldown of MIN to MAX seconds, "
+                   "longer each time it fails (default: it stays blacklisted)")
     _horovodrun.add_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="program and its arguments")
     return p
@@ -643,9 +647,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("no command given, e.g. ringrun -np 2 python train.py")
     elastic = a.min_np is not None or a.max_np is not None or a.host_discovery_script
     if not elastic and (a.reset_limit is not None or a.slots != 1 or
-                        a.elastic_timeout != 600.0):
-        parser.error("--slots, --elastic-timeout and --reset-limit are for elastic jobs: "
-                     "give --min-np / --max-np (or --host-discovery-script) too")
+                        a.elastic_timeout != 600.0 or a.cooldown_range is not None):
+        parser.error("--slots, --elastic-timeout, --reset-limit and --blacklist-cooldown-range "
+                     "are for elastic jobs: give --min-np / --max-np (or "
+                     "--host-discovery-script) too")
+    if a.cooldown_range is not None and not 0 < a.cooldown_range[0] <= a.cooldown_range[1]:
+        parser.error("--blacklist-cooldown-range MIN MAX needs 0 < MIN <= MAX (seconds)")
     if a.host_discovery_script and a.np is None and a.min_np is None and a.max_np is None:
         parser.error("--host-discovery-script needs -np, --min-np or --max-np")
     if a.np is None and not (a.hosts or a.hostfile or elastic):
@@ -698,7 +705,8 @@ def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
         discovery = FixedHosts(hosts or [HostSlots("localhost", a.max_np or a.np or 1)])
     np = a.np or a.min_np or a.max_np
     settings = ElasticSettings(min_np=a.min_np or np, max_np=a.max_np or np, np=np,
-                               elastic_timeout=a.elastic_timeout, reset_limit=a.reset_limit)
+                               elastic_timeout=a.elastic_timeout, reset_limit=a.reset_limit,
+                               cooldown_range=a.cooldown_range and tuple(a.cooldown_range))
     return launch_elastic(command, discovery, settings, env=a.rank_env,
                           ssh_command=a.ssh_command, ssh_port=a.ssh_port,
                           driver_addr=a.master_addr, prefix_output=a.prefix_output,

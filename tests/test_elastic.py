@@ -8,8 +8,16 @@ survivors went back to their last commit (every 5 steps) after a failure.
 
 from __future__ import annotations
 
+import math
 import re
+import signal
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Client
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -18,8 +26,9 @@ from procs import PYTHON, WORKERS
 
 import ringreduce as rr
 import ringreduce.elastic as el
-from ringreduce.elastic.discovery import ScriptHosts
-from ringreduce.elastic.driver import ElasticDriver
+from ringreduce.elastic.discovery import Discovery, FixedHosts, ScriptHosts
+from ringreduce.elastic.driver import ElasticDriver, ElasticSettings
+from ringreduce.elastic.hosts import Blacklist
 from ringreduce.launcher import HostSlots
 
 WORKER = [PYTHON, str(WORKERS / "elastic_worker.py")]
@@ -163,6 +172,40 @@ def test_a_program_that_fails_everywhere_ends_the_job_at_once():
     job = run_elastic(elastic_args(1, 2, hosts="a:1,b:1"), [*WORKER, "10", "crash"])
     assert job.procs[0].returncode == 1 and time.monotonic() - t0 < 20, job.describe()
     assert "every host is blacklisted" in job.procs[0].stderr, job.describe()
+
+
+def test_a_blacklisted_host_gets_a_worker_again_after_its_cooldown():
+    # w2 fails on b: b cools down 1 s while w1 trains alone (--min-np 1); then w3 starts
+    # on b and joins at w1's next commit (until-size:2: w1 trains on until that happened)
+    job = run_elastic(elastic_args(1, 2, np=2, hosts="a:1,b:1",
+                                   extra=["--blacklist-cooldown-range", "1", "1"]),
+                      [*WORKER, "20", "die:w2:7", "until-size:2"])
+    assert job.procs[0].returncode == 0, job.describe()
+    gens = generations(job)
+    # [w1@a] alone unless b came back before w1 had rejoined (a very slow machine)
+    assert gens[0] == ["w1@a", "w2@b"] and gens[-1] == ["w1@a", "w3@b"], job.describe()
+    assert gens[1:-1] in ([], [["w1@a"]]), job.describe()
+    err = job.procs[0].stderr
+    assert "exited with code 3; blacklisting host b for 1.0 s (cooldown 1 of this host)" \
+        in err, err
+    back = err.index("host b's blacklist cooldown is over; it can take workers again")
+    assert back < err.index("started worker w3 on b"), err
+    out = results(job)
+    assert sorted(out) == ["w1", "w3"] and {v[1] for v in out.values()} == {2}, job.describe()
+    assert out["w1"][2] == out["w3"][2] and runs(out["w1"][2])[-1][0] == 2, out
+
+
+def test_with_every_host_blacklisted_the_job_waits_for_a_cooldown():
+    # w1 dies before its generation connects (no state is lost): a cools down, w2 trains
+    t0 = time.monotonic()
+    job = run_elastic(elastic_args(1, 1, hosts="a:1",
+                                   extra=["--blacklist-cooldown-range", "1", "1"]),
+                      [*WORKER, "10", "rendezvous-death:w1"])
+    assert job.procs[0].returncode == 0 and time.monotonic() - t0 < 30, job.describe()
+    assert generations(job) == [["w1@a"], ["w2@a"]], job.describe()
+    assert "every host is blacklisted (a worker failed on each); waiting 1.0 s for host a's " \
+           "cooldown" in job.procs[0].stderr, job.describe()
+    assert results(job) == {"w2": (0, 1, "1x10", 0)}, job.describe()
 
 
 def test_the_timeout_stops_every_worker():
@@ -323,7 +366,172 @@ def test_run_retries_lost_peers_and_host_updates_but_not_program_errors(monkeypa
 def test_elastic_flags_without_an_elastic_job_are_usage_errors():
     from ringreduce.launcher import main
 
-    for args in (["--reset-limit", "2", "-np", "2"], ["--host-discovery-script", "true"]):
+    for args in (["--reset-limit", "2", "-np", "2"], ["--host-discovery-script", "true"],
+                 ["--blacklist-cooldown-range", "1", "2", "-np", "2"],
+                 ["--min-np", "1", "--blacklist-cooldown-range", "2", "1"],
+                 ["--min-np", "1", "--blacklist-cooldown-range", "0", "1"],
+                 ["--min-np", "1", "--blacklist-cooldown-range", "1"]):
         with pytest.raises(SystemExit) as info:
             main([*args, PYTHON, "-c", "pass"])
         assert info.value.code == 2
+
+
+def test_blacklist_cooldowns_grow_with_each_failure_within_the_range():
+    bl = Blacklist((10, 100), rand=lambda: 0.5)  # n-th period: min(100, 10 * 2**(n-1) + 5)
+    assert bl.add("a", 0.0) == 15 and "a" in bl and "b" not in bl
+    assert bl.add("a", 5.0) is None  # its other workers failing with it: no change
+    assert bl.cooling(5.0) == {"a": 10.0} and bl.times("a") == 1
+    assert bl.expire(14.9) == [] and "a" in bl
+    assert bl.expire(15.0) == ["a"] and "a" not in bl and bl.cooling(15.0) == {}
+    periods = []
+    for now in (20.0, 100.0, 200.0, 400.0):
+        periods.append(bl.add("a", now))
+        assert bl.expire(now + periods[-1]) == ["a"]
+    assert periods == [25, 45, 85, 100] and bl.times("a") == 5  # capped at MAX
+    assert Blacklist((1, 5), rand=lambda: 0.999).period(10_000) == 5  # no overflow
+    assert Blacklist((2, 2), rand=lambda: 0.999).add("b", 0.0) == 2
+    assert Blacklist((2, 30), rand=lambda: 0.0).add("b", 0.0) == 2  # the first: MIN..2 MIN
+    forever = Blacklist()  # no range: Horovod's default, blacklisted for good
+    assert forever.add("c", 0.0) == math.inf and forever.expire(1e12) == []
+    assert "c" in forever and forever.cooling(0.0) == {}
+    for bad in [(0, 1), (2, 1), (-1, 5), ("x", 1), (1,), (1, math.inf)]:
+        with pytest.raises(rr.InvalidInputError, match="cooldown range"):
+            Blacklist(bad)  # type: ignore[arg-type]
+
+
+def _driver(hosts: str, **settings) -> ElasticDriver:
+    """A driver that starts no worker: its methods run by hand, its socket listens."""
+    found = [HostSlots(h, 1) for h in hosts.split(",")] if hosts else []
+    driver = ElasticDriver([PYTHON, "-c", "pass"], FixedHosts(found),
+                           ElasticSettings(**settings), {}, None, None, "127.0.0.1", True, 1.0)
+    driver.hosts = found
+    return driver
+
+
+def test_every_host_blacklisted_waits_for_a_cooldown_within_the_elastic_timeout(capsys):
+    d = _driver("a", min_np=1, max_np=2, np=1, elastic_timeout=10, cooldown_range=(3, 60))
+    d.blacklist.rand = lambda: 0.0  # periods 3, 6, 12 s
+    try:
+        with d.cond:  # as the driver's own loop holds it
+            t = 100.0  # the driver's clock, passed by hand
+            d.blacklist.add("a", t)
+            d.check_hosts(t + 1)
+            assert d.failure is None and "waiting 2.0 s for host a's cooldown" in \
+                capsys.readouterr().err
+            d.check_cooldowns(t + 3)  # usable again: like a host added by discovery
+            assert "a" not in d.blacklist and d.target == 2
+            assert "host a's blacklist cooldown is over" in capsys.readouterr().err
+            d.blacklist.add("a", t + 4)  # its new worker failed too: 6 s, ends at t + 10
+            d.check_hosts(t + 4)
+            assert d.failure is None  # t + 10 is within t + 1 + 10
+            d.blacklist.expire(t + 10)
+            d.blacklist.add("a", t + 10.5)  # 12 s: ends past the elastic timeout
+            d.check_hosts(t + 10.5)
+            assert d.failure == "every host is blacklisted (a worker failed on each); the first " \
+                "cooldown to end (host a's) ends in 12.0 s, past --elastic-timeout 10 s"
+    finally:
+        d.close()
+
+
+def test_every_host_blacklisted_ends_the_job_at_once_when_waiting_cannot_help():
+    for connected, cooldown in ((False, None), (True, (1.0, 1.0))):
+        d = _driver("a,b", min_np=1, max_np=2, np=2, cooldown_range=cooldown)
+        try:
+            with d.cond:  # as the driver's own loop holds it
+                d.any_connected = connected  # some generation had state: it died with it
+                d.blacklist.add("a", 0.0)
+                d.blacklist.add("b", 0.0)
+                d.check_hosts(0.5)
+                assert d.failure is not None and d.failure.startswith(
+                    "every host is blacklisted (a worker failed on each)"), d.failure
+                assert connected == ("no worker with the training state" in d.failure)
+        finally:
+            d.close()
+
+
+def test_a_host_back_from_its_cooldown_makes_the_members_rejoin():
+    d = _driver("a,b", min_np=1, max_np=2, np=2, cooldown_range=(1.0, 1.0))
+    try:
+        with d.cond:  # as the driver's own loop holds it
+            d.generation, d.serial, d.formed_serial = 0, 0, 0  # a generation of one is running
+            d.blacklist.add("b", 0.0)
+            d.check_cooldowns(0.5)
+            assert d.serial == 0 and "b" in d.blacklist
+            d.check_cooldowns(1.0)
+            assert d.serial == 1 and not d.removed_only and d.target == 2
+            assert d.on_updates("w1", 0) == ("updates", True, False)
+    finally:
+        d.close()
+
+
+class _SlowHosts(Discovery):
+    """A discovery script that takes ``seconds`` and finds no host."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.polls = seconds, 0
+
+    def poll(self) -> Optional[list[HostSlots]]:
+        self.polls += 1
+        time.sleep(self.seconds)
+        return []
+
+
+@contextmanager
+def _running(discovery: Discovery) -> Iterator[ElasticDriver]:
+    """The driver's real main loop and server in a thread (no host: no worker starts);
+    stopped as by a signal."""
+    d = ElasticDriver([PYTHON, "-c", "pass"], discovery,
+                      ElasticSettings(1, 1, 1, discovery_interval=0.2), {}, None, None,
+                      "127.0.0.1", True, 1.0)
+    loop = threading.Thread(target=d.run, args=(None,), daemon=True)
+    loop.start()
+    try:
+        yield d
+    finally:
+        with d.cond:
+            d.signum = signal.SIGTERM
+        loop.join(timeout=10)
+        assert not loop.is_alive()
+
+
+def _connect(d: ElasticDriver):
+    """A worker's authenticated connection to the driver (what ``_client.ask`` makes)."""
+    return Client(("127.0.0.1", d.port), authkey=d.key.encode())
+
+
+def test_a_slow_discovery_script_holds_up_no_commit():
+    # the script takes 1 s; a commit's "updates" request must not wait for it (it did
+    # when the script ran under the driver's lock: up to 1 s per commit)
+    with _running(_SlowHosts(1.0)) as d:
+        with _connect(d) as conn:
+            took = []
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                t = time.monotonic()
+                conn.send(("updates", "w1", 0))
+                assert conn.recv() == ("updates", False, False)
+                took.append(time.monotonic() - t)
+                time.sleep(0.05)
+        assert d.discovery.polls >= 2  # type: ignore[attr-defined]
+    assert max(took) < 0.4, f"slowest answer {max(took):.2f} s over {len(took)} requests"
+
+
+def test_an_idle_connection_holds_up_no_new_worker():
+    # a stranger connects to ringrun's port and says nothing; a worker connecting after
+    # it must still be answered (the handshake used to run on the accept thread)
+    with _running(FixedHosts([])) as d:
+        idle = socket.create_connection(("127.0.0.1", d.port))
+        try:
+            answers: list = []
+
+            def worker() -> None:
+                with _connect(d) as conn:
+                    conn.send(("updates", "w1", 0))
+                    answers.append(conn.recv())
+
+            t = threading.Thread(target=worker, daemon=True)
+            t.start()
+            t.join(timeout=5)
+            assert answers == [("updates", False, False)], "the worker got no answer in 5 s"
+        finally:
+            idle.close()

@@ -386,8 +386,9 @@ def test_run_takes_horovods_arguments(tmp_path):
     for kwargs, match in [({"use_gloo": True, "use_mpi": True}, "use_gloo and use_mpi"),
                           ({"np": 2, "num_proc": 3}, "differ"),
                           ({"hosts": "localhost:2", "hostfile": str(hostfile)}, "not both"),
-                          ({"cooldown_range": (1, 2), "output_filename": "out"},
-                           "cooldown_range, output_filename not supported")]:
+                          ({"mpi_args": "-v", "output_filename": "out"},
+                           "mpi_args, output_filename not supported"),
+                          ({"min_np": 1, "cooldown_range": (2, 1)}, "0 < MIN <= MAX")]:
         with pytest.raises(rr.InvalidInputError, match=match):
             rr.run(_rank_value, args=(0,), **kwargs)
     with pytest.raises(TypeError, match="'bogus'"):
@@ -419,9 +420,11 @@ def _elastic_sizes(steps: int, die: str) -> tuple[int, int, list]:
 
 def test_run_with_horovods_elastic_arguments():
     # two names of this machine are two hosts to the driver: w1 (rank 0) dies, its host
-    # is blacklisted, and the job goes on with the two workers of the other
+    # is blacklisted (cooldown_range is taken; its 30 s outlast the job), and the job goes
+    # on with the two workers of the other
     values = rr.run(_elastic_sizes, args=(12, "w1"), hosts="localhost:1,127.0.0.1:2", np=3,
-                    min_num_proc=2, max_num_proc=3, elastic_timeout=20, timeout=60)
+                    min_num_proc=2, max_num_proc=3, elastic_timeout=20, timeout=60,
+                    cooldown_range=(30, 60))
     assert values == [(0, 2, [3] * 5 + [2] * 7), (1, 2, [3] * 5 + [2] * 7)]
 
 

@@ -18,8 +18,16 @@ Invariants:
   worker is rank 0, so ``state.sync()`` spreads committed state, never a fresh
   worker's), grouped by host.
 * A worker that exits non-zero gets its host blacklisted (as Horovod): no new workers
-  start there and the host's other workers are told to leave at their next join. A
+  start there and the host's other workers are told to leave at their next join. With
+  ``--blacklist-cooldown-range`` the host only cools down (``hosts.py``: blacklisted ->
+  cooling down -> usable, the period growing with each blacklisting); once usable it is
+  like a host added by discovery: the job grows back at the members' next commit. A
   worker that exits 0 on its own means training is done: no more generations form.
+* Every host blacklisted and no worker left: the job ends at once, unless a host only
+  cools down, no generation's state is lost (none completed its rendezvous) and that
+  cooldown ends within ``elastic_timeout`` of the first such moment since the last
+  generation formed; then the driver waits for it (a program failing everywhere still
+  ends, its cooldowns growing past that bound).
 * Hosts added or removed by discovery bump ``serial``; the members learn it at their
   next ``commit()`` (``updates``) and rejoin together.
 * Nothing waits forever: a generation that cannot form within ``elastic_timeout``
@@ -58,6 +66,7 @@ from ..launcher import (
 )
 from ._client import DRIVER_VAR, WORKER_VAR, tune
 from .discovery import Discovery
+from .hosts import Blacklist
 
 __all__ = ["ElasticSettings", "launch_elastic"]
 
@@ -72,6 +81,7 @@ class ElasticSettings:
     elastic_timeout: float = 600.0
     reset_limit: Optional[int] = None
     discovery_interval: float = 1.0
+    cooldown_range: Optional[tuple[float, float]] = None  # None: blacklisted for good
 
 
 @dataclass
@@ -85,6 +95,7 @@ class Worker:
     proc: subprocess.Popen
     state: str = "starting"  # starting, waiting, member, gone
     leaving: bool = False
+    told_to_leave: bool = False  # was answered "leave" (it exits 0: not a finished job)
     generation: int = -1  # the last one it was assigned to
     wants_sync: bool = True  # what it asked for at its last join
     connected: bool = False  # was in a generation whose rendezvous completed (has state)
@@ -104,7 +115,7 @@ class ElasticDriver:
         self.cond = threading.Condition()
         self.workers: dict[str, Worker] = {}
         self.ages = 0
-        self.blacklist: set[str] = set()
+        self.blacklist = Blacklist(settings.cooldown_range)
         self.hosts: list[HostSlots] = []
         self.generation, self.members = -1, []
         self.records: dict[int, bytes] = {}
@@ -125,6 +136,10 @@ class ElasticDriver:
         self.signum: Optional[int] = None
         self.stop_at: Optional[float] = None  # when to stop the workers that are left
         self.no_hosts_since: Optional[float] = None
+        # since when every host was blacklisted with no worker left (reset by a new
+        # generation), and whether the wait for a cooldown was announced
+        self.cooling_since: Optional[float] = None
+        self.awaiting_cooldown = False
 
     # ----------------------------------------------------------------- workers
     def _address(self) -> str:
@@ -150,8 +165,7 @@ class ElasticDriver:
                                     start_new_session=True)
         except OSError as err:
             _say(f"cannot start worker {wid} on {host.host} ({spec.argv[0]}): {err}; "
-                 f"blacklisting host {host.host}")
-            self.blacklist.add(host.host)
+                 f"{self.blacklist_host(host.host)}")
             return
         w = Worker(wid, self.ages, host.host, slot, proc)
         prefix = f"[{wid}@{host.host}]: ".encode() if self.prefix else b""
@@ -211,16 +225,54 @@ class ElasticDriver:
             _say(f"worker {w.wid} on {w.host} {_how(w.code)}")
             return
         left = len(self.staying())
-        _say(f"worker {w.wid} on {w.host} (pid {w.proc.pid}) {_how(w.code)}; blacklisting "
-             f"host {w.host}; {left} worker{'s' * (left != 1)} left")
-        if self.finished:
+        what = f"worker {w.wid} on {w.host} (pid {w.proc.pid}) {_how(w.code)}"
+        if self.finished:  # no generation forms again: no host to blacklist
+            _say(f"{what}; {left} worker{'s' * (left != 1)} left")
             if w.generation == self.generation:  # a member of the last generation failed
                 self.code = self.code or _exit_code(w.code)
             return
-        self.blacklist.add(w.host)
+        _say(f"{what}; {self.blacklist_host(w.host)}; {left} worker{'s' * (left != 1)} left")
         for other in self.live():
             if other.host == w.host:
                 other.leaving = True
+
+    def blacklist_host(self, host: str) -> str:
+        """Blacklist ``host`` (or restart nothing if it is already); say so for the log."""
+        seconds = self.blacklist.add(host, time.monotonic())
+        if seconds is None:  # a second worker of the host, failing with the first
+            return f"host {host} is blacklisted already"
+        if seconds == float("inf"):
+            return f"blacklisting host {host}"
+        return (f"blacklisting host {host} for {seconds:.1f} s (cooldown "
+                f"{self.blacklist.times(host)} of this host)")
+
+    def mark_leaving(self) -> None:
+        """Which live workers leave at their next join: those already told to, those on a
+        slot their host no longer lists, those on a blacklisted host. A host listed again,
+        or back from its cooldown, keeps the workers that have not left."""
+        slots = {h.host: h.slots for h in self.hosts}
+        for w in self.live():
+            w.leaving = (w.told_to_leave or w.slot >= slots.get(w.host, 0)
+                         or w.host in self.blacklist)
+
+    def check_cooldowns(self, now: float) -> None:
+        """Hosts whose blacklist cooldown is over may take workers again. A listed one is
+        like a host added by discovery (Horovod treats it so too): the job grows back
+        towards --max-np, the members rejoining at their next commit."""
+        back = self.blacklist.expire(now)
+        if not back or self.finished or self.failure or self.code is not None:
+            return
+        listed = {h.host for h in self.hosts}
+        for host in back:
+            _say(f"host {host}'s blacklist cooldown is over; it can take workers again"
+                 + ("" if host in listed else " once discovery lists it"))
+        self.mark_leaving()
+        if not listed.intersection(back):
+            return
+        if self.generation >= 0 and len(self.staying()) < self.s.max_np:
+            self.serial += 1
+            self.removed_only = False
+        self.target = self.s.max_np
 
     # ---------------------------------------------------------------- discovery
     def discover(self) -> None:
@@ -242,8 +294,7 @@ class ElasticDriver:
         self.hosts = hosts
         if before:
             _say(f"hosts changed: {', '.join(f'{h.host}:{h.slots}' for h in hosts) or 'none'}")
-        for w in self.live():  # a host listed again keeps the workers that have not left
-            w.leaving = w.slot >= now.get(w.host, 0) or w.host in self.blacklist
+        self.mark_leaving()
         # a change that moves no worker (an unused host gone, a host added at --max-np)
         # interrupts nobody
         grows = bool(added) and len(self.staying()) < self.s.max_np
@@ -281,6 +332,7 @@ class ElasticDriver:
         self.records = {}
         self.formed_serial, self.removed_only = self.serial, True
         self.waiting_since, self.formed_at = None, time.monotonic()
+        self.cooling_since = None
         for w in self.members:
             w.state, w.generation = "member", self.generation
         _say(f"generation {self.generation}: {len(self.members)} rank(s): " + ", ".join(
@@ -335,7 +387,8 @@ class ElasticDriver:
             return
         why = (f"workers {', '.join(f'{w.wid}@{w.host} ({w.state})' for w in missing)} did "
                "not rejoin" if missing else
-               f"only {staying} worker(s) are available, fewer than --min-np {self.s.min_np}")
+               f"only {staying} worker(s) are available, fewer than --min-np {self.s.min_np}"
+               + self.cooling_note(now))
         self.fail(f"no new generation formed within --elastic-timeout "
                   f"{self.s.elastic_timeout:g} s: {why}")
 
@@ -404,6 +457,7 @@ class ElasticDriver:
                 if w.state == "gone":
                     return ("fail", "it exited")
                 if w.leaving:
+                    w.told_to_leave = True
                     return ("leave", f"its host {w.host} was removed from the job")
                 if self.failure:
                     return ("fail", self.failure)
@@ -463,6 +517,7 @@ class ElasticDriver:
                     self.discover()
                     next_discovery = now + self.s.discovery_interval
                 self.reap()
+                self.check_cooldowns(now)
                 self.fill()
                 self.check_hosts(now)
                 self.try_form()
@@ -494,19 +549,47 @@ class ElasticDriver:
             self.stop()
 
     def check_hosts(self, now: float) -> None:
-        """Fail at once when no worker is left and no host can take a new one, and after
-        --elastic-timeout when discovery has found no host at all."""
+        """Fail when no worker is left and no host can take a new one (see
+        ``all_blacklisted``), and after --elastic-timeout when discovery has found no host
+        at all."""
         if self.live() or self.finished or self.failure:
-            self.no_hosts_since = None
+            self.no_hosts_since, self.awaiting_cooldown = None, False
             return
         usable = [h for h in self.hosts if h.host not in self.blacklist]
         if self.hosts and not usable:
-            self.fail("every host is blacklisted (a worker failed on each)")
+            self.all_blacklisted(now)
         elif not self.hosts:
             self.no_hosts_since = self.no_hosts_since or now
             if now - self.no_hosts_since >= self.s.elastic_timeout:
                 self.fail(f"host discovery found no host within --elastic-timeout "
                           f"{self.s.elastic_timeout:g} s")
+
+    def all_blacklisted(self, now: float) -> None:
+        """No worker is left and every listed host is blacklisted: end the job, or wait for
+        a cooldown that can still help (see the module docstring)."""
+        why = "every host is blacklisted (a worker failed on each)"
+        listed = {h.host for h in self.hosts}
+        cooling = {h: s for h, s in self.blacklist.cooling(now).items() if h in listed}
+        if not cooling:
+            self.fail(why)
+        elif self.any_connected:  # fresh workers would have no state to start from
+            self.fail(f"{why}, and no worker with the training state is left")
+        else:
+            host = min(cooling, key=lambda h: cooling[h])
+            if self.cooling_since is None:
+                self.cooling_since = now
+            if now + cooling[host] > self.cooling_since + self.s.elastic_timeout:
+                self.fail(f"{why}; the first cooldown to end (host {host}'s) ends in "
+                          f"{cooling[host]:.1f} s, past --elastic-timeout "
+                          f"{self.s.elastic_timeout:g} s")
+            elif not self.awaiting_cooldown:
+                self.awaiting_cooldown = True
+                _say(f"{why}; waiting {cooling[host]:.1f} s for host {host}'s cooldown")
+
+    def cooling_note(self, now: float) -> str:
+        """``; host b cools down (3.2 s left)`` for an error message, or nothing."""
+        cooling = self.blacklist.cooling(now)
+        return "".join(f"; host {h} cools down ({s:.1f} s left)" for h, s in cooling.items())
 
     def stop(self) -> None:
         for w in self.live():
@@ -554,7 +637,9 @@ def launch_elastic(command: Sequence[str], discovery: Discovery, settings: Elast
     discovery : Discovery
         Where the hosts come from (a fixed list or a discovery script).
     settings : ElasticSettings
-        ``min_np``, ``max_np``, the initial ``np``, ``elastic_timeout``, ``reset_limit``.
+        ``min_np``, ``max_np``, the initial ``np``, ``elastic_timeout``, ``reset_limit``,
+        ``cooldown_range`` (``(MIN, MAX)`` seconds a failed host is blacklisted for, growing
+        with each failure there; None: for good).
     env, ssh_command, ssh_port, prefix_output, timeout, grace :
         As for ``ringreduce.launcher.launch``.
     driver_addr : str, optional

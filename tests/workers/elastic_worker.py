@@ -10,6 +10,8 @@ which steps, and that steps after a failure restarted from the last commit. Acti
 * ``shrink:FILE:S``: rank 0 rewrites FILE without host ``c`` after step S;
 * ``progress:FILE``: rank 0 writes the step it finished to FILE after every step;
 * ``every:N``: commit every N steps instead of 5; ``sleep:S``: S seconds per step;
+* ``until-size:N``: go on past STEPS (committing as usual) until the last commit period
+  of steps ran on N ranks;
 * ``late:S``: sleep S seconds before ``init()``;
 * ``rendezvous-death:W``: worker W exits (code 3) after the driver gave it a rank, before
   it sends its endpoint record (the others' rendezvous breaks up);
@@ -31,8 +33,9 @@ import ringreduce.elastic as el
 
 steps = int(sys.argv[1])
 actions = [a.split(":") for a in sys.argv[2:]]
-options = {a[0]: float(a[1]) for a in actions if a[0] in ("every", "sleep")}
+options = {a[0]: float(a[1]) for a in actions if a[0] in ("every", "sleep", "until-size")}
 every, pause = int(options.get("every", 5)), options.get("sleep", 0.01)
+min_size = int(options.get("until-size", 0))
 me = os.environ["RINGREDUCE_ELASTIC_WORKER"]
 if ["crash"] in actions:
     raise SystemExit("crash requested")
@@ -70,7 +73,7 @@ def act(step: int) -> None:
 
 @el.run
 def train(state: el.ObjectState) -> str:
-    while state.step < steps:
+    while state.step < steps or (min_size and state.sizes[-every:] != [min_size] * every):
         x = rr.allreduce(np.ones(8, np.float32), op=rr.Sum, name="x")
         assert (x == rr.size()).all(), (x, rr.size())
         state.sizes.append(int(x[0]))

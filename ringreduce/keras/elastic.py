@@ -74,6 +74,8 @@ class KerasState(VariablesState):
     and the keywords (``broadcast_object``). An optimizer that is not built yet (Keras
     builds it on the first step; a worker that just joined has taken none) is built from
     the model's trainable variables first, so that every rank has the same variables.
+    Works on every Keras backend; on JAX a commit between batches of ``fit`` first puts
+    the trainer's current values back into the variables (``model.jax_state_sync()``).
 
     Parameters
     ----------
@@ -103,6 +105,12 @@ class KerasState(VariablesState):
             getattr(self.model, "optimizer", None)
 
     def variables(self) -> list:
+        # JAX backend: inside fit the trainer holds the values and the variables are empty
+        # (purged) until the epoch ends; a commit between batches must put them back first
+        # (the trainer's own hook for callbacks, after which it reads them back).
+        sync_trainer = getattr(self.model, "jax_state_sync", None)
+        if sync_trainer is not None:
+            sync_trainer()
         variables = list(self.model.variables)
         opt = self.optimizer
         if opt is not None:

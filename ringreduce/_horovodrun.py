@@ -310,3 +310,13 @@ def check_build() -> str:
         row(nccl_built(), "NCCL"),
     ]
     return "\n".join(lines)
+
+
+def run_env(start_timeout: Optional[float], network_interface: Optional[str]) -> dict[str, str]:
+    """``horovod.run``'s ``start_timeout`` and ``network_interface`` as every rank's
+    variables, the same as ``--start-timeout`` and ``--network-interfaces`` give."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args([])
+    a.start_timeout, a.nics = start_timeout, network_interface
+    return rank_env(a)[0]

@@ -12,8 +12,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import _horovodrun
 from .exceptions import InvalidInputError, RingReduceError
-from .launcher import TIMEOUT_EXIT_CODE, HostSlots, launch, parse_hostfile, parse_hosts
+from .launcher import (
+    TIMEOUT_EXIT_CODE,
+    HostSlots,
+    OutputSettings,
+    launch,
+    parse_hostfile,
+    parse_hosts,
+    ssh_with_identity,
+)
 
 __all__ = ["run", "run_pickled"]
 
@@ -25,7 +34,7 @@ class _RemoteTraceback(Exception):
         return str(self.args[0])
 
 
-_HOROVOD_REFUSED = ("output_filename", "mpi_args", "ssh_identity_file")
+_HOROVOD_REFUSED = ("mpi_args",)
 _HOROVOD_ELASTIC = ("min_num_proc", "max_num_proc", "min_np", "max_np", "slots",
                     "reset_limit", "elastic_timeout", "host_discovery_script", "cooldown_range")
 
@@ -37,7 +46,9 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         hostfile: Optional[str | os.PathLike] = None, ssh_port: Optional[int] = None,
         executable: Optional[str] = None, use_gloo: Optional[bool] = None,
         use_mpi: Optional[bool] = None, verbose: Any = None, disable_cache: Any = None,
-        start_timeout: Any = None, network_interface: Any = None, **horovod: Any) -> list:
+        start_timeout: Optional[float] = None, network_interface: Optional[str] = None,
+        ssh_identity_file: Optional[str] = None, output_filename: Optional[str] = None,
+        **horovod: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``np`` new ranks; return their values in rank order.
 
     Like ``horovod.run``: ``fn`` runs in fresh processes started as by ``ringrun`` and
@@ -65,7 +76,12 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         Horovod's names: ``num_proc`` is ``np``; ``hostfile`` a file of ``host slots=N``
         (or ``host:N``) lines, not with ``hosts``; ``ssh_port`` the port of remote ranks'
         ssh; ``executable`` the Python that runs the ranks (default ``sys.executable``).
-    use_gloo, use_mpi, verbose, disable_cache, start_timeout, network_interface :
+    start_timeout, network_interface, ssh_identity_file, output_filename, verbose :
+        As ``ringrun``'s ``--start-timeout`` (seconds the ranks wait for each other),
+        ``--network-interfaces`` (comma-separated), ``-i``, ``--output-filename`` (each
+        rank's output also in ``<dir>/rank.<N>/stdout`` and ``stderr``; ``worker.<N>`` in
+        an elastic job) and ``--verbose``.
+    use_gloo, use_mpi, disable_cache :
         Horovod's; accepted and ignored (ringreduce has its own transport; both
         ``use_gloo`` and ``use_mpi`` true is refused, as Horovod does).
     **horovod :
@@ -74,8 +90,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         ``slots`` (per discovered host), ``reset_limit``, ``elastic_timeout``,
         ``host_discovery_script``, ``cooldown_range`` (``(min, max)`` seconds, as
         ``--blacklist-cooldown-range``); ``fn`` then uses ``ringreduce.elastic.run``
-        itself. ``output_filename``, ``mpi_args`` and ``ssh_identity_file`` are refused
-        when set; any other name is a TypeError.
+        itself. ``mpi_args`` is refused when set; any other name is a TypeError.
 
     Returns
     -------
@@ -95,8 +110,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
     refused = sorted(k for k in _HOROVOD_REFUSED if horovod.get(k) is not None)
     if refused:
         raise InvalidInputError(f"ringreduce.run: {', '.join(refused)} not supported (no "
-                                "per-rank output files, MPI arguments or ssh identity files; "
-                                "ringrun's --ssh-command covers ssh)")
+                                "mpirun underneath: ringreduce starts the ranks itself)")
     if use_gloo and use_mpi:
         raise InvalidInputError("ringreduce.run: use_gloo and use_mpi cannot both be true")
     if np is not None and num_proc is not None and np != num_proc:
@@ -108,16 +122,18 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
     if hostfile is not None:
         host_list = parse_hostfile(hostfile)
     elastic = {k: v for k, v in horovod.items() if k in _HOROVOD_ELASTIC and v is not None}
+    common = {"env": {**_horovodrun.run_env(start_timeout, network_interface), **(env or {})},
+              "timeout": timeout, "ssh_port": ssh_port,
+              "output": OutputSettings(output_filename, verbose=bool(verbose)),
+              "ssh_command": ssh_identity_file and ssh_with_identity(ssh_identity_file)}
     with tempfile.TemporaryDirectory(prefix="ringreduce-run-") as tmp:
         command = [executable or sys.executable, "-m", "ringreduce", "--run-pickled",
                    _payload(Path(tmp), fn, args, kwargs)]
         if elastic:
-            code, failed = _launch_elastic(command, np, host_list, elastic, env, timeout,
-                                           ssh_port), None
+            code, failed = _launch_elastic(command, np, host_list, elastic, common), None
         else:
             np = 1 if np is None else np  # horovod.run's num_proc default
-            outcome = launch(command, np, host_list, env=env, timeout=timeout,
-                             ssh_port=ssh_port)
+            outcome = launch(command, np, host_list, **common)
             code, failed = outcome.code, outcome.failed_rank
         results = _results(Path(tmp))
     return _returned(results, code, failed, None if elastic else np, timeout)
@@ -138,8 +154,7 @@ def _payload(tmp: Path, fn: Callable[..., Any], args: Sequence[Any],
 
 def _launch_elastic(command: list[str], np: Optional[int],
                     hosts: Optional[Sequence[HostSlots]], elastic: dict,
-                    env: Optional[Mapping[str, str]], timeout: Optional[float],
-                    ssh_port: Optional[int]) -> int:
+                    common: dict[str, Any]) -> int:
     from .elastic.discovery import FixedHosts, ScriptHosts
     from .elastic.driver import ElasticSettings, launch_elastic
     from .elastic.hosts import check_cooldown_range
@@ -157,8 +172,7 @@ def _launch_elastic(command: list[str], np: Optional[int],
                                reset_limit=elastic.get("reset_limit"),
                                cooldown_range=check_cooldown_range(
                                    elastic.get("cooldown_range")))
-    return launch_elastic(command, discovery, settings, env=dict(env or {}), timeout=timeout,
-                          ssh_port=ssh_port)
+    return launch_elastic(command, discovery, settings, **common)
 
 
 def _results(tmp: Path) -> list[dict]:

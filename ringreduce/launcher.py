@@ -171,6 +171,11 @@ def _ssh_argv(ssh_command: Optional[str], ssh_port: Optional[int], host: str,
     return [*words, host, cmdline]
 
 
+def ssh_with_identity(identity_file: str) -> str:
+    """The default ssh command with ``-i identity_file`` (horovodrun's ``-i``)."""
+    return shlex.join([*DEFAULT_SSH, "-i", identity_file])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -688,7 +693,7 @@ def _horovod_flags(a: argparse.Namespace) -> None:
     a.rank_env = {**env, **_parse_env(a.env, os.environ)}
     a.output = OutputSettings(a.output_filename, a.prefix_timestamp, a.verbose)
     if a.ssh_identity_file:
-        a.ssh_command = shlex.join([*DEFAULT_SSH, "-i", a.ssh_identity_file])
+        a.ssh_command = ssh_with_identity(a.ssh_identity_file)
 
 
 def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
@@ -710,4 +715,4 @@ def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
     return launch_elastic(command, discovery, settings, env=a.rank_env,
                           ssh_command=a.ssh_command, ssh_port=a.ssh_port,
                           driver_addr=a.master_addr, prefix_output=a.prefix_output,
-                          timeout=a.timeout, grace=a.grace_period)
+                          timeout=a.timeout, grace=a.grace_period, output=a.output)

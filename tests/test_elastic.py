@@ -60,13 +60,21 @@ def test_survivors_of_a_killed_worker_go_on_from_the_last_commit():
     assert re.search(r"w1: reset 1 \(PeerLostError: .*rank 1 on host ringrun:b", err), err
 
 
-def test_a_lost_worker_is_replaced_and_the_new_one_gets_rank_0s_state():
-    job = run_elastic(elastic_args(2, 3, np=2, hosts="a:1,b:1,c:1"),
+def test_a_lost_worker_is_replaced_and_the_new_one_gets_rank_0s_state(tmp_path):
+    out_dir = tmp_path / "out"
+    job = run_elastic(elastic_args(2, 3, np=2, hosts="a:1,b:1,c:1",
+                                   extra=["--output-filename", str(out_dir),
+                                          "-prefix-timestamp"]),
                       [*WORKER, "40", "die:w2:7"])
     assert job.procs[0].returncode == 0, job.describe()
     assert generations(job) == [["w1@a", "w2@b"], ["w1@a", "w3@c"]], job.describe()
     # w3 never ran steps 1-5: it has them only through sync() from rank 0
     assert results(job) == {"w1": (0, 2, "2x40", 1), "w3": (1, 2, "2x40", 0)}, job.describe()
+    # horovodrun's output flags: a folder per worker, and the time before each line
+    assert sorted(p.name for p in out_dir.iterdir()) == ["worker.1", "worker.2", "worker.3"]
+    assert "RESULT w3 rank 1" in (out_dir / "worker.3" / "stdout").read_text()
+    assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[w3@c\]: RESULT w3",
+                     job.procs[0].stdout, re.M), job.describe()
 
 
 def test_hosts_added_by_discovery_join_at_a_commit(tmp_path):

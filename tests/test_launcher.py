@@ -361,6 +361,18 @@ def _rank_value(offset: int) -> tuple[int, int, float]:
         rr.shutdown()
 
 
+def _said_and_settings() -> tuple:
+    import ringreduce as rr
+
+    rr.init()
+    try:
+        print(f"hello from {rr.rank()}", flush=True)
+        return (os.environ.get("RINGREDUCE_CONNECT_TIMEOUT_SECONDS"),
+                os.environ.get("RINGREDUCE_IFACE"))
+    finally:
+        rr.shutdown()
+
+
 def _fail_on_rank_1() -> int:
     rank = int(os.environ["RANK"])
     if rank == 1:
@@ -386,13 +398,21 @@ def test_run_takes_horovods_arguments(tmp_path):
     for kwargs, match in [({"use_gloo": True, "use_mpi": True}, "use_gloo and use_mpi"),
                           ({"np": 2, "num_proc": 3}, "differ"),
                           ({"hosts": "localhost:2", "hostfile": str(hostfile)}, "not both"),
-                          ({"mpi_args": "-v", "output_filename": "out"},
-                           "mpi_args, output_filename not supported"),
+                          ({"mpi_args": "-v"}, "mpi_args not supported"),
                           ({"min_np": 1, "cooldown_range": (2, 1)}, "0 < MIN <= MAX")]:
         with pytest.raises(rr.InvalidInputError, match=match):
             rr.run(_rank_value, args=(0,), **kwargs)
     with pytest.raises(TypeError, match="'bogus'"):
         rr.run(_rank_value, args=(0,), bogus=1)
+
+
+def test_run_takes_horovods_output_and_network_arguments(tmp_path, capfd):
+    got = rr.run(_said_and_settings, np=2, start_timeout=45, network_interface="lo",
+                 output_filename=str(tmp_path / "out"), verbose=2, timeout=30)
+    assert got == [("45", "lo")] * 2
+    for r in (0, 1):
+        assert (tmp_path / "out" / f"rank.{r}" / "stdout").read_text() == f"hello from {r}\n"
+    assert "ringrun: rank 1 started on localhost" in capfd.readouterr().err
 
 
 def _elastic_sizes(steps: int, die: str) -> tuple[int, int, list]:

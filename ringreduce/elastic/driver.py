@@ -53,6 +53,7 @@ from typing import Optional
 from ..exceptions import InvalidInputError
 from ..launcher import (
     HostSlots,
+    OutputSettings,
     _binary,
     _exit_code,
     _how,
@@ -108,10 +109,11 @@ class ElasticDriver:
 
     def __init__(self, command: Sequence[str], discovery: Discovery, settings: ElasticSettings,
                  env: dict, ssh_command: Optional[str], ssh_port: Optional[int],
-                 driver_addr: Optional[str], prefix: bool, grace: float) -> None:
+                 driver_addr: Optional[str], prefix: bool, grace: float,
+                 output: Optional[OutputSettings] = None) -> None:
         self.command, self.discovery, self.s = list(command), discovery, settings
         self.extra, self.ssh_command, self.ssh_port = env, ssh_command, ssh_port
-        self.prefix, self.grace = prefix, grace
+        self.prefix, self.grace, self.output = prefix, grace, output or OutputSettings()
         self.cond = threading.Condition()
         self.workers: dict[str, Worker] = {}
         self.ages = 0
@@ -169,9 +171,11 @@ class ElasticDriver:
             return
         w = Worker(wid, self.ages, host.host, slot, proc)
         prefix = f"[{wid}@{host.host}]: ".encode() if self.prefix else b""
-        for pipe, write in ((proc.stdout, self.out), (proc.stderr, self.err)):
-            t = threading.Thread(target=_pump, args=(pipe, write, prefix, self.lock),
-                                 daemon=True)
+        copies = self.output.files(f"worker.{self.ages}")
+        for pipe, write, copy in zip((proc.stdout, proc.stderr), (self.out, self.err), copies):
+            t = threading.Thread(target=_pump, daemon=True,
+                                 args=(pipe, write, prefix, self.lock, copy,
+                                       self.output.timestamp))
             t.start()
             w.threads.append(t)
         self.workers[wid] = w
@@ -627,7 +631,7 @@ def launch_elastic(command: Sequence[str], discovery: Discovery, settings: Elast
                    env: Optional[dict] = None, ssh_command: Optional[str] = None,
                    ssh_port: Optional[int] = None, driver_addr: Optional[str] = None,
                    prefix_output: bool = True, timeout: Optional[float] = None,
-                   grace: float = 5.0) -> int:
+                   grace: float = 5.0, output: Optional[OutputSettings] = None) -> int:
     """Run an elastic job (what ``ringrun --min-np ...`` does); return the exit code.
 
     Parameters
@@ -642,6 +646,9 @@ def launch_elastic(command: Sequence[str], discovery: Discovery, settings: Elast
         with each failure there; None: for good).
     env, ssh_command, ssh_port, prefix_output, timeout, grace :
         As for ``ringreduce.launcher.launch``.
+    output : OutputSettings, optional
+        As for ``launch``, with a folder ``worker.<N>`` per worker (N counts the workers
+        started, from 1) instead of ``rank.<rank>``: a worker's rank changes with resets.
     driver_addr : str, optional
         The address workers reach this driver at (default 127.0.0.1 for a local job,
         else this host's name).
@@ -659,7 +666,7 @@ def launch_elastic(command: Sequence[str], discovery: Discovery, settings: Elast
         raise InvalidInputError(f"need 1 <= --min-np ({settings.min_np}) <= -np "
                                 f"({settings.np}) <= --max-np ({settings.max_np})")
     driver = ElasticDriver(command, discovery, settings, dict(env or {}), ssh_command,
-                           ssh_port, driver_addr, prefix_output, grace)
+                           ssh_port, driver_addr, prefix_output, grace, output)
     with signals_to(driver):
         try:
             return driver.run(timeout)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ._horovod_settings import NO_EFFECT, translate
 from .exceptions import InvalidInputError
 
-__all__ = ["add_arguments", "apply_config_file", "check_build", "rank_env", "refused"]
+__all__ = ["add_arguments", "apply_config_file", "check_build", "rank_env", "refused", "run_env"]
 
 _MB = 1 << 20
 # (flag dest, Horovod variable, conversion of the flag's value to the variable's text)

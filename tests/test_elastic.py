@@ -526,14 +526,18 @@ def test_a_slow_discovery_script_holds_up_no_commit():
 
 def test_an_idle_connection_holds_up_no_new_worker():
     # a stranger connects to ringrun's port and says nothing; a worker connecting after
-    # it must still be answered (the handshake used to run on the accept thread)
+    # it must still be answered (the handshake used to run on the accept thread), and the
+    # stranger is hung up on once the handshake's time is up, while the worker, silent
+    # for longer than that after its handshake, is still answered
     with _running(FixedHosts([])) as d:
+        d.handshake_seconds = 0.5
         idle = socket.create_connection(("127.0.0.1", d.port))
         try:
             answers: list = []
 
             def worker() -> None:
                 with _connect(d) as conn:
+                    time.sleep(1.0)
                     conn.send(("updates", "w1", 0))
                     answers.append(conn.recv())
 
@@ -541,5 +545,8 @@ def test_an_idle_connection_holds_up_no_new_worker():
             t.start()
             t.join(timeout=5)
             assert answers == [("updates", False, False)], "the worker got no answer in 5 s"
+            idle.settimeout(3)
+            while idle.recv(4096):  # the challenge, then the end
+                pass
         finally:
             idle.close()

@@ -40,6 +40,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -106,6 +107,8 @@ class Worker:
 
 class ElasticDriver:
     """Starts workers, forms generations and answers the workers' requests."""
+
+    handshake_seconds = 10.0  # a new connection's time to authenticate
 
     def __init__(self, command: Sequence[str], discovery: Discovery, settings: ElasticSettings,
                  env: dict, ssh_command: Optional[str], ssh_port: Optional[int],
@@ -431,13 +434,18 @@ class ElasticDriver:
         """Authenticate one connection (here, so that a silent one holds up nobody else),
         then answer its requests, one at a time, until it hangs up."""
         tune(sock.fileno())
+        # A worker answers the challenge at once; a connection that stays silent is not
+        # one, and must not hold this thread and its socket for the rest of the job.
+        _receive_timeout(sock, self.handshake_seconds)
         conn = Connection(sock.detach())
         try:  # what multiprocessing's Listener.accept does, off the accept thread
             deliver_challenge(conn, self.key.encode())
             answer_challenge(conn, self.key.encode())
         except (OSError, EOFError, AuthenticationError):
-            conn.close()  # a stranger, or a wrong key: refused
+            conn.close()  # a stranger, a wrong key or silence: refused
             return
+        with socket.socket(fileno=os.dup(conn.fileno())) as same:
+            _receive_timeout(same, 0)  # requests come as rarely as commits
         handlers = {"join": self.on_join, "exchange": self.on_exchange,
                     "updates": self.on_updates}
         with conn:
@@ -625,6 +633,15 @@ class ElasticDriver:
         for w in self.workers.values():
             for t in w.threads:
                 t.join(timeout=5)
+
+
+def _receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make blocking reads of ``sock`` fail after ``seconds`` (0: never). SO_RCVTIMEO, not
+    ``settimeout``: Connection reads the descriptor with os.read, and settimeout would make
+    it non-blocking."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 def launch_elastic(command: Sequence[str], discovery: Discovery, settings: ElasticSettings, *,

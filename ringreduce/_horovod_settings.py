@@ -24,11 +24,18 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 from .exceptions import InvalidInputError
 
-__all__ = ["NO_EFFECT", "SETTINGS", "apply_to_environ", "translate", "warn_no_effect"]
+__all__ = [
+    "NO_EFFECT",
+    "SETTINGS",
+    "apply_to_environ",
+    "elastic_timeout",
+    "translate",
+    "warn_no_effect",
+]
 
 _RECORD = "RINGREDUCE_FROM_HOROVOD"
 _TRUE = ("1", "true", "yes", "on")
@@ -201,3 +208,13 @@ def warn_no_effect(environ: Mapping[str, str], rank: int) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def elastic_timeout(given: Optional[float] = None, environ: Mapping[str, str] = os.environ
+                    ) -> float:
+    """``--elastic-timeout``: ``given``, else ``HOROVOD_ELASTIC_TIMEOUT`` as in horovodrun,
+    else 600 seconds."""
+    if given is not None:
+        return given
+    text = environ.get("HOROVOD_ELASTIC_TIMEOUT", "").strip()
+    return float(_number(float)("HOROVOD_ELASTIC_TIMEOUT", text)) if text else 600.0

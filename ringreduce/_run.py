@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import _horovodrun
+from ._horovod_settings import elastic_timeout
 from .exceptions import InvalidInputError, RingReduceError
 from .launcher import (
     TIMEOUT_EXIT_CODE,
@@ -168,7 +169,7 @@ def _launch_elastic(command: list[str], np: Optional[int],
     discovery = ScriptHosts(script, elastic.get("slots") or 1) if script else \
         FixedHosts(hosts or [HostSlots("localhost", high or np)])
     settings = ElasticSettings(min_np=low or np, max_np=high or np, np=np,
-                               elastic_timeout=elastic.get("elastic_timeout", 600.0),
+                               elastic_timeout=elastic_timeout(elastic.get("elastic_timeout")),
                                reset_limit=elastic.get("reset_limit"),
                                cooldown_range=check_cooldown_range(
                                    elastic.get("cooldown_range")))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 from . import _horovodrun
+from ._horovod_settings import elastic_timeout
 from .exceptions import InvalidInputError
 
 __all__ = ["HostSlots", "launch", "main", "parse_hostfile", "parse_hosts"]
@@ -609,8 +610,9 @@ def _parser() -> argparse.ArgumentParser:
                    "run every second (makes the job elastic)")
     e.add_argument("--slots-per-host", "--slots", dest="slots", type=int, default=1,
                    help="slots of a discovered host printed without ':slots' (default 1)")
-    e.add_argument("--elastic-timeout", type=float, default=600.0,
-                   help="seconds a new generation may take to form (default 600)")
+    e.add_argument("--elastic-timeout", type=float,
+                   help="seconds a new generation may take to form (default 600, or "
+                   "HOROVOD_ELASTIC_TIMEOUT)")
     e.add_argument("--reset-limit", type=int,
                    help="end the job after this many resets (default: no limit)")
     e.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=float, nargs=2,
@@ -652,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("no command given, e.g. ringrun -np 2 python train.py")
     elastic = a.min_np is not None or a.max_np is not None or a.host_discovery_script
     if not elastic and (a.reset_limit is not None or a.slots != 1 or
-                        a.elastic_timeout != 600.0 or a.cooldown_range is not None):
+                        a.elastic_timeout is not None or a.cooldown_range is not None):
         parser.error("--slots, --elastic-timeout, --reset-limit and --blacklist-cooldown-range "
                      "are for elastic jobs: give --min-np / --max-np (or "
                      "--host-discovery-script) too")
@@ -710,7 +712,8 @@ def _main_elastic(a: argparse.Namespace, command: list[str]) -> int:
         discovery = FixedHosts(hosts or [HostSlots("localhost", a.max_np or a.np or 1)])
     np = a.np or a.min_np or a.max_np
     settings = ElasticSettings(min_np=a.min_np or np, max_np=a.max_np or np, np=np,
-                               elastic_timeout=a.elastic_timeout, reset_limit=a.reset_limit,
+                               elastic_timeout=elastic_timeout(a.elastic_timeout),
+                               reset_limit=a.reset_limit,
                                cooldown_range=a.cooldown_range and tuple(a.cooldown_range))
     return launch_elastic(command, discovery, settings, env=a.rank_env,
                           ssh_command=a.ssh_command, ssh_port=a.ssh_port,

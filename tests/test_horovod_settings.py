@@ -107,6 +107,17 @@ def test_explicit_ringreduce_settings_win_and_a_later_init_recomputes():
     assert "RINGREDUCE_FUSION_THRESHOLD" not in env and "RINGREDUCE_FROM_HOROVOD" not in env
 
 
+def test_elastic_timeout_comes_from_the_flag_then_horovods_variable(monkeypatch):
+    assert hs.elastic_timeout(None, {}) == 600.0
+    assert hs.elastic_timeout(None, {"HOROVOD_ELASTIC_TIMEOUT": "30"}) == 30.0
+    assert hs.elastic_timeout(5.0, {"HOROVOD_ELASTIC_TIMEOUT": "30"}) == 5.0
+    with pytest.raises(rr.InvalidInputError, match="HOROVOD_ELASTIC_TIMEOUT='soon'"):
+        hs.elastic_timeout(None, {"HOROVOD_ELASTIC_TIMEOUT": "soon"})
+    # the variable is not a flag: a fixed-size job with it set is no usage error
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "30")
+    assert launcher.main(["-np", "1", PYTHON, "-c", "pass"]) == 0
+
+
 def test_knobs_without_effect_are_named_once_on_rank_0(capsys):
     env = {
         "HOROVOD_AUTOTUNE": "1",

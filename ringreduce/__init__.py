@@ -56,6 +56,7 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
     "grouped_reducescatter_async",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "is_homogeneous",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reduce_isa",
     "reducescatter", "reducescatter_async", "shared_zeros", "shutdown", "size",
     "start_timeline", "stop_timeline", "synchronize",
@@ -156,8 +157,11 @@ def _override() -> Optional[Communicator]:
     return _thread.comm
 
 
-def _binder() -> Callable[[], Communicator]:
-    """A function returning the communicator that is current now.
+def _binder(process_set: Optional[ProcessSet] = None,
+            what: str = "ringreduce") -> Callable[[], Communicator]:
+    """A function returning the communicator that is current now (its view of
+    ``process_set``, if given: InvalidInputError naming ``what`` if this rank is not a
+    member).
 
     Long-lived objects of the framework layers (optimizers, autograd contexts,
     traced graphs) keep it so that their later collectives (from hooks, backward,
@@ -165,9 +169,10 @@ def _binder() -> Callable[[], Communicator]:
     override it follows ``init()``/``shutdown()`` of the process default.
     """
     override = _thread.comm
-    if override is not None:
-        return lambda: override
-    return _comm
+    bound = _comm if override is None else (lambda: override)
+    if process_set is None or process_set.process_set_id == 0:
+        return bound
+    return lambda: bound().process_sets.communicator(process_set, what)
 
 
 def _on(process_set: Optional[ProcessSet], what: str) -> Communicator:
@@ -219,6 +224,11 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """Number of hosts in the job."""
     return _comm().cross_size()
+
+
+def is_homogeneous() -> bool:
+    """Whether every host of the job runs as many ranks as the others (Horovod's)."""
+    return _comm().is_homogeneous()
 
 
 def allreduce(x: Any, op: int = Average, name: Optional[str] = None,

@@ -95,6 +95,10 @@ class Communicator(GpuCalls, CompositeCalls):
         """Number of hosts in the job."""
         return self._ctx.cross_size
 
+    def is_homogeneous(self) -> bool:
+        """Whether every host of the job runs as many ranks as the others."""
+        return len({len(ranks) for ranks in self._ctx.hosts}) == 1
+
     def transport_to(self, peer: int) -> str:
         """Which transport carries traffic to ``peer``: "shm" or "tcp"."""
         return self._ctx.transport_to(peer)

@@ -189,6 +189,17 @@ class ProcessSetRegistry:
             found.process_set_id, found._registry = None, None
         return found is not None
 
+    def by_id(self, process_set_id: int, what: str) -> ProcessSet:
+        """The set registered as ``process_set_id`` (Horovod's ``size_op(process_set_id)``)."""
+        if process_set_id == 0:
+            return global_process_set
+        found = self._sets.get(process_set_id)
+        if found is None:
+            raise InvalidInputError(f"{what}: no process set has id {process_set_id!r} on rank "
+                                    f"{self.comm.rank()} (registered: "
+                                    f"{sorted(self._sets) or 'none'})")
+        return found
+
     def communicator(self, process_set: Optional[ProcessSet], what: str) -> Communicator:
         """The communicator a call on ``process_set`` goes through, on this rank."""
         if process_set is None or process_set.process_set_id == 0:

@@ -63,6 +63,7 @@ void bind_context(py::module_& m) {
       .def_property_readonly("local_size", &Context::local_size)
       .def_property_readonly("cross_rank", &Context::cross_rank)
       .def_property_readonly("cross_size", &Context::cross_size)
+      .def_property_readonly("hosts", &Context::hosts)
       .def("transport_to", [](Context& c, int peer) { return std::string(c.link(peer).kind()); });
 }
 

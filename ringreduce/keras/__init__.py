@@ -24,6 +24,7 @@ from typing import Any
 import keras
 
 from ringreduce import (
+    Adasum,
     Average,
     HorovodInternalError,
     HostsUpdatedInterrupt,
@@ -33,18 +34,23 @@ from ringreduce import (
     MismatchError,
     NotInitializedError,
     PeerLostError,
+    ProcessSet,
     Product,
     RingReduceError,
     RingReduceTimeoutError,
     Sum,
     _binder,
+    add_process_set,
     cross_rank,
     cross_size,
+    global_process_set,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
     rank,
+    remove_process_set,
     shutdown,
     size,
     start_timeline,
@@ -65,8 +71,18 @@ if keras.backend.backend() == "tensorflow":
         alltoall,
         broadcast,
         broadcast_variables,
+        ccl_built,
+        cuda_built,
+        ddl_built,
+        gloo_built,
+        gloo_enabled,
         grouped_allreduce,
+        mpi_built,
+        mpi_enabled,
+        mpi_threads_supported,
+        nccl_built,
         reducescatter,
+        rocm_built,
     )
 else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
     _layer = importlib.import_module("ringreduce.jax" if keras.backend.backend() == "jax"
@@ -75,6 +91,14 @@ else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
     allgather, allreduce, alltoall = _layer.allgather, _layer.allreduce, _layer.alltoall
     broadcast, reducescatter = _layer.broadcast, _layer.reducescatter
     grouped_allreduce = _layer.grouped_allreduce
+    from ringreduce import cuda_built, nccl_built
+
+    def _no() -> bool:
+        return False
+
+    # Horovod's build queries: no MPI, Gloo, DDL, oneCCL or ROCm inside ringreduce.
+    mpi_built = gloo_built = ddl_built = ccl_built = rocm_built = _no
+    mpi_enabled = gloo_enabled = mpi_threads_supported = _no
 
     def broadcast_variables(variables: Any, root_rank: int = 0) -> None:
         """Overwrite Keras ``variables`` with ``root_rank``'s values (eager)."""
@@ -82,12 +106,16 @@ else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
                                             "broadcast_variables")
 
 __all__ = [
-    "Average", "CheckpointError", "Compression", "DistributedOptimizer", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "InvalidInputError",
-    "Max", "Min", "MismatchError", "NotInitializedError", "PeerLostError", "Product",
+    "Adasum", "Average", "CheckpointError", "Compression", "DistributedOptimizer",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "InvalidInputError",
+    "Max", "Min", "MismatchError", "NotInitializedError", "PeerLostError", "ProcessSet",
+    "Product", "add_process_set", "ccl_built", "cuda_built", "ddl_built", "global_process_set",
+    "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "remove_process_set", "rocm_built",
     "RingReduceError", "RingReduceTimeoutError", "Sum", "allgather", "allgather_object",
     "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
     "broadcast_object", "broadcast_variables", "callbacks", "cross_rank", "cross_size", "elastic",
+    "is_homogeneous",
     "grouped_allreduce", "init", "is_initialized", "join", "load_model", "local_rank",
     "local_size", "rank", "reducescatter", "save_model", "shutdown", "size",
     "start_timeline", "stop_timeline",

@@ -39,13 +39,16 @@ from ringreduce import (
     RingReduceError,
     RingReduceTimeoutError,
     Sum,
+    add_process_set,
     cross_rank,
     cross_size,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
     rank,
+    remove_process_set,
     shutdown,
     size,
     start_timeline,
@@ -54,11 +57,21 @@ from ringreduce import (
 )
 from ringreduce.checkpoint import CheckpointError
 from ringreduce.compression import Compressor
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._bridge import comm as _comm
 from ._bridge import current_int, run_translated
 from .compression import Compression
-from .ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from .ops import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from .tape import DistributedGradientTape
 from .tf1 import (
     BroadcastGlobalVariablesHook,
@@ -78,10 +91,14 @@ __all__ = [
     "DistributedOptimizer", "HorovodInternalError",
     "HostsUpdatedInterrupt", "InvalidInputError", "Max", "Min",
     "MismatchError", "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
-    "RingReduceTimeoutError", "Sum", "allgather", "allgather_object", "allreduce", "alltoall",
+    "ProcessSet", "RingReduceTimeoutError", "Sum", "add_process_set", "allgather",
+    "allgather_object", "allreduce", "alltoall",
     "barrier", "broadcast", "broadcast_global_variables", "broadcast_object",
+    "broadcast_object_fn", "global_process_set", "grouped_allgather",
+    "grouped_reducescatter", "process_set_included_op", "remove_process_set",
     "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
     "elastic",
+    "is_homogeneous",
     "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_initialized", "join",
     "load_checkpoint", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "rank_op", "size_op", "mpi_enabled",
@@ -100,6 +117,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _set_comm(process_set: ProcessSet, what: str) -> Any:
+    from ringreduce import _on
+
+    return _on(process_set, what)
+
+
 def join() -> int:
     """Declare that this rank has no more data; returns the last rank to join.
 
@@ -110,19 +133,31 @@ def join() -> int:
     return _comm().join()
 
 
-def barrier() -> None:
-    """Wait until every rank has called ``barrier()``."""
-    _comm().barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank (of ``process_set``) has called ``barrier()``."""
+    _set_comm(process_set, "barrier").barrier()
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Any = None) -> Any:
-    """Return ``root_rank``'s picklable ``obj`` on every rank (eager)."""
-    return _comm().broadcast_object(obj, root_rank, name)
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Any = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank (of ``process_set``; the root
+    counted within it). Runs at once, also in a ``tf.compat.v1`` program: ``session`` is
+    Horovod's and not needed."""
+    return _set_comm(process_set, "broadcast_object").broadcast_object(obj, root_rank, name)
 
 
-def allgather_object(obj: Any, name: Any = None) -> list:
-    """Return every rank's picklable ``obj`` as a list in rank order (eager)."""
-    return _comm().allgather_object(obj, name)
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Any = None,
+                        process_set: ProcessSet = global_process_set) -> Any:
+    """Horovod's TF1 helper: a function ``fn(obj)`` that returns ``root_rank``'s ``obj``
+    on every rank (see ``broadcast_object``)."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
+def allgather_object(obj: Any, session: Any = None, name: Any = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Return every rank's picklable ``obj`` as a list in rank order (of ``process_set``);
+    ``session`` as for ``broadcast_object``."""
+    return _set_comm(process_set, "allgather_object").allgather_object(obj, name)
 
 
 def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = False,  # noqa: N802
@@ -168,10 +203,20 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
                             f"a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
 
 
-def size_op(name: Any = None) -> tf.Tensor:
-    """Horovod's ``size_op``: ``size()`` as an int32 tensor (read when a graph runs, in an
-    elastic job)."""
-    return current_int(lambda: _comm().size(), name or "size")
+def _process_set(process_set_id: int, what: str) -> ProcessSet:
+    return _comm().process_sets.by_id(process_set_id, what)
+
+
+def size_op(process_set_id: int = 0, name: Any = None) -> tf.Tensor:
+    """Horovod's ``size_op``: ``size()`` (of the process set with that id) as an int32
+    tensor (read when a graph runs, in an elastic job)."""
+    return current_int(lambda: _process_set(process_set_id, "size_op").size(), name or "size")
+
+
+def process_set_included_op(process_set_id: int = 0, name: Any = None) -> tf.Tensor:
+    """Horovod's: 1 if this rank is a member of the process set with that id, else 0."""
+    return current_int(lambda: int(_process_set(process_set_id, "process_set_included_op")
+                                   .included()), name or "process_set_included")
 
 
 def rank_op(name: Any = None) -> tf.Tensor:

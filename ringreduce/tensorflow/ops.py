@@ -7,6 +7,10 @@ gradients (``ringreduce._grads``; allreduce's is the same allreduce of the gradi
 allgather's, this rank's rows of the average of the gradient; broadcast's, the average
 on the root and zeros elsewhere; reducescatter's, the gradient gathered, times size for Sum).
 
+Every collective takes Horovod's ``process_set`` (default: every rank): it then runs among
+that set's members only, with ranks, sizes and roots counted within the set; a rank outside
+the set that calls it gets an ``InvalidInputError``.
+
 ``device_dense`` / ``device_sparse`` and ``ignore_name_scope`` are Horovod's and are
 accepted and ignored: tensors are handed to the engine where they lie (CPU).
 """
@@ -26,12 +30,13 @@ from ringreduce._horovod import resolve_op
 from ringreduce._refusals import reports_refusals
 from ringreduce.compression import Compressor
 from ringreduce.exceptions import InvalidInputError, call_label
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._bridge import binder, call, check_tensor, current_int, graph_name
 from .compression import Compression
 
-__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allreduce",
-           "reducescatter"]
+__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
+           "grouped_allreduce", "grouped_reducescatter", "reducescatter"]
 
 Getter = Callable[[], Communicator]
 _MODULE = "ringreduce.tensorflow"
@@ -47,7 +52,8 @@ except ImportError:  # another layout: every eager call goes through tf.custom_g
 def _refusals(kind: str, group: Optional[str] = None) -> Callable:
     """Calls refused here reach the other ranks, in eager mode (a refusal while a graph is
     traced refuses no collective yet: the graph's collectives run when it runs)."""
-    return reports_refusals(kind, lambda _: binder()(), eager=tf.executing_eagerly, group=group)
+    return reports_refusals(kind, lambda ps: binder(ps, _MODULE)(), eager=tf.executing_eagerly,
+                            group=group)
 
 
 def _suffix(name: Optional[str], part: str) -> Optional[str]:
@@ -110,6 +116,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
               device_sparse: str = "", compression: type[Compressor] = Compression.none,
               op: Optional[int] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set,
               ignore_name_scope: bool = False) -> Any:
     """Reduce ``tensor`` over all ranks (Horovod's signature); differentiable.
 
@@ -130,6 +137,8 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
         Matches the tensor across ranks; unnamed calls are matched by the order they run
         in, except in ``tf.compat.v1`` graphs, where they are named when the graph is
         built (``_bridge.graph_name``).
+    process_set : ProcessSet
+        Reduce over this set's members only (they alone call it).
 
     Returns
     -------
@@ -139,7 +148,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
     name = graph_name("allreduce", name)
     what = call_label("allreduce", name)
     code = resolve_op(average, op, what, _MODULE)
-    get = binder()
+    get = binder(process_set, _MODULE)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, code, name, get)
     pre, post = check_scales(prescale_factor, postscale_factor, "allreduce", name)
@@ -152,17 +161,19 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
 def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense: str = "",
                       device_sparse: str = "", compression: type[Compressor] = Compression.none,
                       op: Optional[int] = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, name: Optional[str] = None) -> list:
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set,
+                      ignore_name_scope: bool = False, name: Optional[str] = None) -> list:
     """Allreduce a list of tensors as one negotiated, fused unit; differentiable.
 
     Members are named ``name.0``, ``name.1``, ... IndexedSlices among them are
-    allgathered separately (see ``allreduce``).
+    allgathered separately (see ``allreduce``). Horovod's argument order (``name`` last).
     """
     name = graph_name("grouped_allreduce", name)
     what = call_label("grouped_allreduce", name)
     code = resolve_op(average, op, what, _MODULE)
     pre, post = check_scales(prescale_factor, postscale_factor, "grouped_allreduce", name)
-    get = binder()
+    get = binder(process_set, _MODULE)
     tensors = list(tensors)
     out: list = [None] * len(tensors)
     dense, ctxs = [], []
@@ -185,6 +196,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
 # ----------------------------------------------------------- data movement
 @_refusals("allgather")
 def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set,
               _get: Optional[Getter] = None) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along axis 0 (its length may differ per rank);
     the other dimensions must agree. Differentiable."""
@@ -194,7 +206,7 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     if t.shape.rank == 0:
         raise InvalidInputError(f"{what}: needs at least one dimension (got a scalar); "
                                 "reshape it to [1]")
-    get = _get or binder()
+    get = _get or binder(process_set, _MODULE)
 
     @tf.custom_gradient
     def gather(x: tf.Tensor) -> Any:
@@ -212,14 +224,52 @@ def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool =
     return gather(t)
 
 
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list:
+    """Allgather each of ``tensors``, submitted together (members named ``name.0``, ...;
+    see ``allgather``); differentiable."""
+    name = graph_name("grouped_allgather", name)
+    what = call_label("grouped_allgather", name)
+    ts = [check_tensor(t, what) for t in tensors]
+    if not ts:
+        return []
+    get = binder(process_set, _MODULE)
+
+    @tf.custom_gradient
+    def gather(*xs: tf.Tensor) -> Any:
+        outs = call(lambda a: get().grouped_allgather(a, name), list(xs),
+                    [x.dtype for x in xs], what)
+        outs = [_with_shape(o, [None] + x.shape[1:].as_list() if x.shape.rank else None)
+                for o, x in zip(outs, xs)]
+        rows = [tf.shape(x, out_type=tf.int64)[0] if x.shape.rank else tf.constant(1, tf.int64)
+                for x in xs]
+
+        def grad(*dys: tf.Tensor) -> list:
+            def run(a: list) -> list:
+                half = len(a) // 2
+                return [allgather_grad(get(), g, int(r), _suffix(name, str(i)))
+                        for i, (g, r) in enumerate(zip(a[:half], a[half:]))]
+
+            gs = call(run, [tf.convert_to_tensor(d) for d in dys] + rows,
+                      [d.dtype for d in dys], what + " (gradient)")
+            return [_with_shape(g, x.shape) for g, x in zip(gs, xs)]
+
+        return outs, grad
+
+    return list(gather(*ts))
+
+
 @_refusals("broadcast")
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
-              ignore_name_scope: bool = False) -> tf.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor; differentiable."""
+              ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (with a process set:
+    ``root_rank`` counts within the set); differentiable."""
     name = graph_name("broadcast", name)
     what = call_label("broadcast", name)
     t = check_tensor(tensor, what)
-    get = binder()
+    get = binder(process_set, _MODULE)
     root = get()._check_root(root_rank, what)
 
     @tf.custom_gradient
@@ -239,15 +289,16 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
 @_refusals("reducescatter")
 def reducescatter(tensor: Any, device_dense: str = "",
                   compression: type[Compressor] = Compression.none, op: int = Average,
-                  name: Optional[str] = None, ignore_name_scope: bool = False,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+                  name: Optional[str] = None, process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` over ranks and return this rank's share of axis 0 (lower ranks get
     the extra rows); differentiable for Sum and Average."""
     name = graph_name("reducescatter", name)
     what = call_label("reducescatter", name)
     code = resolve_op(None, op, what, _MODULE)
     pre, post = check_scales(prescale_factor, postscale_factor, "reducescatter", name)
-    get = binder()
+    get = binder(process_set, _MODULE)
     compressed, ctx = compression.compress(check_tensor(tensor, what))
 
     @tf.custom_gradient
@@ -266,16 +317,54 @@ def reducescatter(tensor: Any, device_dense: str = "",
     return compression.decompress(scatter(check_tensor(compressed, what)), ctx)
 
 
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: type[Compressor] = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: Optional[str] = None) -> list:
+    """Reducescatter each of ``tensors``, submitted together (members named ``name.0``, ...;
+    see ``reducescatter``); differentiable for Sum and Average. Horovod's argument order."""
+    name = graph_name("grouped_reducescatter", name)
+    what = call_label("grouped_reducescatter", name)
+    code = resolve_op(None, op, what, _MODULE)
+    pre, post = check_scales(prescale_factor, postscale_factor, "grouped_reducescatter", name)
+    get = binder(process_set, _MODULE)
+    packed = [compression.compress(check_tensor(t, what)) for t in tensors]
+    if not packed:
+        return []
+
+    @tf.custom_gradient
+    def scatter(*xs: tf.Tensor) -> Any:
+        outs = call(lambda a: get().grouped_reducescatter(a, code, name, pre, post), list(xs),
+                    [x.dtype for x in xs], what)
+        outs = [_with_shape(o, [None] + x.shape[1:].as_list() if x.shape.rank else None)
+                for o, x in zip(outs, xs)]
+
+        def grad(*dys: tf.Tensor) -> list:
+            gs = call(lambda a: [reducescatter_grad(get(), g, code, pre * post,
+                                                    _suffix(name, str(i)))
+                                 for i, g in enumerate(a)],
+                      [tf.convert_to_tensor(d) for d in dys], [d.dtype for d in dys],
+                      what + " (gradient)")
+            return [_with_shape(g, x.shape) for g, x in zip(gs, xs)]
+
+        return outs, grad
+
+    outs = scatter(*[check_tensor(c, what) for c, _ in packed])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, packed)]
+
+
 @_refusals("alltoall")
 def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
-             ignore_name_scope: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
+             ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> tuple[tf.Tensor, tf.Tensor]:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; returns ``(received, received_splits)``
     as Horovod's TensorFlow API does. Without ``splits`` axis 0 is divided evenly.
     Differentiable (with respect to ``tensor``)."""
     name = graph_name("alltoall", name)
     what = call_label("alltoall", name)
     t = check_tensor(tensor, what)
-    get = binder()
+    get = binder(process_set, _MODULE)
     if splits is None:
         splits_t = tf.zeros([0], tf.int64)
     else:

@@ -12,6 +12,7 @@ import tensorflow as tf
 from ringreduce._state import agree, wait_all
 from ringreduce.checkpoint import CheckpointError, load_on_root, read_pickled_dict, save_on_root
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet, global_process_set
 
 from ._bridge import binder, call, check_tensor, comm, graph_name
 from .gradients import instance_name
@@ -24,7 +25,9 @@ def _signature(variables: list) -> list:
     return [(i, (tuple(v.shape), tf.as_dtype(v.dtype).name)) for i, v in enumerate(variables)]
 
 
-def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
+def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
+                        process_set: ProcessSet = global_process_set, inplace: bool = False
+                        ) -> Any:
     """Overwrite ``variables`` on every rank with ``root_rank``'s values.
 
     Collective. Eagerly, it first checks that every rank passes as many variables
@@ -38,6 +41,10 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
         E.g. ``model.variables`` or ``model.variables + optimizer.variables``.
     root_rank : int
         The rank whose values win.
+    process_set : ProcessSet
+        Only among this set's members (``root_rank`` counts within the set).
+    inplace : bool
+        Horovod's; the variables are always assigned in place here.
 
     Returns
     -------
@@ -46,7 +53,7 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> Any:
     """
     variables = list(variables)
     what = "broadcast_variables"
-    get = binder()
+    get = binder(process_set, "ringreduce.tensorflow")
     root = get()._check_root(root_rank, what)
     if tf.executing_eagerly():
         agree(get(), what, _signature(variables), " on the variables to broadcast")

@@ -43,10 +43,7 @@ def refusals(kind: str, group: Optional[str] = None) -> Callable:
 
 def binder(process_set: Optional[ProcessSet] = None) -> Callable[[], Communicator]:
     """``ringreduce._binder`` for ``process_set``: later calls reach the same set."""
-    bound = _rr._binder()
-    if process_set is None or process_set.process_set_id == 0:
-        return bound
-    return lambda: bound().process_sets.communicator(process_set, "ringreduce.torch")
+    return _rr._binder(process_set, "ringreduce.torch")
 
 
 class _ElasticJob:

@@ -21,6 +21,7 @@ hands the ranks the converted ``RINGREDUCE_*`` ones.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
@@ -45,6 +46,7 @@ _LEVELS = {
     "debug": "debug",
     "info": "info",
     "warning": "warning",
+    "warn": "warning",
     "error": "error",
     "fatal": "error",
 }
@@ -56,7 +58,7 @@ def _number(kind: type) -> Callable[[str, str], str]:
             number = kind(value.strip())
         except ValueError:
             number = -1
-        if number < 0:
+        if not 0 <= number < math.inf:  # also NaN
             raise InvalidInputError(f"{name}={value!r}: expected a number >= 0")
         return str(number)
 
@@ -65,6 +67,8 @@ def _number(kind: type) -> Callable[[str, str], str]:
 
 def _flag(name: str, value: str) -> str:
     v = value.strip().lower()
+    if v.lstrip("-").isdigit():  # Horovod reads these with strtol: any non-zero is on
+        return "1" if int(v) else "0"
     if v not in _TRUE + _FALSE:
         raise InvalidInputError(f"{name}={value!r}: expected 0 or 1")
     return "1" if v in _TRUE else "0"
@@ -98,6 +102,12 @@ class Setting(NamedTuple):
     horovod: str
     ringreduce: str
     convert: Callable[[str, str], str]  # (horovod name, value) -> ringreduce value, "" = none
+    # (earlier value, this one) -> the value, where two Horovod variables set this one
+    combine: Optional[Callable[[str, str], str]] = None
+
+
+def _longest(earlier: str, this: str) -> str:
+    return earlier if float(earlier) >= float(this) else this
 
 
 # Order matters where two Horovod variables set one ringreduce variable: the later wins
@@ -114,7 +124,11 @@ SETTINGS: tuple[Setting, ...] = (
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "RINGREDUCE_STALL_SHUTDOWN_SECONDS", _number(float)
     ),
     Setting("HOROVOD_LOG_LEVEL", "RINGREDUCE_LOG_LEVEL", _level),
-    Setting("HOROVOD_GLOO_TIMEOUT_SECONDS", "RINGREDUCE_CONNECT_TIMEOUT_SECONDS", _number(float)),
+    # Horovod's start and Gloo timeouts both bound what ringreduce's connect timeout does:
+    # the longer one, so that neither is cut short.
+    Setting("HOROVOD_START_TIMEOUT", "RINGREDUCE_CONNECT_TIMEOUT_SECONDS", _number(float)),
+    Setting("HOROVOD_GLOO_TIMEOUT_SECONDS", "RINGREDUCE_CONNECT_TIMEOUT_SECONDS", _number(float),
+            _longest),
     Setting("HOROVOD_GLOO_IFACE", "RINGREDUCE_IFACE", _text),
     Setting("HOROVOD_DYNAMIC_PROCESS_SETS", "RINGREDUCE_DYNAMIC_PROCESS_SETS", _flag),
 )
@@ -131,6 +145,10 @@ NO_EFFECT: dict[str, str] = {
     "HOROVOD_CPU_OPERATIONS": "host buffers always use ringreduce's own transports",
     "HOROVOD_GPU_OPERATIONS": "GPU buffers always use NCCL",
     "HOROVOD_CONTROLLER": "negotiation always runs over ringreduce's own transports",
+    "HOROVOD_LOG_HIDE_TIME": "log lines carry no time",
+    "HOROVOD_DISABLE_GROUP_FUSION": "grouped calls always fuse",
+    "HOROVOD_BATCH_D2D_MEMCOPIES": "GPU fusion buffers are packed by one kernel per response",
+    "HOROVOD_ENABLE_XLA_OPS": "no XLA ops: collectives are host ops in XLA programs",
 }
 _NO_EFFECT_PREFIXES = ("HOROVOD_AUTOTUNE_",)
 
@@ -156,8 +174,10 @@ def translate(environ: Mapping[str, str]) -> dict[str, str]:
     """
     out: dict[str, str] = {}
     for s in SETTINGS:
-        if s.horovod in environ:
+        if environ.get(s.horovod, "").strip():  # set and not empty, as Horovod reads them
             value = s.convert(s.horovod, environ[s.horovod])
+            if value and out.get(s.ringreduce) and s.combine is not None:
+                value = s.combine(out[s.ringreduce], value)
             if value or s.ringreduce not in out:
                 out[s.ringreduce] = value
     return out
@@ -196,12 +216,18 @@ def apply_to_environ(environ: MutableMapping[str, str] = os.environ) -> dict[str
     return applied
 
 
+# The knobs warned about by this process: an elastic job's resets call init() again, and
+# the user was told once.
+_warned: set[str] = set()
+
+
 def warn_no_effect(environ: Mapping[str, str], rank: int) -> None:
-    """On rank 0, one warning naming the Horovod knobs that change nothing here."""
-    names = no_effect(environ)
+    """On rank 0, one warning (per process) naming the Horovod knobs that change nothing."""
+    names = [n for n in no_effect(environ) if n not in _warned]
     level = environ.get("RINGREDUCE_LOG_LEVEL", "warning").strip().lower()
     if rank != 0 or not names or level == "error":
         return
+    _warned.update(names)
     why = "; ".join(f"{n} ({NO_EFFECT.get(n, NO_EFFECT['HOROVOD_AUTOTUNE'])})" for n in names)
     print(
         f"[ringreduce WARNING rank 0] Horovod settings without effect in ringreduce: {why}",

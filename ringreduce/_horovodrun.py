@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from ._horovod_settings import NO_EFFECT, translate
+from ._horovod_settings import no_effect, translate
 from .exceptions import InvalidInputError
 
 __all__ = ["add_arguments", "apply_config_file", "check_build", "rank_env", "refused", "run_env"]
@@ -39,7 +38,9 @@ _FLAG_VARS: tuple[tuple[str, str, Any], ...] = (
     ("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", int),
     ("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", None),
     ("thread_affinity", "HOROVOD_THREAD_AFFINITY", None),
+    ("start_timeout", "HOROVOD_START_TIMEOUT", None),
     ("gloo_timeout_seconds", "HOROVOD_GLOO_TIMEOUT_SECONDS", None),
+    ("ccl_bgt_affinity", "HOROVOD_CCL_BGT_AFFINITY", None),
     ("log_level", "HOROVOD_LOG_LEVEL", None),
 )
 # YAML sections of horovodrun's --config-file: (section, key) -> flag dest
@@ -101,14 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--start-timeout",
         type=float,
         help="seconds the ranks may take to "
-        "connect (RINGREDUCE_CONNECT_TIMEOUT_SECONDS; default 60, or "
-        "HOROVOD_START_TIMEOUT)",
+        "connect (RINGREDUCE_CONNECT_TIMEOUT_SECONDS; default 60)",
     )
     p.add_argument(
         "--network-interface",
         "--network-interfaces",
         dest="nics",
-        help="interface the ranks talk over (RINGREDUCE_IFACE)",
+        action="append",
+        help="interface the ranks talk over (RINGREDUCE_IFACE; one)",
     )
     p.add_argument("-i", "--ssh-identity-file", help="ssh's -i (with the default ssh command)")
     p.add_argument("--verbose", action="store_true", help="print where each rank runs")
@@ -162,6 +163,7 @@ def _add_tuning(g: Any) -> None:
     g.add_argument("--mpi-threads-disable", action=flag, help="no effect")
     g.add_argument("--num-nccl-streams", type=int, help="no effect")
     g.add_argument("--thread-affinity", type=int, help="no effect")
+    g.add_argument("--ccl-bgt-affinity", type=int, help="no effect")
     g.add_argument("--gloo-timeout-seconds", type=float, help="as --start-timeout")
     g.add_argument(
         "--log-level",
@@ -172,6 +174,7 @@ def _add_tuning(g: Any) -> None:
         "--log-with-timestamp",
         "--log-without-timestamp",
         "--log-hide-timestamp",
+        "--no-log-hide-timestamp",
         action="store_true",
         dest="log_timestamp",
         help=argparse.SUPPRESS,
@@ -188,36 +191,65 @@ def refused(a: argparse.Namespace) -> Optional[str]:
         )
     if a.ssh_identity_file and a.ssh_command:
         return "give --ssh-identity-file or --ssh-command, not both"
-    if a.nics and "," in a.nics:
-        return f"--network-interface {a.nics}: ringreduce talks over one interface; name one"
     return None
 
 
 def apply_config_file(a: argparse.Namespace) -> None:
-    """Fill the flags not given on the command line from ``a.config_file`` (YAML)."""
+    """Fill the flags not given on the command line from ``a.config_file`` (YAML), each
+    value converted as its flag's would be."""
     try:
         import yaml
     except ImportError:
         raise InvalidInputError("--config-file needs PyYAML: pip install pyyaml") from None
-    with open(a.config_file) as f:
-        config = yaml.safe_load(f) or {}
+    try:
+        with open(a.config_file) as f:
+            config = yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        raise InvalidInputError(f"{a.config_file}: not YAML: {err}") from None
     if not isinstance(config, Mapping):
         raise InvalidInputError(f"{a.config_file}: expected a mapping of sections")
-    controller = str(config.get("controller", "gloo")).lower()
+    controller = str(config.get("controller") or "gloo").lower()
     if controller not in ("gloo", "mpi"):
         raise InvalidInputError(f"{a.config_file}: no such controller {controller!r}")
     a.use_mpi = a.use_mpi or (controller == "mpi" and not a.use_gloo)
+    actions = _actions()
     for section, values in config.items():
-        if section == "controller":
+        if section == "controller" or values is None:  # a section left empty
             continue
         if not isinstance(values, Mapping):
             raise InvalidInputError(f"{a.config_file}: section {section!r} is not a mapping")
         for key, value in values.items():
             dest = _CONFIG_KEYS.get((section, key))
-            if dest is None and section != "autotune" and (section, key) not in _NO_EFFECT_KEYS:
+            if dest is None and section == "autotune" and key in _AUTOTUNE_FLAGS:
+                dest = f"autotune_{key}"
+            if dest is None and (section, key) not in _NO_EFFECT_KEYS:
                 raise InvalidInputError(f"{a.config_file}: unknown setting {section}.{key}")
-            if dest is not None and getattr(a, dest) is None:
-                setattr(a, dest, value)
+            if dest is not None and value is not None and getattr(a, dest) is None:
+                setattr(a, dest, _converted(actions[dest], value,
+                                            f"{a.config_file}: {section}.{key}"))
+
+
+def _actions() -> dict[str, argparse.Action]:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return {act.dest: act for act in p._actions}
+
+
+def _converted(action: argparse.Action, value: Any, where: str) -> Any:
+    """A config file's ``value`` as the flag's own parsing would give it."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        text = str(value).strip().lower()
+        if text not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise InvalidInputError(f"{where}={value!r}: expected true or false")
+        return text in ("true", "1", "yes", "on")
+    try:
+        out = action.type(value) if action.type else value
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{where}={value!r}: expected a "
+                                f"{getattr(action.type, '__name__', 'value')}") from None
+    if action.choices is not None and out not in action.choices:
+        raise InvalidInputError(f"{where}={value!r}: expected one of {', '.join(action.choices)}")
+    return out
 
 
 def _horovod_vars(a: argparse.Namespace) -> dict[str, str]:
@@ -229,12 +261,13 @@ def _horovod_vars(a: argparse.Namespace) -> dict[str, str]:
             out[var] = str(conv(value) if conv else value)
     if a.stall_check is False:
         out["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    for name in _AUTOTUNE_FLAGS:
+        if getattr(a, f"autotune_{name}") is not None:
+            out[f"HOROVOD_AUTOTUNE_{name.upper()}"] = str(getattr(a, f"autotune_{name}"))
     return out
 
 
-def rank_env(
-    a: argparse.Namespace, environ: Mapping[str, str] = os.environ
-) -> tuple[dict[str, str], list[str]]:
+def rank_env(a: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
     """Variables for every rank from the Horovod flags, and the flags without effect.
 
     Returns
@@ -245,39 +278,17 @@ def rank_env(
     """
     horovod = _horovod_vars(a)
     env = {k: v for k, v in translate(horovod).items() if v}
-    timeout = max(
-        (
-            t
-            for t in (
-                a.start_timeout,
-                a.gloo_timeout_seconds,
-                _float(environ.get("HOROVOD_START_TIMEOUT")),
-            )
-            if t
-        ),
-        default=None,
-    )
-    if timeout:
-        env["RINGREDUCE_CONNECT_TIMEOUT_SECONDS"] = str(timeout)
-    if a.nics:
-        env["RINGREDUCE_IFACE"] = a.nics
+    nics = [n for given in a.nics or [] for n in str(given).split(",") if n.strip()]
+    if len(nics) > 1:
+        raise InvalidInputError(f"network interfaces {', '.join(nics)}: ringreduce talks "
+                                "over one interface; name one")
+    if nics:
+        env["RINGREDUCE_IFACE"] = nics[0].strip()
     if a.tcp_flag:
         env["NCCL_IB_DISABLE"] = "1"
-    useless = sorted(
-        {
-            "--" + v[len("HOROVOD_") :].lower().replace("_", "-")
-            for v, x in horovod.items()
-            if v in NO_EFFECT and x not in ("0", "")
-        }
-    )
+    useless = sorted("--" + v[len("HOROVOD_"):].lower().replace("_", "-")
+                     for v in no_effect(horovod))
     return env, useless
-
-
-def _float(text: Optional[str]) -> Optional[float]:
-    try:
-        return float(text) if text else None
-    except ValueError:
-        raise InvalidInputError(f"HOROVOD_START_TIMEOUT={text!r}: expected seconds") from None
 
 
 def check_build() -> str:
@@ -318,5 +329,5 @@ def run_env(start_timeout: Optional[float], network_interface: Optional[str]) ->
     p = argparse.ArgumentParser()
     add_arguments(p)
     a = p.parse_args([])
-    a.start_timeout, a.nics = start_timeout, network_interface
+    a.start_timeout, a.nics = start_timeout, network_interface and [network_interface]
     return rank_env(a)[0]

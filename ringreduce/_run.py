@@ -126,7 +126,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
     common = {"env": {**_horovodrun.run_env(start_timeout, network_interface), **(env or {})},
               "timeout": timeout, "ssh_port": ssh_port,
               "output": OutputSettings(output_filename, verbose=bool(verbose)),
-              "ssh_command": ssh_identity_file and ssh_with_identity(ssh_identity_file)}
+              "ssh_command": ssh_with_identity(ssh_identity_file) if ssh_identity_file else None}
     with tempfile.TemporaryDirectory(prefix="ringreduce-run-") as tmp:
         command = [executable or sys.executable, "-m", "ringreduce", "--run-pickled",
                    _payload(Path(tmp), fn, args, kwargs)]

@@ -143,8 +143,12 @@ class RankSpec:
 
 
 def _scrubbed_env(base: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in base.items()
-            if k not in SCRUBBED_VARS and not k.startswith(SCRUBBED_PREFIXES)}
+    # What this process's own init() set from HOROVOD_* variables (a notebook that
+    # initialised, then launches) is not the user's: the ranks work it out again.
+    derived = {"RINGREDUCE_FROM_HOROVOD",
+               *base.get("RINGREDUCE_FROM_HOROVOD", "").split(",")}
+    return {k: v for k, v in base.items() if k not in SCRUBBED_VARS and k not in derived
+            and not k.startswith(SCRUBBED_PREFIXES)}
 
 
 def _parse_env(items: Sequence[str], base: Mapping[str, str]) -> dict[str, str]:
@@ -300,18 +304,19 @@ def _binary(stream: IO) -> Callable[[bytes], None]:
 def _pump(pipe: IO[bytes], write: Callable[[bytes], None], prefix: bytes,
           lock: threading.Lock, copy: Optional[IO[bytes]] = None, stamp: bool = False) -> None:
     """Copy ``pipe`` to ``write`` line by line, each line whole and prefixed (after the
-    time with ``stamp``); also, unprefixed, to ``copy`` (closed at the end) if given."""
+    time with ``stamp``, as horovodrun's ``time.asctime()``); also, without the prefix, to
+    ``copy`` (closed at the end) if given."""
     broken = False  # our own output closed (e.g. `ringrun ... | head`): keep draining
     with pipe, copy or contextlib.nullcontext():
         for line in iter(pipe.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
-            if copy is not None:
-                copy.write(line)
-                copy.flush()
+            when = time.asctime().encode() if stamp else b""
+            if copy is not None:  # the file has no "[rank]: " to follow the time
+                copy = _copied(copy, when + b" " + line if stamp else line)
             if broken:
                 continue
-            head = time.strftime("%a %b %d %H:%M:%S %Y").encode() + prefix if stamp else prefix
+            head = when + (prefix or b" " if stamp else prefix)
             with lock:
                 try:
                     write(head + line)
@@ -319,12 +324,31 @@ def _pump(pipe: IO[bytes], write: Callable[[bytes], None], prefix: bytes,
                     broken = True
 
 
+def _copied(copy: IO[bytes], line: bytes) -> Optional[IO[bytes]]:
+    """Write ``line`` to an output file; on failure (a full disk) say so once and stop
+    copying, so that the rank, and ringrun's own output, go on."""
+    try:
+        copy.write(line)
+        copy.flush()
+        return copy
+    except OSError as err:
+        _say(f"cannot write {copy.name} ({err}); no more output goes there")
+        with contextlib.suppress(OSError):
+            copy.close()
+        return None
+
+
 def output_files(directory: str, name: str) -> tuple[IO[bytes], IO[bytes]]:
     """``directory/name/stdout`` and ``.../stderr``, opened for writing (horovodrun's
     ``--output-filename`` layout)."""
     where = os.path.join(directory, name)
     os.makedirs(where, exist_ok=True)
-    return open(os.path.join(where, "stdout"), "wb"), open(os.path.join(where, "stderr"), "wb")
+    out = open(os.path.join(where, "stdout"), "wb")
+    try:
+        return out, open(os.path.join(where, "stderr"), "wb")
+    except OSError:
+        out.close()
+        raise
 
 
 def padded_rank(rank: int, size: int) -> str:
@@ -379,11 +403,16 @@ class _Job:
         """Start every rank; an Outcome if one cannot be started (the rest are stopped)."""
         out, err = _binary(sys.stdout), _binary(sys.stderr)
         for spec in self.specs:
+            # Opened first: a rank is never left running without its output's reader.
+            copies = self.output.files(f"rank.{padded_rank(spec.rank, len(self.specs))}")
             try:
                 proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         start_new_session=True)
             except OSError as e:
+                for copy in copies:
+                    if copy is not None:
+                        copy.close()
                 _say(f"cannot start rank {spec.rank} ({spec.argv[0]}): {e}")
                 self.stop(signal.SIGTERM)
                 self.wait_all()
@@ -393,7 +422,6 @@ class _Job:
                 _say(f"rank {spec.rank} started on {spec.host} (pid {proc.pid}"
                      f"{', over ssh' if spec.remote else ''})")
             prefix = f"[{spec.rank}]: ".encode() if self.prefix else b""
-            copies = self.output.files(f"rank.{padded_rank(spec.rank, len(self.specs))}")
             for pipe, write, copy in zip((proc.stdout, proc.stderr), (out, err), copies):
                 t = threading.Thread(target=_pump, daemon=True,
                                      args=(pipe, write, prefix, self.lock, copy,
@@ -694,6 +722,8 @@ def _horovod_flags(a: argparse.Namespace) -> None:
         _say(f"{', '.join(useless)}: no effect in ringreduce (see the README's Settings)")
     a.rank_env = {**env, **_parse_env(a.env, os.environ)}
     a.output = OutputSettings(a.output_filename, a.prefix_timestamp, a.verbose)
+    if a.output_filename:  # a folder that cannot be made is a usage error, before any start
+        os.makedirs(a.output_filename, exist_ok=True)
     if a.ssh_identity_file:
         a.ssh_command = ssh_with_identity(a.ssh_identity_file)
 

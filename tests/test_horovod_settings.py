@@ -8,9 +8,12 @@ passed through ``mpirun -genv`` taking effect in the core (timeline, stall shutd
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -118,7 +121,8 @@ def test_elastic_timeout_comes_from_the_flag_then_horovods_variable(monkeypatch)
     assert launcher.main(["-np", "1", PYTHON, "-c", "pass"]) == 0
 
 
-def test_knobs_without_effect_are_named_once_on_rank_0(capsys):
+def test_knobs_without_effect_are_named_once_on_rank_0(capsys, monkeypatch):
+    monkeypatch.setattr(hs, "_warned", set())
     env = {
         "HOROVOD_AUTOTUNE": "1",
         "HOROVOD_AUTOTUNE_LOG": "x.csv",
@@ -137,6 +141,67 @@ def test_knobs_without_effect_are_named_once_on_rank_0(capsys):
     hs.warn_no_effect(env, rank=0)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "HOROVOD_NUM_NCCL_STREAMS (the GPU backend" in err
+    hs.warn_no_effect(env, rank=0)  # an elastic reset's init(): told once already
+    assert capsys.readouterr().err == ""
+
+
+def test_start_timeouts_take_the_longer_and_the_users_own_setting_wins(monkeypatch):
+    both = {"HOROVOD_START_TIMEOUT": "120", "HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}
+    assert hs.translate(both) == {"RINGREDUCE_CONNECT_TIMEOUT_SECONDS": "120.0"}
+    env = {**both, "RINGREDUCE_CONNECT_TIMEOUT_SECONDS": "5"}
+    assert hs.apply_to_environ(env) == {} and env["RINGREDUCE_CONNECT_TIMEOUT_SECONDS"] == "5"
+    # an exported HOROVOD_START_TIMEOUT is left to each rank's init(); the flag is explicit
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "300")
+    assert _flags("--start-timeout", "10").rank_env == {
+        "RINGREDUCE_CONNECT_TIMEOUT_SECONDS": "10.0"}
+    assert _flags().rank_env == {}
+
+
+def test_horovod_spellings_read_as_horovod_reads_them():
+    assert hs.translate({"HOROVOD_LOG_LEVEL": "warn", "HOROVOD_HIERARCHICAL_ALLREDUCE": "2",
+                         "HOROVOD_FUSION_THRESHOLD": ""}) == {
+        "RINGREDUCE_LOG_LEVEL": "warning", "RINGREDUCE_HIERARCHICAL_ALLREDUCE": "1"}
+    with pytest.raises(rr.InvalidInputError, match="HOROVOD_CYCLE_TIME='nan'"):
+        hs.translate({"HOROVOD_CYCLE_TIME": "nan"})
+
+
+def test_the_launchers_own_horovod_conversions_are_not_handed_on(monkeypatch):
+    monkeypatch.setenv("RINGREDUCE_FROM_HOROVOD", "RINGREDUCE_CYCLE_TIME_MS")
+    monkeypatch.setenv("RINGREDUCE_CYCLE_TIME_MS", "3")
+    monkeypatch.setenv("RINGREDUCE_CACHE_CAPACITY", "7")
+    env = launcher._scrubbed_env(os.environ)
+    assert "RINGREDUCE_CYCLE_TIME_MS" not in env and "RINGREDUCE_FROM_HOROVOD" not in env
+    assert env["RINGREDUCE_CACHE_CAPACITY"] == "7"
+
+
+def _pumped(lines: bytes, prefix: bytes, stamp: bool, copy=None) -> list:
+    read, write = os.pipe()
+    os.write(write, lines)
+    os.close(write)
+    got: list = []
+    launcher._pump(os.fdopen(read, "rb"), got.append, prefix, threading.Lock(), copy, stamp)
+    return got
+
+
+def test_timestamps_as_horovodrun_writes_them_and_a_failing_copy_stops_nothing(capsys):
+    stamp = rb"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+    got = _pumped(b"hello\n", b"", True)
+    assert re.fullmatch(stamp + rb" hello\n", got[0]), got  # a space when no prefix
+    copy = io.BytesIO()
+    copy.close = lambda: None  # read below
+    got = _pumped(b"a\nb\n", b"[1]: ", True, copy)
+    assert all(re.fullmatch(stamp + rb"\[1\]: [ab]\n", g) for g in got), got
+    assert re.fullmatch(stamp + rb" a\n" + stamp + rb" b\n", copy.getvalue())
+
+    class Full(io.BytesIO):
+        name = "out/rank.1/stdout"
+
+        def write(self, data: bytes) -> int:
+            raise OSError(28, "No space left on device")
+
+    assert _pumped(b"a\nb\n", b"", False, Full()) == [b"a\n", b"b\n"]
+    err = capsys.readouterr().err
+    assert err.count("cannot write out/rank.1/stdout") == 1, err
 
 
 def _flags(*argv: str) -> object:
@@ -224,6 +289,16 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path):
     cfg.write_text("controller: mpi\n")
     with pytest.raises(rr.InvalidInputError, match="need MPI's launcher"):
         _flags("--config-file", str(cfg))
+    cfg.write_text("controller:\nautotune:\nparams:\n  fusion_threshold_mb: '32'\n")
+    assert _flags("--config-file", str(cfg)).rank_env == {  # empty sections as Horovod
+        "RINGREDUCE_FUSION_THRESHOLD": str(32 << 20)}
+    for text, match in (("params:\n  cache_capacity: lots\n", "params.cache_capacity='lots'"),
+                        ("params:\n  hierarchical_allreduce: maybe\n", "true or false"),
+                        ("logging:\n  level: loud\n", "expected one of"),
+                        ("params: [1\n", "not YAML")):
+        cfg.write_text(text)
+        with pytest.raises(rr.InvalidInputError, match=match):
+            _flags("--config-file", str(cfg))
 
 
 @pytest.mark.parametrize(
@@ -233,6 +308,7 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path):
         (["--mpi-args=--map-by ppr:6:node"], "mpirun"),
         (["--binding-args", "x"], "mpirun"),
         (["--network-interface", "eth0,eth1"], "one interface"),
+        (["--network-interface", "eth0", "--network-interface", "eth1"], "one interface"),
         (["-i", "k", "--ssh-command", "rsh"], "not both"),
     ],
 )
@@ -249,6 +325,19 @@ def test_check_build_and_version(capsys):
     assert launcher.main(["--version"]) == 0
     assert capsys.readouterr().out == f"ringrun {rr.__version__}\n"
     assert _horovodrun.check_build().count("\n") == out.count("\n") - 1
+
+
+def test_horovod_runs_network_interface_names_one_interface():
+    assert _horovodrun.run_env(None, "eth0") == {"RINGREDUCE_IFACE": "eth0"}
+    with pytest.raises(rr.InvalidInputError, match="one interface"):
+        _horovodrun.run_env(None, "eth0,eth1")
+
+
+def test_single_dash_flags_of_horovodrun():
+    a = launcher._parser().parse_args(["-np", "2", "-hostfile", "h", "-p", "22", "-cb",
+                                       "python", "t.py", "-v", "-i", "x"])
+    assert (a.hostfile, a.ssh_port, a.check_build) == ("h", 22, True)
+    assert a.command == ["python", "t.py", "-v", "-i", "x"] and not a.version
 
 
 def test_output_files_sort_in_rank_order():
@@ -299,9 +388,9 @@ def test_a_horovodrun_command_line_runs_under_ringrun(tmp_path):
     assert "ringrun: rank 1 started on localhost (pid" in proc.stderr
     events = json.loads((tmp_path / "tl.json").read_text())
     assert any(e.get("name") == "NEGOTIATE_ALLREDUCE" for e in events)
-    for r in (0, 1):  # horovodrun's --output-filename layout, lines without prefixes
+    for r in (0, 1):  # horovodrun's --output-filename layout: the time, no rank prefix
         out = (tmp_path / "out" / f"rank.{r}" / "stdout").read_text()
-        assert out.startswith("settings {") and out.endswith("sum 3\n"), out
+        assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \S+ \d{4} settings \{.* sum 3\n", out), out
         assert (tmp_path / "out" / f"rank.{r}" / "stderr").exists()
 
 

@@ -409,7 +409,7 @@ def test_run_takes_horovods_arguments(tmp_path):
 def test_run_takes_horovods_output_and_network_arguments(tmp_path, capfd):
     got = rr.run(_said_and_settings, np=2, start_timeout=45, network_interface="lo",
                  output_filename=str(tmp_path / "out"), verbose=2, timeout=30)
-    assert got == [("45", "lo")] * 2
+    assert got == [("45.0", "lo")] * 2
     for r in (0, 1):
         assert (tmp_path / "out" / f"rank.{r}" / "stdout").read_text() == f"hello from {r}\n"
     assert "ringrun: rank 1 started on localhost" in capfd.readouterr().err

@@ -108,7 +108,7 @@ class Worker:
 class ElasticDriver:
     """Starts workers, forms generations and answers the workers' requests."""
 
-    handshake_seconds = 10.0  # a new connection's time to authenticate
+    handshake_seconds = 30.0  # a new connection's time to authenticate
 
     def __init__(self, command: Sequence[str], discovery: Discovery, settings: ElasticSettings,
                  env: dict, ssh_command: Optional[str], ssh_port: Optional[int],
@@ -164,17 +164,20 @@ class ElasticDriver:
                 **omp_wait_policy({**base, **self.extra}, host.slots, local), **self.extra}
         spec = rank_spec(self.ages, self.command, host.host, local, base, mine,
                          self.ssh_command, self.ssh_port)
+        copies = self._output_files(wid)
         try:
             proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
         except OSError as err:
+            for copy in copies:
+                if copy is not None:
+                    copy.close()
             _say(f"cannot start worker {wid} on {host.host} ({spec.argv[0]}): {err}; "
                  f"{self.blacklist_host(host.host)}")
             return
         w = Worker(wid, self.ages, host.host, slot, proc)
         prefix = f"[{wid}@{host.host}]: ".encode() if self.prefix else b""
-        copies = self.output.files(f"worker.{self.ages}")
         for pipe, write, copy in zip((proc.stdout, proc.stderr), (self.out, self.err), copies):
             t = threading.Thread(target=_pump, daemon=True,
                                  args=(pipe, write, prefix, self.lock, copy,
@@ -183,6 +186,16 @@ class ElasticDriver:
             w.threads.append(t)
         self.workers[wid] = w
         _say(f"started worker {wid} on {host.host} (slot {slot}, pid {proc.pid})")
+
+    def _output_files(self, wid: str) -> tuple:
+        """``--output-filename``'s files of worker ``wid`` (None, None if they cannot be
+        made: the job goes on, its output on ringrun's own only)."""
+        try:
+            return self.output.files(f"worker.{wid[1:]}")
+        except OSError as err:
+            _say(f"cannot write worker {wid}'s output files ({err}); its output goes to "
+                 "ringrun's only")
+            return None, None
 
     def live(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.state != "gone"]

@@ -5,8 +5,10 @@ In one process per backend (torch, JAX: a process picks its Keras backend once; 
 TensorFlow checks run in pytest's own, in tests/test_elastic_tensorflow.py): save,
 restore, sync, an unbuilt optimizer, commits in the middle of an epoch and a failed
 ``fit`` rolled back. Then one launched job per backend: three workers on fake hosts, the
-one on host ``b`` killed in epoch 1; the survivors' weights are checked against a numpy
-float64 replay of the steps they should have kept (see tests/workers/elastic_tf_worker.py).
+one on host ``b`` killed in epoch 1; on TensorFlow the survivors go on at size 2, on torch
+and JAX a new worker on a spare host ``d`` replaces it (and must get everything from rank 0
+through ``KerasState.sync()``). The weights are checked against a numpy float64 replay of
+the steps that should have been kept (see tests/workers/elastic_tf_worker.py).
 """
 
 from __future__ import annotations
@@ -85,45 +87,40 @@ def test_keras_state_in_one_process(backend: str) -> None:
         job.describe()
 
 
-def _check_survivors(job: Job, events: list[dict]) -> list[dict]:
-    """The run as planned: b died once, a and c resumed epoch 1 from the commit after
-    its batch COMMIT_EVERY - 1, and finished with the same weights. Their 'done' events."""
+def _after(events: list[dict], ev: str, t: float) -> list[dict]:
+    return [e for e in events if e["ev"] == ev and e["t"] > t]
+
+
+def _check_resumed(job: Job, events: list[dict], hosts: list[str]) -> list[dict]:
+    """The run as planned: b died once; the workers on ``hosts`` (survivors and any new
+    one) resumed epoch 1 from the commit after its batch COMMIT_EVERY - 1, at one rank
+    each, and finished with the same weights. Their 'done' events."""
     info = job.procs[0].describe()
-    assert [e["host"] for e in events if e["ev"] == "dying"] == ["b"], info
+    dying = [e for e in events if e["ev"] == "dying"]
+    assert [e["host"] for e in dying] == ["b"], info
     assert "reset 1 (PeerLostError" in job.procs[0].stderr, info
-    resumed = [e for e in events if e["ev"] == "attempt" and e["size"] == 2]
-    assert sorted(e["host"] for e in resumed) == ["a", "c"], info
+    resumed = _after(events, "attempt", dying[0]["t"])
+    assert sorted(e["host"] for e in resumed) == hosts, info
+    assert sorted(e["rank"] for e in resumed) == list(range(len(hosts))), resumed
     kept = STEPS + COMMIT_EVERY  # iterations at the last commit
-    assert all((e["epoch"], e["batch"], e["iterations"]) == (1, COMMIT_EVERY, kept)
-               for e in resumed), resumed
-    epochs = [e for e in events if e["ev"] == "epoch" and e["size"] == 2]
+    assert all((e["size"], e["epoch"], e["batch"], e["iterations"]) == (len(hosts), 1,
+               COMMIT_EVERY, kept) for e in resumed), resumed
+    epochs = _after(events, "epoch", dying[0]["t"])
     assert min(epochs, key=lambda e: e["t"])["epoch"] == 1, epochs
     done = [e for e in events if e["ev"] == "done"]
-    assert sorted(e["host"] for e in done) == ["a", "c"], info
+    assert sorted(e["host"] for e in done) == hosts, info
     assert len({e["weights"] for e in done}) == 1, done  # model and optimizer, bitwise
     assert all((e["epoch"], e["batch"], e["iterations"]) == (EPOCHS, 0, kept + (EPOCHS - 1)
                                                              * STEPS) for e in done), done
     return done
 
 
-@pytest.mark.timeout(100)
-@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
-def test_keras_fit_survives_a_dead_worker(backend: str) -> None:
-    """Three workers on hosts a, b, c; b's dies after batch 4 of epoch 1: a and c go back
-    to the commit before batch 3 (not to epoch 0, not keeping batches 3-4), train epoch 1
-    again from its first batch at size 2, and end where a numpy replay of exactly that
-    ends."""
-    need(backend)
-    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1"),
-                      [PYTHON, WORKER, "keras", backend], timeout=90)
-    assert job.procs[0].returncode == 0, job.procs[0].describe()
-    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w3@c"]], job.describe()
-    events = _events(job)
-    done = _check_survivors(job, events)
-    assert {e["backend"] for e in done} == {backend}
+def _check_replay(events: list[dict], done: list[dict], size: int) -> None:
+    """The weights are where a numpy replay ends: epoch 0 and the committed batches of
+    epoch 1 at size 3, then epochs 1.. again at ``size`` (not keeping the lost batches)."""
     start = next(e["weights"] for e in events if e["ev"] == "start")  # w1's, after sync
     epoch = [(3, s) for s in range(STEPS)]
-    again = [(2, s) for s in range(STEPS)] * (EPOCHS - 1)
+    again = [(size, s) for s in range(STEPS)] * (EPOCHS - 1)
     want = adam_reference(start, epoch + [(3, s) for s in range(COMMIT_EVERY)] + again)
     got = [np.array(v) for v in done[0]["values"]]
     for g, w in zip(got, want, strict=True):
@@ -131,3 +128,42 @@ def test_keras_fit_survives_a_dead_worker(backend: str) -> None:
     # Keeping the lost batches instead of rolling back would end elsewhere.
     kept = adam_reference(start, epoch + [(3, s) for s in range(DIE_AFTER + 1)] + again)
     assert max(np.abs(g - k).max() for g, k in zip(got, kept)) > 1e-3
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("backend", ["tensorflow"])
+def test_keras_fit_survives_a_dead_worker(backend: str) -> None:
+    """Three workers on hosts a, b, c; b's dies after batch 4 of epoch 1: a and c go back
+    to the commit before batch 3 (not to epoch 0, not keeping batches 3-4), train epoch 1
+    again from its first batch at size 2, and end where a numpy replay of exactly that
+    ends. (torch and JAX: the job below, where a new worker replaces b's.)"""
+    need(backend)
+    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1"),
+                      [PYTHON, WORKER, "keras", backend], timeout=90)
+    assert job.procs[0].returncode == 0, job.procs[0].describe()
+    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w3@c"]], job.describe()
+    events = _events(job)
+    done = _check_resumed(job, events, ["a", "c"])
+    assert {e["backend"] for e in done} == {backend}
+    _check_replay(events, done, 2)
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_keras_fit_takes_a_new_worker_mid_run(backend: str) -> None:
+    """As above with a spare host d: when b's worker dies, ringrun starts w4 on d, and
+    the next generation waits for it (one forms only when every live worker waits): w1,
+    w3 and the new w4 at size 3, w4 at rank 2 with rank 2's data. ``KerasState.sync()``
+    gives w4 rank 0's model, optimizer state and epoch/batch; then it trains in lockstep:
+    all three end bitwise equal, where a numpy replay of that schedule ends."""
+    need(backend)
+    job = run_elastic(elastic_args(2, 3, np=3, hosts="a:1,b:1,c:1,d:1"),
+                      [PYTHON, WORKER, "keras", backend], timeout=90)
+    assert job.procs[0].returncode == 0, job.procs[0].describe()
+    assert generations(job) == [["w1@a", "w2@b", "w3@c"], ["w1@a", "w3@c", "w4@d"]], \
+        job.describe()
+    events = _events(job)
+    assert [e["wid"] for e in events if e["ev"] == "attempt" and e["host"] == "d"] == ["w4"]
+    done = _check_resumed(job, events, ["a", "c", "d"])
+    assert {e["backend"] for e in done} == {backend}
+    _check_replay(events, done, 3)

@@ -37,7 +37,14 @@ def _every_collective(ps: rr.ProcessSet, r: int) -> dict:
     def summed(x: tf.Tensor) -> tf.Tensor:
         return rtf.allreduce(x, op=rtf.Sum, process_set=ps, name=f"traced.{ps.process_set_id}")
 
+    traced_var = tf.Variable(_value(r) * 2)
+
+    @tf.function
+    def traced_inplace() -> tf.Tensor:
+        return rtf.broadcast_([traced_var], root_rank=1, process_set=ps)[0]
+
     out = {
+        "traced_inplace": traced_inplace().numpy(),
         "sum": rtf.allreduce(_value(r), op=rtf.Sum, process_set=ps),
         "avg": rtf.allreduce(_value(r), process_set=ps),
         "traced": summed(_value(r)),
@@ -55,6 +62,7 @@ def _every_collective(ps: rr.ProcessSet, r: int) -> dict:
         "bobj": rtf.broadcast_object(f"from {r}", root_rank=0, process_set=ps),
         "fn": rtf.broadcast_object_fn(root_rank=1, process_set=ps)(r),
         "var": var.numpy(),
+        "inplace": rtf.broadcast_(tf.Variable(_value(r)), root_rank=1, process_set=ps).numpy(),
         "size": int(rtf.size_op(ps.process_set_id)),
         "in": int(rtf.process_set_included_op(ps.process_set_id)),
     }
@@ -79,6 +87,8 @@ def _check(got: dict, members: list) -> None:
     assert got["obj"] == [{"rank": m} for m in members]
     assert got["bobj"] == f"from {members[0]}" and got["fn"] == members[1]
     np.testing.assert_array_equal(got["var"], _value(members[0]))
+    np.testing.assert_array_equal(got["inplace"], _value(members[1]))
+    np.testing.assert_array_equal(got["traced_inplace"], _value(members[1]) * 2)
     assert (got["size"], got["in"]) == (k, 1)
 
 

@@ -79,6 +79,7 @@ from .tf1 import (
     DistributedTF1Optimizer,
 )
 from .variables import (
+    broadcast_,
     broadcast_global_variables,
     broadcast_variables,
     load_checkpoint,
@@ -93,7 +94,7 @@ __all__ = [
     "MismatchError", "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
     "ProcessSet", "RingReduceTimeoutError", "Sum", "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall",
-    "barrier", "broadcast", "broadcast_global_variables", "broadcast_object",
+    "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
     "broadcast_object_fn", "global_process_set", "grouped_allgather",
     "grouped_reducescatter", "process_set_included_op", "remove_process_set",
     "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",

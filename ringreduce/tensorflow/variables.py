@@ -17,7 +17,7 @@ from ringreduce.process_sets import ProcessSet, global_process_set
 from ._bridge import binder, call, check_tensor, comm, graph_name
 from .gradients import instance_name
 
-__all__ = ["broadcast_global_variables", "broadcast_variables", "load_checkpoint",
+__all__ = ["broadcast_", "broadcast_global_variables", "broadcast_variables", "load_checkpoint",
            "save_checkpoint"]
 
 
@@ -75,6 +75,22 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
     new = call(run, values, [v.dtype for v in values], what)
     assigns = [v.assign(tf.reshape(x, v.shape)) for v, x in zip(variables, new)]
     return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_(variables: Any, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> Any:
+    """Horovod's in-place broadcast: assign ``root_rank``'s values to ``variables`` (one
+    variable or a list) on every rank (see ``broadcast_variables``) and return them; in a
+    graph, their values read after the assignment."""
+    many = isinstance(variables, (list, tuple))
+    variables = list(variables) if many else [variables]
+    op = broadcast_variables(variables, root_rank, process_set)
+    if op is None:
+        return variables if many else variables[0]
+    with tf.control_dependencies([op]):
+        values = [tf.identity(v.read_value() if hasattr(v, "read_value") else v)
+                  for v in variables]
+    return values if many else values[0]
 
 
 def _label(v: Any) -> str:

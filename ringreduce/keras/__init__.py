@@ -60,7 +60,7 @@ from ringreduce import (
 from ringreduce.checkpoint import CheckpointError
 
 from . import callbacks, elastic
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model, save_model
 
 if keras.backend.backend() == "tensorflow":
@@ -107,6 +107,7 @@ else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
 
 __all__ = [
     "Adasum", "Average", "CheckpointError", "Compression", "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "HorovodInternalError", "HostsUpdatedInterrupt", "InvalidInputError",
     "Max", "Min", "MismatchError", "NotInitializedError", "PeerLostError", "ProcessSet",
     "Product", "add_process_set", "ccl_built", "cuda_built", "ddl_built", "global_process_set",

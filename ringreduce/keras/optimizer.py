@@ -34,10 +34,11 @@ import keras
 
 from ringreduce import Average
 from ringreduce._horovod import check_passes, optimizer_scales
+from ringreduce._local_grads import LocalVariables, local_layer_variables
 from ringreduce.compression import Compressor, NoneCompressor
 from ringreduce.exceptions import InvalidInputError
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 _CLASSES: dict = {}
 # True while a distributed LossScaleOptimizer applies through its inner optimizer: an inner
@@ -62,14 +63,26 @@ class _LayerReducer:
                                     "available")
         self.op, self.scales, self.layer = op, scales, layer
 
-    def __call__(self, grads: list) -> list:
+    def __call__(self, grads: list, marker: Any = None) -> list:
         dense = [i for i, g in enumerate(grads) if g is not None]
-        if not dense:
+        members = [grads[i] for i in dense]
+        if marker is not None:  # ringreduce._local_grads: the local positions' digest
+            members.append(self._zeros(marker, members[0] if members else None))
+        if not members:
             return grads
         out = list(grads)
-        for i, r in zip(dense, self._reduce([grads[i] for i in dense])):
+        for i, r in zip(dense, self._reduce(members)):
             out[i] = r
         return out
+
+    def _zeros(self, shape: tuple, like: Any) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.zeros(shape, jnp.float32 if like is None else like.dtype)
+
+    def scale_local(self, grad: Any) -> Any:
+        """A local gradient divided by ``size()`` (Horovod's ``scale_local_gradients``)."""
+        return grad / self.layer.size()
 
     def _reduce(self, grads: list) -> list:
         return self.layer.grouped_allreduce(
@@ -86,8 +99,17 @@ class _TorchReducer(_LayerReducer):
         super().__init__(rrt, compression, op, scales)
         self.get = rrt._tensors.binder()
 
-    def __call__(self, grads: list) -> list:
-        return grads if self.get().size() == 1 else super().__call__(grads)
+    def __call__(self, grads: list, marker: Any = None) -> list:
+        return grads if self.get().size() == 1 else super().__call__(grads, marker)
+
+    def _zeros(self, shape: tuple, like: Any) -> Any:
+        import torch
+
+        return torch.zeros(shape) if like is None else like.new_zeros(shape)
+
+    def scale_local(self, grad: Any) -> Any:
+        """A local gradient divided by ``size()`` (Horovod's ``scale_local_gradients``)."""
+        return grad / self.get().size()
 
     def _reduce(self, grads: list) -> list:
         with self.layer.use_communicator(self.get()):
@@ -103,16 +125,18 @@ class _JaxReducer(_LayerReducer):
 
         super().__init__(rrj, compression, op, scales)
 
-    def on_update_steps(self, grads: list, is_update_step: Any, factor: float) -> list:
+    def on_update_steps(self, grads: list, is_update_step: Any, factor: float,
+                        reduce: Any) -> list:
         """With Keras's gradient accumulation: ``grads`` (the local mean of the steps)
         times ``factor``, averaged over the ranks on the steps that update, and left as
         they are on the others. Keras's JAX optimizer runs its update on every step and
         keeps the result only on update steps; the averaging sits in the branch of a
-        ``lax.cond``, so the ranks talk once per update."""
+        ``lax.cond``, so the ranks talk once per update. ``reduce``: the optimizer's
+        averaging (``self`` around its local variables)."""
         import jax
 
         def update() -> list:
-            return self([g * factor for g in grads] if factor != 1 else list(grads))
+            return reduce([g * factor for g in grads] if factor != 1 else list(grads))
 
         return jax.lax.cond(is_update_step, update, lambda: list(grads))
 
@@ -120,13 +144,38 @@ class _JaxReducer(_LayerReducer):
 class _DistributedKerasMixin:
     """Put in front of the optimizer's class (see the module docstring)."""
 
-    def _rr_setup(self, reduce: Any, passes: int, average_aggregated: bool) -> None:
+    def _rr_setup(self, reduce: Any, passes: int, average_aggregated: bool,
+                  local_vars: LocalVariables) -> None:
         object.__setattr__(self, "_rr_reduce", reduce)
+        object.__setattr__(self, "_rr_local_vars", local_vars)
         object.__setattr__(self, "_rr_passes", passes)
         object.__setattr__(self, "_rr_average_aggregated", average_aggregated)
         object.__setattr__(self, "_rr_aggregation", None)
         object.__setattr__(self, "_rr_local", [])  # the torch backend's local sums
         object.__setattr__(self, "_rr_count", 0)  # and the passes they hold
+
+    def register_local_var(self, var: Any) -> None:
+        """Horovod's: keep this rank's own gradient of ``var`` (a variable of a model-parallel
+        layer), not reduced across ranks; divided by ``size()`` with
+        ``scale_local_gradients=True``. Every rank must register the same positions among
+        the trainable variables (else ``MismatchError``; see ``ringreduce._local_grads``)."""
+        self._rr_local_vars.register(var)
+
+    def _rr_average(self, grads: list, variables: Any) -> list:
+        """``grads`` averaged over the ranks, except those of local variables (kept, scaled)."""
+        local = self._rr_local_vars
+        if not len(local):
+            return self._rr_reduce(grads)
+        if variables is None:
+            variables = self._trainable_variables
+        reduce = self._rr_reduce
+        if isinstance(reduce, (_TorchReducer, _JaxReducer)):
+            scale = reduce.scale_local
+        else:
+            from ringreduce.tensorflow.gradients import scale_by_size
+
+            scale = scale_by_size(reduce.get)
+        return local.combine(grads, list(variables), reduce, scale)
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         """Average ``grads`` over all ranks, then apply them as the wrapped optimizer does.
@@ -140,7 +189,8 @@ class _DistributedKerasMixin:
             return super().apply(grads, trainable_variables)  # see _INNER, _clip_gradients
         if self._rr_passes == 1:
             with self._rr_through():
-                return super().apply(self._rr_reduce(grads), trainable_variables)
+                return super().apply(self._rr_average(grads, trainable_variables),
+                                     trainable_variables)
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))  # before any branch: variables are made once
         if keras.backend.backend() == "tensorflow":
@@ -170,7 +220,7 @@ class _DistributedKerasMixin:
         if _INNER.get() or not isinstance(self, keras.optimizers.LossScaleOptimizer) or \
                 self._rr_reduces_on_update_steps():
             return super().stateless_apply(optimizer_variables, grads, trainable_variables)
-        grads = self._rr_reduce(list(grads))
+        grads = self._rr_average(list(grads), None)
         with self._rr_through():
             return super().stateless_apply(optimizer_variables, grads, trainable_variables)
 
@@ -183,7 +233,8 @@ class _DistributedKerasMixin:
             steps = self.gradient_accumulation_steps
             factor = steps if self._rr_passes > 1 and not self._rr_average_aggregated else 1
             grads = self._rr_reduce.on_update_steps(
-                list(grads), (self._iterations + 1) % steps == 0, factor)
+                list(grads), (self._iterations + 1) % steps == 0, factor,
+                lambda gs: self._rr_average(gs, None))
         return super()._clip_gradients(grads)
 
     def _rr_aggregate_graph(self, grads: list, trainable_variables: Any) -> Any:
@@ -195,8 +246,8 @@ class _DistributedKerasMixin:
 
         def update(local: list) -> None:
             with self._rr_through():
-                super(_DistributedKerasMixin, self).apply(self._rr_reduce(local),
-                                                          trainable_variables)
+                super(_DistributedKerasMixin, self).apply(
+                    self._rr_average(local, trainable_variables), trainable_variables)
 
         return self._rr_aggregation.step(grads, update, trainable_variables)
 
@@ -217,7 +268,8 @@ class _DistributedKerasMixin:
                                           else s) for s in local]
         local.clear()
         with self._rr_through():
-            return super().apply(self._rr_reduce(summed), trainable_variables)
+            return super().apply(self._rr_average(summed, trainable_variables),
+                                 trainable_variables)
 
 
 def _reducer(what: str, compression: type[Compressor], sparse_as_dense: bool, op: int,
@@ -243,7 +295,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
                          sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                          op: int = Average, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None) -> keras.optimizers.Optimizer:
+                         groups: Any = None, process_set: Any = None,
+                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
     """Make a Keras 3 optimizer apply gradients averaged over all ranks (Horovod's signature).
 
     Parameters
@@ -268,29 +321,95 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
         Divide that local sum by ``backward_passes_per_step``.
     num_groups, groups :
         Horovod's fusion hints; accepted and ignored (one fused group per step).
+    process_set :
+        Horovod's; only the global set (``None`` or ``global_process_set``) is supported here.
+    scale_local_gradients : bool
+        Divide the gradients of variables registered with ``register_local_var`` (which are
+        not reduced) by ``size()``, as Horovod does.
 
     Returns
     -------
     keras.optimizers.Optimizer
         ``optimizer`` itself.
     """
-    what = "DistributedOptimizer"
+    return _distributed("DistributedOptimizer", optimizer, compression, sparse_as_dense,
+                        gradient_predivide_factor, op, backward_passes_per_step,
+                        average_aggregated_gradients, num_groups, groups, process_set,
+                        scale_local_gradients)
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802
+                                name: Any = None, device_dense: str = "",
+                                device_sparse: str = "",
+                                compression: type[Compressor] = NoneCompressor,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: int = Average,
+                                backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False,
+                                num_groups: int = 0, groups: Any = None,
+                                process_set: Any = None, local_layers: Any = None,
+                                scale_local_gradients: bool = True
+                                ) -> keras.optimizers.Optimizer:
+    """Horovod's model-parallel optimizer: ``DistributedOptimizer`` whose gradients of the
+    ``local_layers``' trainable variables stay this rank's own (not reduced; divided by
+    ``size()`` with ``scale_local_gradients=True``).
+
+    Parameters
+    ----------
+    optimizer : keras.optimizers.Optimizer
+        Wrapped in place, as by ``DistributedOptimizer``.
+    local_layers : keras.layers.Layer or list of them, optional
+        Layers whose trainable variables are registered with ``register_local_var``.
+        ``None``: the optimizer is a ``DistributedOptimizer``.
+    scale_local_gradients : bool
+        Divide the local gradients by ``size()`` (Horovod's default).
+    name, device_dense, device_sparse, compression, sparse_as_dense, \
+gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients, \
+num_groups, groups, process_set :
+        As for ``DistributedOptimizer``.
+
+    Returns
+    -------
+    keras.optimizers.Optimizer
+        ``optimizer`` itself.
+    """
+    what = "PartialDistributedOptimizer"
+    local_vars = local_layer_variables(what, local_layers, keras.layers.Layer)
+    optimizer = _distributed(what, optimizer, compression, sparse_as_dense,
+                             gradient_predivide_factor, op, backward_passes_per_step,
+                             average_aggregated_gradients, num_groups, groups, process_set,
+                             scale_local_gradients)
+    for var in local_vars:
+        optimizer.register_local_var(var)
+    return optimizer
+
+
+def _distributed(what: str, optimizer: Any, compression: type[Compressor],
+                 sparse_as_dense: bool, gradient_predivide_factor: float, op: int,
+                 backward_passes_per_step: int, average_aggregated_gradients: bool,
+                 num_groups: Any, groups: Any, process_set: Any,
+                 scale_local_gradients: bool) -> keras.optimizers.Optimizer:
+    if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
+        raise InvalidInputError(f"{what}: only the global process set is supported, got "
+                                f"{process_set!r}")
+    local_vars = LocalVariables(what, scale_local_gradients)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise InvalidInputError(f"{what}: expected a keras.optimizers.Optimizer, got "
                                 f"{type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedKerasMixin):
         raise InvalidInputError(f"{what}: this optimizer is already a DistributedOptimizer")
     passes = check_passes(what, backward_passes_per_step)
-    reduce = _reducer(what, compression, sparse_as_dense, op, gradient_predivide_factor,
-                      num_groups, groups)
+    # the group's name is DistributedOptimizer's for both wrappers (one name per instance)
+    reduce = _reducer("DistributedOptimizer", compression, sparse_as_dense, op,
+                      gradient_predivide_factor, num_groups, groups)
     if passes > 1 and isinstance(reduce, _JaxReducer):
         _accumulate_in_keras(what, optimizer, passes)
-    _wrap(optimizer, reduce, passes, average_aggregated_gradients)
+    _wrap(optimizer, reduce, passes, average_aggregated_gradients, local_vars)
     return optimizer
 
 
 def _wrap(optimizer: keras.optimizers.Optimizer, reduce: Any, passes: int,
-          average_aggregated: bool) -> None:
+          average_aggregated: bool, local_vars: LocalVariables) -> None:
     """Swap ``optimizer``'s class for its distributed subclass and set it up."""
     base = type(optimizer)
     cls = _CLASSES.get(base)
@@ -299,7 +418,7 @@ def _wrap(optimizer: keras.optimizers.Optimizer, reduce: Any, passes: int,
                                     {"__module__": base.__module__,
                                      "__qualname__": base.__qualname__})
     optimizer.__class__ = cls
-    optimizer._rr_setup(reduce, passes, average_aggregated)
+    optimizer._rr_setup(reduce, passes, average_aggregated, local_vars)
 
 
 def _move_into_loss_scaling(inner: Any, outer: keras.optimizers.LossScaleOptimizer) -> None:
@@ -311,7 +430,7 @@ def _move_into_loss_scaling(inner: Any, outer: keras.optimizers.LossScaleOptimiz
     passes = inner._rr_passes
     if passes > 1 and isinstance(inner._rr_reduce, _JaxReducer):
         raise _no_loss_scaled_accumulation("DistributedOptimizer", passes)
-    _wrap(outer, inner._rr_reduce, passes, inner._rr_average_aggregated)
+    _wrap(outer, inner._rr_reduce, passes, inner._rr_average_aggregated, inner._rr_local_vars)
 
 
 def _hook_loss_scaling() -> None:

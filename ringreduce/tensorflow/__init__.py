@@ -72,7 +72,7 @@ from .ops import (
     grouped_reducescatter,
     reducescatter,
 )
-from .tape import DistributedGradientTape
+from .tape import DistributedGradientTape, PartialDistributedGradientTape
 from .tf1 import (
     BroadcastGlobalVariablesHook,
     DistributedAdasumTF1Optimizer,
@@ -91,7 +91,8 @@ __all__ = [
     "Compressor", "DistributedAdasumTF1Optimizer", "DistributedGradientTape",
     "DistributedOptimizer", "HorovodInternalError",
     "HostsUpdatedInterrupt", "InvalidInputError", "Max", "Min",
-    "MismatchError", "NotInitializedError", "PeerLostError", "Product", "RingReduceError",
+    "MismatchError", "NotInitializedError", "PartialDistributedGradientTape", "PeerLostError",
+    "Product", "RingReduceError",
     "ProcessSet", "RingReduceTimeoutError", "Sum", "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall",
     "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
@@ -167,7 +168,7 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
                          sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
                          op: int = Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None) -> Any:
+                         groups: Any = None, *, scale_local_gradients: bool = True) -> Any:
     """Wrap an optimizer so that it applies gradients averaged over all ranks.
 
     A ``tf.compat.v1.train.Optimizer`` gets a ``DistributedTF1Optimizer`` (TF1
@@ -176,7 +177,8 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
     apply, ``sparse_as_dense`` and ``average_aggregated_gradients`` do not); a Keras 3
     optimizer gets ``ringreduce.keras.DistributedOptimizer``, as
     in Horovod. See those for the arguments; ``device_*`` and ``use_locking`` are
-    Horovod's and ignored (``use_locking`` is passed to the TF1 base class).
+    Horovod's and ignored (``use_locking`` is passed to the TF1 base class);
+    ``scale_local_gradients`` applies to variables registered with ``register_local_var``.
     """
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if not isinstance(op, bool) and op == Adasum:  # Horovod's delta optimizer
@@ -188,7 +190,7 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
         return DistributedTF1Optimizer(optimizer, name, use_locking, compression,
                                        sparse_as_dense, backward_passes_per_step, op,
                                        gradient_predivide_factor, average_aggregated_gradients,
-                                       num_groups, groups)
+                                       num_groups, groups, scale_local_gradients)
     import keras
 
     if isinstance(optimizer, keras.optimizers.Optimizer):
@@ -199,7 +201,8 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
                                backward_passes_per_step=backward_passes_per_step, op=op,
                                gradient_predivide_factor=gradient_predivide_factor,
                                average_aggregated_gradients=average_aggregated_gradients,
-                               num_groups=num_groups, groups=groups)
+                               num_groups=num_groups, groups=groups,
+                               scale_local_gradients=scale_local_gradients)
     raise InvalidInputError(f"DistributedOptimizer: expected a tf.compat.v1.train.Optimizer or "
                             f"a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
 

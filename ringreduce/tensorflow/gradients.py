@@ -29,14 +29,15 @@ import tensorflow as tf
 from ringreduce import Average, Communicator
 from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes, optimizer_scales
+from ringreduce._local_grads import LocalVariables
 from ringreduce.compression import Compressor
 from ringreduce.elastic._client import in_elastic_job
 from ringreduce.exceptions import InvalidInputError
 
-from ._bridge import binder
+from ._bridge import binder, current_int
 from .ops import _allreduce_dense, _allreduce_sparse
 
-__all__ = ["GradientAverager", "LocalAggregation"]
+__all__ = ["GradientAverager", "LocalAggregation", "average_with_locals", "scale_by_size"]
 
 # Communicator -> kind -> count: per communicator, so ranks that are threads of one
 # process (tests) count their own wrappers as separate processes would.
@@ -93,8 +94,9 @@ class GradientAverager:
         self.get = binder()
         self.name = instance_name(what, self.get()) if unique else what
 
-    def __call__(self, grads: Sequence[Any]) -> list:
-        """The averaged gradients, in order (``None`` stays ``None``)."""
+    def __call__(self, grads: Sequence[Any], marker: Optional[tuple] = None) -> list:
+        """The averaged gradients, in order (``None`` stays ``None``); ``marker``: the shape
+        of a zero-element member added to the group (``ringreduce._local_grads``)."""
         grads = list(grads)
         if self.get().size() == 1 and (tf.executing_eagerly() or not in_elastic_job()):
             return grads  # (a traced step of an elastic job may run again at a larger size)
@@ -111,12 +113,35 @@ class GradientAverager:
             compressed, ctx = self.compression.compress(g)
             dense.append((i, compressed))
             ctxs.append(ctx)
-        if dense:
-            reduced = _allreduce_dense([t for _, t in dense], self.op, self.name,
-                                       *self.scales, self.get)
+        members = [t for _, t in dense]
+        if marker is not None:
+            members.append(tf.zeros(marker, members[0].dtype if members else tf.float32))
+        if members:
+            reduced = _allreduce_dense(members, self.op, self.name, *self.scales, self.get)
             for (i, _), r, ctx in zip(dense, reduced, ctxs):
                 out[i] = self.compression.decompress(r, ctx)
         return out
+
+
+def scale_by_size(get: Callable[[], Communicator]) -> Callable[[Any], Any]:
+    """Horovod's scaling of a local gradient: divided by ``size()`` (IndexedSlices: their
+    values); in a graph of an elastic job the size is read when the graph runs."""
+
+    def scale(g: Any) -> Any:
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(scale(g.values), g.indices, g.dense_shape)
+        return g / tf.cast(current_int(lambda: get().size(), "size"), g.dtype)
+
+    return scale
+
+
+def average_with_locals(average: GradientAverager, local: LocalVariables, grads: Sequence[Any],
+                        variables: Optional[Sequence[Any]]) -> list:
+    """``average(grads)``, except the gradients of ``local``'s variables: kept, and scaled as
+    Horovod scales them (``ringreduce._local_grads``)."""
+    if not len(local):
+        return average(grads)
+    return local.combine(grads, variables, average, scale_by_size(average.get))
 
 
 class LocalAggregation:

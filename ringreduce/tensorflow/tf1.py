@@ -21,11 +21,12 @@ import tensorflow as tf
 from ringreduce import Average
 from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes
+from ringreduce._local_grads import LocalVariables
 from ringreduce.compression import Compressor
 
 from ._bridge import binder, run_translated
 from .compression import Compression
-from .gradients import GradientAverager, LocalAggregation, instance_name
+from .gradients import GradientAverager, LocalAggregation, average_with_locals, instance_name
 from .ops import _allreduce_dense
 from .variables import broadcast_global_variables
 
@@ -39,7 +40,9 @@ class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
     ``compute_gradients`` returns averaged gradients (one fused allreduce for all of
     them); ``apply_gradients`` and everything else are the wrapped optimizer's. With
     ``backward_passes_per_step=k > 1`` the gradients are instead summed locally and
-    ``apply_gradients`` averages and applies them on every k-th run only.
+    ``apply_gradients`` averages and applies them on every k-th run only. Variables
+    registered with ``register_local_var`` keep this rank's gradients (Horovod's model
+    parallelism; ``ringreduce._local_grads``).
     """
 
     def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: Any = None,
@@ -47,8 +50,9 @@ class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
                  sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
                  op: int = Average, gradient_predivide_factor: float = 1.0,
                  average_aggregated_gradients: bool = False, num_groups: int = 0,
-                 groups: Any = None) -> None:
+                 groups: Any = None, scale_local_gradients: bool = True) -> None:
         self._optimizer = optimizer
+        self._local = LocalVariables("DistributedOptimizer", scale_local_gradients)
         self._average = GradientAverager("DistributedOptimizer", compression, sparse_as_dense,
                                          op, gradient_predivide_factor, num_groups, groups)
         self._aggregation = LocalAggregation(backward_passes_per_step,
@@ -63,8 +67,15 @@ class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         if self._aggregation.passes > 1:
             return pairs
-        grads = self._average([g for g, _ in pairs])
-        return list(zip(grads, [v for _, v in pairs]))
+        variables = [v for _, v in pairs]
+        grads = average_with_locals(self._average, self._local, [g for g, _ in pairs],
+                                    variables)
+        return list(zip(grads, variables))
+
+    def register_local_var(self, var: Any) -> None:
+        """Horovod's: keep this rank's own gradient of ``var`` (not reduced across ranks;
+        divided by ``size()`` with ``scale_local_gradients=True``)."""
+        self._local.register(var)
 
     def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
                         name: Any = None) -> Any:
@@ -75,7 +86,7 @@ class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
         variables = [v for _, v in pairs]
 
         def update(local: list) -> Any:
-            averaged = self._average(local)
+            averaged = average_with_locals(self._average, self._local, local, variables)
             return self._optimizer.apply_gradients(list(zip(averaged, variables)), global_step,
                                                    name)
 

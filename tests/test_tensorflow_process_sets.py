@@ -165,3 +165,37 @@ def test_grouped_allgather_and_reducescatter_equal_the_single_calls_with_gradien
             np.testing.assert_allclose(g, s)
         assert np.abs(grouped[1]).sum() > 0
     assert rtf.grouped_allgather([]) == [] and rtf.grouped_reducescatter([]) == []
+
+
+def test_tape_and_keras_optimizer_average_over_their_set_only():
+    import keras
+
+    comms = make_world(3)
+
+    def body(c):
+        ps = rr.ProcessSet([0, 2])
+        c.process_sets.setup([ps])
+        r = c.rank()
+        with rtf.use_communicator(c):
+            w = tf.Variable([1.0, 2.0])
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * float(r + 1))
+            grad = rtf.DistributedGradientTape(tape, process_set=ps).gradient(loss, [w])[0]
+            kw = keras.Variable([1.0, 2.0])
+            opt = rtf.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=ps)
+            opt.apply([tf.constant([float(r + 1)] * 2)], [kw])
+            with pytest.raises(rr.InvalidInputError, match="Adasum runs over every rank"):
+                rtf.DistributedGradientTape(tf.GradientTape(), op=rtf.Adasum, process_set=ps)
+            return grad.numpy(), np.asarray(kw.numpy())
+
+    try:
+        results = run_threaded(3, body, world=comms, timeout=120)
+    finally:
+        for c in comms:
+            c.close()
+    members = (1 + 3) / 2  # ranks 0 and 2: gradients 1 and 3
+    np.testing.assert_allclose(results[0][0], [members] * 2)
+    np.testing.assert_allclose(results[2][0], [members] * 2)
+    np.testing.assert_allclose(results[1][0], [2.0, 2.0])  # rank 1 keeps its own
+    for r, own in ((0, members), (1, 2.0), (2, members)):
+        np.testing.assert_allclose(results[r][1], [1.0 - own, 2.0 - own])

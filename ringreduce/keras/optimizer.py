@@ -37,6 +37,7 @@ from ringreduce._horovod import check_passes, optimizer_scales
 from ringreduce._local_grads import LocalVariables, local_layer_variables
 from ringreduce.compression import Compressor, NoneCompressor
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import global_process_set
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -51,7 +52,8 @@ class _LayerReducer:
     one grouped allreduce of the dense gradients; None gradients stay None."""
 
     def __init__(self, layer: Any, compression: type[Compressor], op: int,
-                 scales: tuple) -> None:
+                 scales: tuple, process_set: Any = None) -> None:
+        self.process_set = process_set or global_process_set
         wire = getattr(compression, "wire", None)  # a torch, TensorFlow or JAX dtype
         name = (getattr(wire, "name", None) or getattr(wire, "__name__", None)
                 or str(wire).rsplit(".", 1)[-1])
@@ -63,7 +65,14 @@ class _LayerReducer:
                                     "available")
         self.op, self.scales, self.layer = op, scales, layer
 
+    def included(self) -> bool:
+        """Whether this rank averages (a member of the process set); else it keeps its own
+        gradients, as Horovod's optimizers do."""
+        return self.process_set.included()
+
     def __call__(self, grads: list, marker: Any = None) -> list:
+        if not self.included():
+            return grads
         dense = [i for i, g in enumerate(grads) if g is not None]
         members = [grads[i] for i in dense]
         if marker is not None:  # ringreduce._local_grads: the local positions' digest
@@ -82,21 +91,23 @@ class _LayerReducer:
 
     def scale_local(self, grad: Any) -> Any:
         """A local gradient divided by ``size()`` (Horovod's ``scale_local_gradients``)."""
-        return grad / self.layer.size()
+        return grad / self.process_set.size()
 
     def _reduce(self, grads: list) -> list:
         return self.layer.grouped_allreduce(
             grads, compression=self.compression, op=self.op, prescale_factor=self.scales[0],
-            postscale_factor=self.scales[1], name="DistributedOptimizer")
+            postscale_factor=self.scales[1], name="DistributedOptimizer",
+            process_set=self.process_set)
 
 
 class _TorchReducer(_LayerReducer):
     """The torch backend's averaging: eager, on the communicator current at wrapping."""
 
-    def __init__(self, compression: type[Compressor], op: int, scales: tuple) -> None:
+    def __init__(self, compression: type[Compressor], op: int, scales: tuple,
+                 process_set: Any = None) -> None:
         import ringreduce.torch as rrt
 
-        super().__init__(rrt, compression, op, scales)
+        super().__init__(rrt, compression, op, scales, process_set)
         self.get = rrt._tensors.binder()
 
     def __call__(self, grads: list, marker: Any = None) -> list:
@@ -109,7 +120,8 @@ class _TorchReducer(_LayerReducer):
 
     def scale_local(self, grad: Any) -> Any:
         """A local gradient divided by ``size()`` (Horovod's ``scale_local_gradients``)."""
-        return grad / self.get().size()
+        with self.layer.use_communicator(self.get()):
+            return super().scale_local(grad)
 
     def _reduce(self, grads: list) -> list:
         with self.layer.use_communicator(self.get()):
@@ -120,10 +132,11 @@ class _JaxReducer(_LayerReducer):
     """The JAX backend's averaging, traced into the trainer's jitted step as an ordered
     host callback (``ringreduce.jax``)."""
 
-    def __init__(self, compression: type[Compressor], op: int, scales: tuple) -> None:
+    def __init__(self, compression: type[Compressor], op: int, scales: tuple,
+                 process_set: Any = None) -> None:
         import ringreduce.jax as rrj
 
-        super().__init__(rrj, compression, op, scales)
+        super().__init__(rrj, compression, op, scales, process_set)
 
     def on_update_steps(self, grads: list, is_update_step: Any, factor: float,
                         reduce: Any) -> list:
@@ -164,7 +177,7 @@ class _DistributedKerasMixin:
     def _rr_average(self, grads: list, variables: Any) -> list:
         """``grads`` averaged over the ranks, except those of local variables (kept, scaled)."""
         local = self._rr_local_vars
-        if not len(local):
+        if not len(local) or not self._rr_reduce.included():
             return self._rr_reduce(grads)
         if variables is None:
             variables = self._trainable_variables
@@ -273,17 +286,20 @@ class _DistributedKerasMixin:
 
 
 def _reducer(what: str, compression: type[Compressor], sparse_as_dense: bool, op: int,
-             gradient_predivide_factor: float, num_groups: Any, groups: Any) -> Any:
+             gradient_predivide_factor: float, num_groups: Any, groups: Any,
+             process_set: Any) -> Any:
     backend = keras.backend.backend()
     if backend == "tensorflow":
         from ringreduce.tensorflow.gradients import GradientAverager
 
         return GradientAverager(what, compression, sparse_as_dense, op,
-                                gradient_predivide_factor, num_groups, groups)
+                                gradient_predivide_factor, num_groups, groups,
+                                process_set=process_set)
     if backend in ("torch", "jax"):
         scales = optimizer_scales(what, op, gradient_predivide_factor, num_groups, groups,
                                   "ringreduce.keras")
-        return (_TorchReducer if backend == "torch" else _JaxReducer)(compression, op, scales)
+        return (_TorchReducer if backend == "torch" else _JaxReducer)(compression, op, scales,
+                                                                      process_set)
     raise InvalidInputError(
         f"{what}: Keras's {backend!r} backend is not supported; use the tensorflow, torch "
         "or jax backend (KERAS_BACKEND=tensorflow)")
@@ -321,8 +337,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Any = None
         Divide that local sum by ``backward_passes_per_step``.
     num_groups, groups :
         Horovod's fusion hints; accepted and ignored (one fused group per step).
-    process_set :
-        Horovod's; only the global set (``None`` or ``global_process_set``) is supported here.
+    process_set : ProcessSet, optional
+        Average over its members only; a rank outside it applies its own gradients (as
+        Horovod). Local gradients are then divided by the set's size.
     scale_local_gradients : bool
         Divide the gradients of variables registered with ``register_local_var`` (which are
         not reduced) by ``size()``, as Horovod does.
@@ -389,9 +406,6 @@ def _distributed(what: str, optimizer: Any, compression: type[Compressor],
                  backward_passes_per_step: int, average_aggregated_gradients: bool,
                  num_groups: Any, groups: Any, process_set: Any,
                  scale_local_gradients: bool) -> keras.optimizers.Optimizer:
-    if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
-        raise InvalidInputError(f"{what}: only the global process set is supported, got "
-                                f"{process_set!r}")
     local_vars = LocalVariables(what, scale_local_gradients)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise InvalidInputError(f"{what}: expected a keras.optimizers.Optimizer, got "
@@ -401,7 +415,7 @@ def _distributed(what: str, optimizer: Any, compression: type[Compressor],
     passes = check_passes(what, backward_passes_per_step)
     # the group's name is DistributedOptimizer's for both wrappers (one name per instance)
     reduce = _reducer("DistributedOptimizer", compression, sparse_as_dense, op,
-                      gradient_predivide_factor, num_groups, groups)
+                      gradient_predivide_factor, num_groups, groups, process_set)
     if passes > 1 and isinstance(reduce, _JaxReducer):
         _accumulate_in_keras(what, optimizer, passes)
     _wrap(optimizer, reduce, passes, average_aggregated_gradients, local_vars)

@@ -168,8 +168,10 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
                          sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
                          op: int = Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None, *, scale_local_gradients: bool = True) -> Any:
-    """Wrap an optimizer so that it applies gradients averaged over all ranks.
+                         groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """Wrap an optimizer so that it applies gradients averaged over all ranks (Horovod's
+    signature; with ``process_set``, over its members: other ranks keep their own).
 
     A ``tf.compat.v1.train.Optimizer`` gets a ``DistributedTF1Optimizer`` (TF1
     graphs), or with ``op=Adasum`` Horovod's delta optimizer
@@ -185,12 +187,15 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
             if gradient_predivide_factor != 1.0:
                 raise InvalidInputError("DistributedOptimizer: gradient_predivide_factor "
                                         "needs op=Average")
+            if process_set.process_set_id != 0:
+                raise InvalidInputError("DistributedOptimizer(op=Adasum): Adasum runs over "
+                                        "every rank (as in Horovod); leave process_set out")
             return DistributedAdasumTF1Optimizer(optimizer, name, use_locking, compression,
                                                  backward_passes_per_step)
         return DistributedTF1Optimizer(optimizer, name, use_locking, compression,
                                        sparse_as_dense, backward_passes_per_step, op,
                                        gradient_predivide_factor, average_aggregated_gradients,
-                                       num_groups, groups, scale_local_gradients)
+                                       num_groups, groups, scale_local_gradients, process_set)
     import keras
 
     if isinstance(optimizer, keras.optimizers.Optimizer):
@@ -201,7 +206,7 @@ def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = F
                                backward_passes_per_step=backward_passes_per_step, op=op,
                                gradient_predivide_factor=gradient_predivide_factor,
                                average_aggregated_gradients=average_aggregated_gradients,
-                               num_groups=num_groups, groups=groups,
+                               num_groups=num_groups, groups=groups, process_set=process_set,
                                scale_local_gradients=scale_local_gradients)
     raise InvalidInputError(f"DistributedOptimizer: expected a tf.compat.v1.train.Optimizer or "
                             f"a keras.optimizers.Optimizer, got {type(optimizer).__name__}")

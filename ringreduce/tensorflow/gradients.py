@@ -33,6 +33,7 @@ from ringreduce._local_grads import LocalVariables
 from ringreduce.compression import Compressor
 from ringreduce.elastic._client import in_elastic_job
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet
 
 from ._bridge import binder, current_int
 from .ops import _allreduce_dense, _allreduce_sparse
@@ -74,11 +75,15 @@ class GradientAverager:
         Name the group ``what``, ``what.1``, ... per instance (optimizers, made once),
         rather than ``what`` alone (tapes, made every step: one name keeps the
         engine's response cache warm).
+    process_set : ProcessSet, optional
+        Average over its members only; a rank outside it keeps its own gradients (as
+        Horovod's ``_allreduce_cond``).
     """
 
     def __init__(self, what: str, compression: type[Compressor], sparse_as_dense: bool,
                  op: int, gradient_predivide_factor: float, num_groups: Any = 0,
-                 groups: Any = None, unique: bool = True) -> None:
+                 groups: Any = None, unique: bool = True,
+                 process_set: Optional[ProcessSet] = None) -> None:
         adasum = not isinstance(op, bool) and op == Adasum
         if adasum and gradient_predivide_factor != 1.0:
             raise InvalidInputError(f"{what}: gradient_predivide_factor needs op=Average; "
@@ -91,13 +96,24 @@ class GradientAverager:
         self.what, self.op = what, op
         sparse_as_dense = sparse_as_dense or adasum  # Adasum needs whole tensors
         self.compression, self.sparse_as_dense = compression, bool(sparse_as_dense)
-        self.get = binder()
-        self.name = instance_name(what, self.get()) if unique else what
+        if adasum and process_set is not None and process_set.process_set_id != 0:
+            raise InvalidInputError(f"{what}: Adasum runs over every rank (as in Horovod); "
+                                    "leave process_set out")
+        self.process_set = process_set
+        self.get = binder(process_set, "ringreduce.tensorflow")
+        # counted on the job's communicator: a non-member makes the same instances
+        self.name = instance_name(what, binder()()) if unique else what
+
+    def included(self) -> bool:
+        """Whether this rank takes part (a member of the process set, if any)."""
+        return self.process_set is None or self.process_set.included()
 
     def __call__(self, grads: Sequence[Any], marker: Optional[tuple] = None) -> list:
         """The averaged gradients, in order (``None`` stays ``None``); ``marker``: the shape
         of a zero-element member added to the group (``ringreduce._local_grads``)."""
         grads = list(grads)
+        if not self.included():
+            return grads
         if self.get().size() == 1 and (tf.executing_eagerly() or not in_elastic_job()):
             return grads  # (a traced step of an elastic job may run again at a larger size)
         out: list = [None] * len(grads)
@@ -139,7 +155,7 @@ def average_with_locals(average: GradientAverager, local: LocalVariables, grads:
                         variables: Optional[Sequence[Any]]) -> list:
     """``average(grads)``, except the gradients of ``local``'s variables: kept, and scaled as
     Horovod scales them (``ringreduce._local_grads``)."""
-    if not len(local):
+    if not len(local) or not average.included():
         return average(grads)
     return local.combine(grads, variables, average, scale_by_size(average.get))
 

@@ -3,7 +3,7 @@ PartialDistributedGradientTape: except those of local layers (``ringreduce._loca
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -11,6 +11,7 @@ from ringreduce import Average
 from ringreduce._local_grads import LocalVariables, local_layer_variables
 from ringreduce.compression import Compressor
 from ringreduce.exceptions import InvalidInputError
+from ringreduce.process_sets import ProcessSet
 
 from .compression import Compression
 from .gradients import GradientAverager, average_with_locals
@@ -53,7 +54,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Horovod's 
                             compression: type[Compressor] = Compression.none,
                             sparse_as_dense: bool = False, op: int = Average,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                            groups: Any = None, *, scale_local_gradients: bool = True,
+                            groups: Any = None, process_set: Optional[ProcessSet] = None,
+                            scale_local_gradients: bool = True, *,
                             _what: str = "DistributedGradientTape") -> tf.GradientTape:
     """Wrap a ``tf.GradientTape`` so that ``gradient()`` averages over all ranks.
 
@@ -79,6 +81,9 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Horovod's 
         With Average: divide before the sum by this, after it by ``size / factor``.
     num_groups, groups :
         Horovod's fusion hints; accepted and ignored (one fused group per call).
+    process_set : ProcessSet, optional
+        Average over its members only; on a rank outside it ``gradient()`` returns the
+        rank's own gradients (as Horovod).
     scale_local_gradients : bool
         Divide the gradients of sources registered with ``register_local_source`` (which
         are not reduced) by ``size()``, as Horovod does.
@@ -102,7 +107,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Horovod's 
     tape.__dict__.update(gradtape.__dict__)
     tape._rr_average = GradientAverager("DistributedGradientTape", compression,
                                         sparse_as_dense, op, gradient_predivide_factor,
-                                        num_groups, groups, unique=False)
+                                        num_groups, groups, unique=False,
+                                        process_set=process_set)
     tape._rr_local = local
     return tape
 
@@ -112,7 +118,7 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Hor
                                    compression: type[Compressor] = Compression.none,
                                    sparse_as_dense: bool = False, op: int = Average,
                                    gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                                   groups: Any = None, process_set: Any = None,
+                                   groups: Any = None, process_set: Optional[ProcessSet] = None,
                                    local_layers: Any = None,
                                    scale_local_gradients: bool = True) -> tf.GradientTape:
     """Horovod's model-parallel tape: ``DistributedGradientTape`` whose gradients of the
@@ -128,10 +134,8 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Hor
         ``None``: the tape is a ``DistributedGradientTape``.
     scale_local_gradients : bool
         Divide the local gradients by ``size()`` (Horovod's default).
-    process_set :
-        Horovod's; only the global set (``None`` or ``global_process_set``) is supported here.
     device_dense, device_sparse, compression, sparse_as_dense, op, gradient_predivide_factor, \
-num_groups, groups :
+num_groups, groups, process_set :
         As for ``DistributedGradientTape``.
 
     Returns
@@ -139,22 +143,12 @@ num_groups, groups :
     tf.GradientTape
     """
     what = "PartialDistributedGradientTape"
-    _check_global(what, process_set)
     import keras
 
     local_vars = local_layer_variables(what, local_layers, keras.layers.Layer)
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor, num_groups,
-                                   groups, scale_local_gradients=scale_local_gradients,
-                                   _what=what)
+                                   groups, process_set, scale_local_gradients, _what=what)
     for var in local_vars:
         tape.register_local_source(var)
     return tape
-
-
-def _check_global(what: str, process_set: Any) -> None:
-    """Only the global process set: the tape reduces over every rank."""
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return
-    raise InvalidInputError(f"{what}: only the global process set is supported, got "
-                            f"{process_set!r}")

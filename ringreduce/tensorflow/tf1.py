@@ -14,7 +14,7 @@ delta optimizer, ``DistributedAdasumTF1Optimizer``)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -23,6 +23,7 @@ from ringreduce._adasum import Adasum
 from ringreduce._horovod import check_passes
 from ringreduce._local_grads import LocalVariables
 from ringreduce.compression import Compressor
+from ringreduce.process_sets import ProcessSet
 
 from ._bridge import binder, run_translated
 from .compression import Compression
@@ -50,11 +51,13 @@ class DistributedTF1Optimizer(tf.compat.v1.train.Optimizer):
                  sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
                  op: int = Average, gradient_predivide_factor: float = 1.0,
                  average_aggregated_gradients: bool = False, num_groups: int = 0,
-                 groups: Any = None, scale_local_gradients: bool = True) -> None:
+                 groups: Any = None, scale_local_gradients: bool = True,
+                 process_set: Optional[ProcessSet] = None) -> None:
         self._optimizer = optimizer
         self._local = LocalVariables("DistributedOptimizer", scale_local_gradients)
         self._average = GradientAverager("DistributedOptimizer", compression, sparse_as_dense,
-                                         op, gradient_predivide_factor, num_groups, groups)
+                                         op, gradient_predivide_factor, num_groups, groups,
+                                         process_set=process_set)
         self._aggregation = LocalAggregation(backward_passes_per_step,
                                              average_aggregated_gradients,
                                              "DistributedOptimizer")

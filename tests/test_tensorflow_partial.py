@@ -57,3 +57,35 @@ def test_bad_local_layers_are_refused_naming_what_was_passed(job):
                 cls, msg = e[f"{what}.{label}"]
                 assert cls == "InvalidInputError" and shown in msg, (what, label, msg)
                 assert "local_layers" in msg
+
+
+def test_the_broadcast_callback_leaves_local_variables_alone():
+    # Horovod 0.28's BroadcastGlobalVariablesCallback(local_variables=...), ranks as threads
+    import keras
+    import numpy as np
+
+    import ringreduce.keras as rk
+    from ringreduce.testing import make_world, run_threaded
+
+    comms = make_world(2)
+
+    def body(c):
+        with rk.use_communicator(c):
+            shared, local = keras.layers.Dense(2), keras.layers.Dense(1)
+            model = keras.Sequential([keras.Input((3,)), shared, local])
+            for v in model.variables:
+                v.assign(np.full(v.shape, float(c.rank() + 1), np.float32))
+            cb = rk.callbacks.BroadcastGlobalVariablesCallback(
+                0, local_variables=local.trainable_weights)
+            cb.set_model(model)
+            cb.on_train_begin()
+            return [np.asarray(v.numpy()) for v in shared.variables + local.variables]
+
+    try:
+        results = run_threaded(2, body, world=comms, timeout=60)
+    finally:
+        for c in comms:
+            c.close()
+    for r, values in enumerate(results):
+        assert all((v == 1.0).all() for v in values[:2]), values  # rank 0's
+        assert all((v == r + 1.0).all() for v in values[2:]), values  # its own

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 
 import ringreduce as _rr
+from ringreduce._local_grads import LocalVariables
 from ringreduce._state import agree, wait_all
 from ringreduce.checkpoint import atomic_save_path
 
@@ -90,11 +91,20 @@ class BroadcastGlobalVariablesCallback(_Callback):
         The rank whose values win (0 in Horovod's recipe).
     device : str
         Horovod's; ignored.
+    local_variables : variable or list of them, optional
+        Horovod 0.28's: variables left out (a model-parallel layer's, each rank its own;
+        see ``register_local_var``). Every rank must leave out the same positions.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "",
+                 local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
+        self._local = LocalVariables("BroadcastGlobalVariablesCallback")
+        if local_variables is not None:
+            many = isinstance(local_variables, (list, tuple, set))
+            for v in local_variables if many else [local_variables]:
+                self._local.register(v)
         self.broadcast_done = False
         self._done_on: Any = None  # the communicator of the broadcast
 
@@ -121,6 +131,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
             if not opt.built:
                 opt.build(self.model.trainable_variables)
             variables += list(opt.variables)
+        variables = [v for v in variables if not self._local.is_local(v)]
         c = self._rr_get()
         broadcast_keras_variables(c, variables, c._check_root(self.root_rank,
                                                               "BroadcastGlobalVariablesCallback"),

@@ -100,9 +100,13 @@ else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
     mpi_built = gloo_built = ddl_built = ccl_built = rocm_built = _no
     mpi_enabled = gloo_enabled = mpi_threads_supported = _no
 
-    def broadcast_variables(variables: Any, root_rank: int = 0) -> None:
-        """Overwrite Keras ``variables`` with ``root_rank``'s values (eager)."""
-        callbacks.broadcast_keras_variables(_binder()(), list(variables), root_rank,
+    def broadcast_variables(variables: Any, root_rank: int = 0,
+                            process_set: ProcessSet = global_process_set) -> None:
+        """Overwrite Keras ``variables`` with ``root_rank``'s values (eager; with
+        ``process_set``, among its members, the root counted within it)."""
+        comm = _binder(process_set, "ringreduce.keras")()
+        callbacks.broadcast_keras_variables(comm, list(variables),
+                                            comm._check_root(root_rank, "broadcast_variables"),
                                             "broadcast_variables")
 
 __all__ = [

@@ -62,6 +62,7 @@ from ringreduce.checkpoint import CheckpointError
 from . import callbacks, elastic
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .saving import load_model, save_model
+from .sync_batch_norm import SyncBatchNormalization
 
 if keras.backend.backend() == "tensorflow":
     from ringreduce.tensorflow import (
@@ -110,6 +111,7 @@ else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
                                             "broadcast_variables")
 
 __all__ = [
+    "SyncBatchNormalization",
     "Adasum", "Average", "CheckpointError", "Compression", "DistributedOptimizer",
     "PartialDistributedOptimizer",
     "HorovodInternalError", "HostsUpdatedInterrupt", "InvalidInputError",

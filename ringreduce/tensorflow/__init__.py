@@ -87,6 +87,7 @@ from .variables import (
 )
 
 __all__ = [
+    "SyncBatchNormalization",
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "CheckpointError", "Compression",
     "Compressor", "DistributedAdasumTF1Optimizer", "DistributedGradientTape",
     "DistributedOptimizer", "HorovodInternalError",
@@ -111,11 +112,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # ``hvd.elastic`` (Horovod's ``horovod.tensorflow.elastic``), imported on first use.
-    if name == "elastic":
-        import importlib
+    # ``hvd.elastic`` (Horovod's ``horovod.tensorflow.elastic``), imported on first use;
+    # ``hvd.SyncBatchNormalization`` is the Keras 3 layer of ``ringreduce.keras``.
+    import importlib
 
+    if name == "elastic":
         return importlib.import_module(".elastic", __name__)
+    if name == "SyncBatchNormalization":
+        return importlib.import_module("ringreduce.keras.sync_batch_norm").SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

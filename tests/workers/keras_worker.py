@@ -241,6 +241,23 @@ def callbacks_and_checkpoints(directory: str) -> None:
     event("schedule", lrs=schedule.lrs)
 
 
+def sync_batch_norm() -> None:
+    """SyncBatchNormalization: the layer cases of sync_bn_cases (unequal per-rank batches;
+    in tf.function on tensorflow; on jax only the masked one, not jitted: JAX's per-op
+    dispatch under jax.grad made the three cases cost 14 s, and fit runs the layer jitted)
+    at this size and at size 1, and model.fit with it."""
+    import sync_bn_cases
+
+    start = time.time()
+    backend = keras.backend.backend()
+    layer = sync_bn_cases.layer_cases(rr.rank(), rr.size(), rr.allgather_object,
+                                      compiled=backend == "tensorflow",
+                                      names=["masked-sequence"] if backend == "jax" else None)
+    single = sync_bn_cases.single_rank_is_batch_norm()
+    fit = sync_bn_cases.fit_equals_one_process(batches, X, Y)
+    event("sync-bn", layer=layer, single=single, fit=fit, seconds=time.time() - start)
+
+
 def die() -> None:
     class Exit(keras.callbacks.Callback):
         def on_train_batch_end(self, batch: int, logs: dict = None) -> None:
@@ -275,6 +292,7 @@ def main() -> None:
         accumulation_refusals()
     loss_scaling()
     lazily_built()
+    sync_batch_norm()
     callbacks_and_checkpoints(sys.argv[1])
     rr.barrier()
     say(f"OK rank {rr.rank()}")

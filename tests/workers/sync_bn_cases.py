@@ -73,8 +73,14 @@ def _loss_and_grads(layer: Any, x: np.ndarray, w: np.ndarray, mask: Any,
 
         step = jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True)
         (_, (y, stats)), grads = (jax.jit(step) if compiled else step)(*params)
-    numpy = keras.ops.convert_to_numpy
-    return numpy(y), [numpy(s) for s in stats], [numpy(g) for g in grads]
+    return _numpy(y), [_numpy(s) for s in stats], [_numpy(g) for g in grads]
+
+
+def _numpy(x: Any) -> np.ndarray:
+    # a TensorFlow variable or tensor's own .numpy(): keras.ops.convert_to_numpy goes
+    # through __array__ there, which numpy 2 warns about (no copy keyword)
+    return np.asarray(x.numpy()) if hasattr(x, "numpy") and not hasattr(x, "detach") \
+        else keras.ops.convert_to_numpy(x)
 
 
 def train(layer_cls: type, name: str, x: np.ndarray, w: np.ndarray, mask: Any,
@@ -94,10 +100,9 @@ def train(layer_cls: type, name: str, x: np.ndarray, w: np.ndarray, mask: Any,
             v.assign(s)
         outputs.append(y)
         grads.append(g)
-    numpy = keras.ops.convert_to_numpy
     return {"outputs": outputs, "grads": grads,
-            "moving": [numpy(v.value) for v in layer.non_trainable_variables],
-            "inference": numpy(layer(keras.ops.convert_to_tensor(x), training=False))}
+            "moving": [_numpy(v.value) for v in layer.non_trainable_variables],
+            "inference": _numpy(layer(keras.ops.convert_to_tensor(x), training=False))}
 
 
 def differences(parts: list, ref: dict) -> dict:
@@ -168,7 +173,7 @@ def fit_equals_one_process(batches: Callable[[int], tuple], x: np.ndarray,
                                  keras.layers.Dense(1)])
 
     def weights(m: keras.Model) -> np.ndarray:
-        return np.concatenate([np.ravel(keras.ops.convert_to_numpy(v)) for v in m.weights])
+        return np.concatenate([np.ravel(_numpy(v)) for v in m.weights])
 
     mine = model(rk.SyncBatchNormalization)
     mine.compile(optimizer=rk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5)),

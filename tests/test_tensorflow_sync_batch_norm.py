@@ -35,10 +35,14 @@ except RuntimeError:
 
 @pytest.fixture(autouse=True)
 def float64():
-    before = keras.backend.floatx()
+    # The dtype policy too: Keras caches the default one (from floatx) in this thread's
+    # global state once any layer was made, e.g. by another module's tests.
+    before, policy = keras.backend.floatx(), keras.config.dtype_policy()
     keras.backend.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     yield
     keras.backend.set_floatx(before)
+    keras.config.set_dtype_policy(policy)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])

@@ -79,7 +79,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         ssh; ``executable`` the Python that runs the ranks (default ``sys.executable``).
     start_timeout, network_interface, ssh_identity_file, output_filename, verbose :
         As ``ringrun``'s ``--start-timeout`` (seconds the ranks wait for each other),
-        ``--network-interfaces`` (comma-separated), ``-i``, ``--output-filename`` (each
+        ``--network-interfaces`` (one interface), ``-i``, ``--output-filename`` (each
         rank's output also in ``<dir>/rank.<N>/stdout`` and ``stderr``; ``worker.<N>`` in
         an elastic job) and ``--verbose``.
     use_gloo, use_mpi, disable_cache :

@@ -15,7 +15,21 @@ from ._adasum import Adasum
 from ._call_checks import _OP_NAMES, Average, Sum, check_scales
 from .exceptions import InvalidInputError
 
-__all__ = ["check_passes", "optimizer_scales", "resolve_op"]
+__all__ = ["ccl_built", "check_passes", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built",
+           "mpi_enabled", "mpi_threads_supported", "not_built", "optimizer_scales",
+           "resolve_op", "rocm_built"]
+
+
+def not_built() -> bool:
+    """False: what Horovod's build query asks about is not inside ringreduce."""
+    return False
+
+
+# Horovod's build and backend queries, the same in every framework layer: ringreduce has
+# its own TCP/shared-memory transport (no MPI, Gloo, DDL, oneCCL or ROCm inside). CUDA and
+# NCCL differ by layer (``ringreduce.cuda_built``/``nccl_built``; TensorFlow's: False).
+mpi_built = gloo_built = ddl_built = ccl_built = rocm_built = not_built
+mpi_enabled = gloo_enabled = mpi_threads_supported = not_built
 
 
 def resolve_op(average: Any, op: Optional[int], what: str, module: str = "ringreduce") -> int:

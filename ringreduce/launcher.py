@@ -373,6 +373,13 @@ class OutputSettings:
         """The copies of one process's stdout and stderr (None, None without a directory)."""
         return output_files(self.directory, name) if self.directory else (None, None)
 
+    @staticmethod
+    def close(copies: Sequence[Optional[IO[bytes]]]) -> None:
+        """Close what ``files`` opened for a process that did not start."""
+        for copy in copies:
+            if copy is not None:
+                copy.close()
+
 
 @dataclass
 class Outcome:
@@ -410,9 +417,7 @@ class _Job:
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         start_new_session=True)
             except OSError as e:
-                for copy in copies:
-                    if copy is not None:
-                        copy.close()
+                OutputSettings.close(copies)
                 _say(f"cannot start rank {spec.rank} ({spec.argv[0]}): {e}")
                 self.stop(signal.SIGTERM)
                 self.wait_all()

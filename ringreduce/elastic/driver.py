@@ -170,9 +170,7 @@ class ElasticDriver:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
         except OSError as err:
-            for copy in copies:
-                if copy is not None:
-                    copy.close()
+            OutputSettings.close(copies)
             _say(f"cannot start worker {wid} on {host.host} ({spec.argv[0]}): {err}; "
                  f"{self.blacklist_host(host.host)}")
             return

@@ -93,13 +93,16 @@ else:  # ringreduce.jax's or ringreduce.torch's collectives and compressors
     broadcast, reducescatter = _layer.broadcast, _layer.reducescatter
     grouped_allreduce = _layer.grouped_allreduce
     from ringreduce import cuda_built, nccl_built
-
-    def _no() -> bool:
-        return False
-
-    # Horovod's build queries: no MPI, Gloo, DDL, oneCCL or ROCm inside ringreduce.
-    mpi_built = gloo_built = ddl_built = ccl_built = rocm_built = _no
-    mpi_enabled = gloo_enabled = mpi_threads_supported = _no
+    from ringreduce._horovod import (
+        ccl_built,
+        ddl_built,
+        gloo_built,
+        gloo_enabled,
+        mpi_built,
+        mpi_enabled,
+        mpi_threads_supported,
+        rocm_built,
+    )
 
     def broadcast_variables(variables: Any, root_rank: int = 0,
                             process_set: ProcessSet = global_process_set) -> None:

@@ -68,7 +68,7 @@ class _LayerReducer:
     def included(self) -> bool:
         """Whether this rank averages (a member of the process set); else it keeps its own
         gradients, as Horovod's optimizers do."""
-        return self.process_set.included()
+        return self.process_set.process_set_id == 0 or self.process_set.included()
 
     def __call__(self, grads: list, marker: Any = None) -> list:
         if not self.included():

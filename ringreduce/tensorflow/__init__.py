@@ -39,6 +39,7 @@ from ringreduce import (
     RingReduceError,
     RingReduceTimeoutError,
     Sum,
+    _on,
     add_process_set,
     cross_rank,
     cross_size,
@@ -123,12 +124,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _set_comm(process_set: ProcessSet, what: str) -> Any:
-    from ringreduce import _on
-
-    return _on(process_set, what)
-
-
 def join() -> int:
     """Declare that this rank has no more data; returns the last rank to join.
 
@@ -141,7 +136,7 @@ def join() -> int:
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank (of ``process_set``) has called ``barrier()``."""
-    _set_comm(process_set, "barrier").barrier()
+    _on(process_set, "barrier").barrier()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Any = None,
@@ -149,7 +144,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: An
     """Return ``root_rank``'s picklable ``obj`` on every rank (of ``process_set``; the root
     counted within it). Runs at once, also in a ``tf.compat.v1`` program: ``session`` is
     Horovod's and not needed."""
-    return _set_comm(process_set, "broadcast_object").broadcast_object(obj, root_rank, name)
+    return _on(process_set, "broadcast_object").broadcast_object(obj, root_rank, name)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Any = None,
@@ -163,7 +158,7 @@ def allgather_object(obj: Any, session: Any = None, name: Any = None,
                      process_set: ProcessSet = global_process_set) -> list:
     """Return every rank's picklable ``obj`` as a list in rank order (of ``process_set``);
     ``session`` as for ``broadcast_object``."""
-    return _set_comm(process_set, "allgather_object").allgather_object(obj, name)
+    return _on(process_set, "allgather_object").allgather_object(obj, name)
 
 
 def DistributedOptimizer(optimizer: Any, name: Any = None, use_locking: bool = False,  # noqa: N802
@@ -247,11 +242,17 @@ def local_rank_op(name: Any = None) -> tf.Tensor:
     return current_int(lambda: _comm().local_rank(), name or "local_rank")
 
 
-def _no() -> bool:
-    return False
-
-
-# Horovod's build and backend queries: ringreduce has its own TCP/shared-memory transport
-# (no MPI, Gloo, NCCL, DDL or oneCCL inside) and CPU tensors.
-mpi_built = gloo_built = nccl_built = ddl_built = ccl_built = cuda_built = rocm_built = _no
-mpi_enabled = gloo_enabled = mpi_threads_supported = _no
+# Horovod's build queries (ringreduce._horovod); this layer hands the engine CPU tensors
+# only, so CUDA and NCCL are not built for it.
+from ringreduce._horovod import (  # noqa: E402
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    rocm_built,
+)
+from ringreduce._horovod import not_built as cuda_built  # noqa: E402
+from ringreduce._horovod import not_built as nccl_built  # noqa: E402

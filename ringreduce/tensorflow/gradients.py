@@ -99,7 +99,8 @@ class GradientAverager:
         if adasum and process_set is not None and process_set.process_set_id != 0:
             raise InvalidInputError(f"{what}: Adasum runs over every rank (as in Horovod); "
                                     "leave process_set out")
-        self.process_set = process_set
+        # the global set is no set: every rank takes part, nothing to ask at each step
+        self.process_set = process_set if process_set and process_set.process_set_id else None
         self.get = binder(process_set, "ringreduce.tensorflow")
         # counted on the job's communicator: a non-member makes the same instances
         self.name = instance_name(what, binder()()) if unique else what

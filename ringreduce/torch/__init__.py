@@ -146,12 +146,15 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     return _comm(process_set).join()
 
 
-def _no() -> bool:
-    return False
-
-
-# Horovod's build and backend queries: ringreduce has its own TCP/shared-memory transport
-# (no MPI, Gloo, DDL or oneCCL inside); CUDA tensors run through NCCL when this build has
-# CUDA (cuda_built) and libnccl.so.2 can be loaded (nccl_built).
-mpi_built = gloo_built = ddl_built = ccl_built = rocm_built = _no
-mpi_enabled = gloo_enabled = mpi_threads_supported = _no
+# Horovod's build queries (ringreduce._horovod); CUDA tensors run through NCCL when this
+# build has CUDA (cuda_built) and libnccl.so.2 can be loaded (nccl_built).
+from ringreduce._horovod import (  # noqa: E402
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    rocm_built,
+)

@@ -7,13 +7,13 @@ import os
 import pickle
 import sys
 import tempfile
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import _horovodrun
 from ._horovod_settings import elastic_timeout
+from ._task_world import error_record, reraise
 from .exceptions import InvalidInputError, RingReduceError
 from .launcher import (
     TIMEOUT_EXIT_CODE,
@@ -26,13 +26,6 @@ from .launcher import (
 )
 
 __all__ = ["run", "run_pickled"]
-
-
-class _RemoteTraceback(Exception):
-    """Carries a rank's traceback text as the ``__cause__`` of the re-raised error."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 _HOROVOD_REFUSED = ("mpi_args",)
@@ -197,11 +190,11 @@ def _returned(results: list[dict], code: int, failed_rank: Optional[int],
         if last < 0:  # no worker got into a generation: report the first one's error
             for r in results:
                 if not r["ok"]:
-                    _reraise("a worker that joined no generation", r)
+                    reraise(r, "a worker that joined no generation")
     by_rank = {r["rank"]: r for r in results}
     for r in ([failed_rank] if failed_rank is not None else []) + sorted(by_rank):
         if r in by_rank and not by_rank[r]["ok"]:
-            _reraise(f"rank {r}", by_rank[r])
+            reraise(by_rank[r], f"rank {r}")
     if code == TIMEOUT_EXIT_CODE and failed_rank is None:
         raise RingReduceTimeoutError(f"ringreduce.run: timed out after {timeout:g} s")
     expected = np if np is not None else len(by_rank)
@@ -210,19 +203,6 @@ def _returned(results: list[dict], code: int, failed_rank: Optional[int],
         raise RingReduceError(f"ringreduce.run: {who} ended with exit code {code} "
                               "and no result")
     return [by_rank[r]["value"] for r in range(expected)]
-
-
-def _reraise(who: str, result: Mapping[str, Any]) -> None:
-    cause = _RemoteTraceback(f"\n\n{who} raised:\n{result['traceback']}")
-    err = None
-    if result["error"] is not None:
-        try:
-            err = pickle.loads(result["error"])
-        except Exception:
-            err = None
-    if not isinstance(err, BaseException):
-        err = RingReduceError(f"{who} raised {result['text']}")
-    raise err from cause
 
 
 def _import_main(path: str) -> None:
@@ -250,15 +230,8 @@ def run_pickled(path: str) -> int:
         record: dict = {"ok": True, "value": fn(*args, **kwargs)}
         code = 0
     except Exception as e:
-        text = traceback.format_exc()
-        sys.stderr.write(text)
-        try:
-            error: Optional[bytes] = pickle.dumps(e)
-            pickle.loads(error)
-        except Exception:
-            error = None
-        record = {"ok": False, "error": error, "text": f"{type(e).__name__}: {e}",
-                  "traceback": text}
+        record = error_record(e)
+        sys.stderr.write(record["traceback"])
         code = 1
     if _client.in_elastic_job():
         name = _client.worker_id()

@@ -1,0 +1,60 @@
+"""The world that Spark tasks and Ray actors form (ringreduce/_task_world.py), in one
+process: rank order across hosts, the launch variables, what the driver forwards, and
+which failure the driver raises. Real worlds: tests/test_spark.py, tests/test_ray.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ringreduce import _task_world as tw
+from ringreduce.exceptions import RingReduceError
+
+
+def test_rank_order_groups_hosts_in_first_seen_order():
+    ws = [tw.Worker(h, f"10.0.0.{i}", 1000 + i) for i, h in enumerate("babca")]
+    assert tw.rank_order(ws) == [0, 2, 1, 4, 3]
+    env = [tw.world_env(ws, i, "s") for i in range(5)]
+    assert [e["RANK"] for e in env] == ["0", "2", "1", "4", "3"]
+    assert [e["LOCAL_RANK"] for e in env] == ["0", "0", "1", "0", "1"]
+    assert [e["LOCAL_WORLD_SIZE"] for e in env] == ["2", "2", "2", "1", "2"]
+    # rank 0 (worker 0) is the rendezvous for everyone
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in env} == \
+        {("10.0.0.0", "1000", "5")}
+    assert tw.world_env(ws, 3, "s", {"X": "1"})["X"] == "1"
+
+
+def test_forwarded_env_keeps_settings_not_launch_variables():
+    base = {"RINGREDUCE_TIMEOUT_SECONDS": "9", "HOROVOD_FUSION_THRESHOLD": "1",
+            "RINGREDUCE_SECRET": "x", "RINGREDUCE_HOST_ID": "h", "RANK": "3", "PATH": "/bin"}
+    assert tw.forwarded_env(base) == {"RINGREDUCE_TIMEOUT_SECONDS": "9",
+                                      "HOROVOD_FUSION_THRESHOLD": "1"}
+
+
+def test_environ_set_and_restored(monkeypatch):
+    monkeypatch.setenv("RR_TW_KEEP", "old")
+    monkeypatch.delenv("RR_TW_NEW", raising=False)
+    saved = tw.set_environ({"RR_TW_KEEP": "new", "RR_TW_NEW": "1"})
+    assert os.environ["RR_TW_KEEP"] == "new" and os.environ["RR_TW_NEW"] == "1"
+    tw.restore_environ(saved)
+    assert os.environ["RR_TW_KEEP"] == "old" and "RR_TW_NEW" not in os.environ
+
+
+def _boom():
+    raise KeyError("missing shard")
+
+
+def test_returned_raises_the_root_failure_not_its_echo():
+    lost = {"ok": False, "error": None, "text": "PeerLostError: rank 2 left",
+            "traceback": "...", "at": 1.0, "peer_lost": True}
+    root = tw.call(_boom)
+    assert not root["ok"] and not root["peer_lost"] and root["at"] > lost["at"]
+    with pytest.raises(KeyError, match="missing shard") as info:
+        tw.returned([{"ok": True, "value": 1}, lost, root], "job")
+    assert "job: rank 2 raised" in str(info.value.__cause__)
+    assert "_boom" in str(info.value.__cause__)
+    # only echoes: the earliest one
+    with pytest.raises(RingReduceError, match="rank 1 raised PeerLostError"):
+        tw.returned([{"ok": True, "value": 1}, lost, {**lost, "at": 2.0}], "job")
+    assert tw.returned([{"ok": True, "value": v} for v in "ab"], "job") == ["a", "b"]

@@ -1,0 +1,130 @@
+"""One Spark application (local[4]) running every case of tests/test_spark.py in turn:
+Spark's JVM takes seconds to start, so the cases share it. Prints one JSON line per case
+(``{"case": name, ...}``); a case that raises prints its error instead of stopping the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def allreduce_fn(scale):
+    import ringreduce as rr
+
+    rr.init()
+    got = rr.allreduce(np.full(4, float(rr.rank() + 1)) * scale, op=rr.Average)
+    return {"rank": rr.rank(), "size": rr.size(), "local_rank": rr.local_rank(),
+            "local_size": rr.local_size(), "avg": got.tolist(), "pid": os.getpid()}
+
+
+def torch_fn():
+    import torch
+
+    import ringreduce.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(hvd.rank())  # different initial weights: the broadcast must fix them
+    model = torch.nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(3):
+        x = torch.full((4, 3), float(hvd.rank() + step))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().numpy().tolist() for p in model.parameters()]
+
+
+def failing_fn():
+    import ringreduce as rr
+
+    rr.init()
+    if rr.rank() == 1:
+        time.sleep(0.5)  # rank 0 is inside the allreduce by then
+        raise ValueError("bad batch on rank 1")
+    rr.allreduce(np.ones(8))
+    return "unreachable"
+
+
+def dying_fn():
+    import ringreduce as rr
+
+    rr.init()
+    if rr.rank() == 1:
+        os._exit(3)
+    rr.allreduce(np.ones(8))
+    return "unreachable"
+
+
+def printing_fn():
+    import ringreduce as rr
+
+    rr.init()
+    print(f"hello from rank {rr.rank()}")
+    print(f"warning from rank {rr.rank()}", file=sys.stderr)
+    return rr.rank()
+
+
+def captured(**kw):
+    import io
+
+    import ringreduce.spark as rs
+
+    out, err = io.StringIO(), io.StringIO()
+    value = rs.run(printing_fn, num_proc=2, stdout=out, stderr=err, **kw)
+    return {"value": value, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def environ_fn(_):
+    return [os.environ.get(k) for k in ("RANK", "MASTER_PORT", "RINGREDUCE_SECRET")]
+
+
+def case(name, body):
+    start = time.monotonic()
+    try:
+        out = body()
+    except BaseException as e:
+        out = {"error": type(e).__name__, "message": str(e),
+               "cause": str(e.__cause__) if e.__cause__ else None,
+               "traceback": traceback.format_exc()}
+    out = {"case": name, "seconds": round(time.monotonic() - start, 2), **out}
+    print(json.dumps(out, default=str), flush=True)
+
+
+def main():
+    import ringreduce.spark as rs
+
+    case("no_context", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2)})
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[4]").appName("ringreduce-tests")
+             .config("spark.ui.enabled", "false").config("spark.driver.memory", "1g")
+             .getOrCreate())
+    sc = spark.sparkContext
+    sc.setLogLevel("ERROR")
+    case("allreduce", lambda: {"value": rs.run(allreduce_fn, args=(2.0,), num_proc=3)})
+    case("default_num_proc", lambda: {"value": len(rs.run(allreduce_fn, args=(1.0,)))})
+    case("environ_after", lambda: {"value": sc.parallelize(range(4), 4)
+                                   .map(environ_fn).collect()})
+    case("output", captured)
+    case("output_stamped", lambda: captured(prefix_output_with_timestamp=True))
+    case("torch", lambda: {"value": rs.run(torch_fn, num_proc=2)})
+    case("failing", lambda: {"value": rs.run(failing_fn, num_proc=2)})
+    case("after_failure", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2)})
+    case("dying", lambda: {"value": rs.run(dying_fn, num_proc=2)})
+    case("mpi_args", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2,
+                                              extra_mpi_args="-x FOO")})
+    case("zero", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=0)})
+    spark.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

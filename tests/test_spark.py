@@ -96,6 +96,14 @@ def test_dead_worker_names_its_task(cases):
     assert case["seconds"] < 60
 
 
+def test_example_trains(cases):
+    """examples/spark_train.py: pytorch_train's main as 2 Spark ranks, 3 epochs."""
+    got = value(cases["example"])
+    assert len(got["accuracies"]) == 2 and got["accuracies"][0] == got["accuracies"][1]
+    assert got["accuracies"][0] > 0.9
+    assert got["files"] == ["ckpt.pt"]
+
+
 def test_usage_errors(cases):
     assert cases["no_context"]["error"] == "InvalidInputError"
     assert "no active SparkContext" in cases["no_context"]["message"]

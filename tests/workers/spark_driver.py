@@ -87,6 +87,20 @@ def environ_fn(_):
     return [os.environ.get(k) for k in ("RANK", "MASTER_PORT", "RINGREDUCE_SECRET")]
 
 
+def example(sc):
+    """examples/spark_train.py in this session (getOrCreate joins it), 3 epochs."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import spark_train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        accuracies = spark_train.main(["--num-proc", "2", "--epochs", "3",
+                                       "--checkpoint-dir", tmp])
+        return {"accuracies": accuracies, "files": sorted(os.listdir(tmp))}
+
+
 def case(name, body):
     start = time.monotonic()
     try:
@@ -120,6 +134,7 @@ def main():
     case("failing", lambda: {"value": rs.run(failing_fn, num_proc=2)})
     case("after_failure", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2)})
     case("dying", lambda: {"value": rs.run(dying_fn, num_proc=2)})
+    case("example", lambda: {"value": example(sc)})
     case("mpi_args", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2,
                                               extra_mpi_args="-x FOO")})
     case("zero", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=0)})

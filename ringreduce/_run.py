@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import sys
@@ -138,12 +139,28 @@ def _payload(tmp: Path, fn: Callable[..., Any], args: Sequence[Any],
     main_mod = sys.modules.get("__main__")
     main_path = getattr(main_mod, "__file__", None) \
         if getattr(fn, "__module__", None) == "__main__" else None
+    interactive = getattr(fn, "__module__", None) == "__main__" and not main_path
+    dumps = _by_value() if interactive else pickle.dumps
     payload = tmp / "call.pkl"
     with open(payload, "wb") as f:
         pickle.dump({"sys_path": [p or os.getcwd() for p in sys.path],
                      "main_path": main_path and os.path.abspath(main_path),
-                     "call": pickle.dumps((fn, tuple(args), dict(kwargs or {})))}, f)
+                     "call": dumps((fn, tuple(args), dict(kwargs or {})))}, f)
     return str(payload)
+
+
+def _by_value() -> Callable[[Any], bytes]:
+    """cloudpickle's ``dumps``, for a function of an interactive ``__main__`` (a notebook,
+    ``python -c``): no script exists to import it from, so it travels by value."""
+    for name in ("cloudpickle", "pyspark.cloudpickle", "ray.cloudpickle"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        return module.dumps
+    raise InvalidInputError("ringreduce.run: fn was defined interactively (a notebook or "
+                            "python -c), so it must travel by value: pip install cloudpickle, "
+                            "or define fn in a module")
 
 
 def _launch_elastic(command: list[str], np: Optional[int],

@@ -31,6 +31,7 @@ from procs import (
     pid_alive,
     require_mpirun,
     run_procs,
+    run_python_code,
 )
 
 import ringreduce as rr
@@ -455,6 +456,21 @@ def test_run_reraises_a_ranks_exception():
     assert time.monotonic() - start < 15
     cause = str(info.value.__cause__)
     assert "rank 1 raised" in cause and "Traceback" in cause and "_fail_on_rank_1" in cause
+
+
+def test_run_function_of_an_interactive_main():
+    """A function typed into a notebook (here ``python -c``) has no script to be imported
+    from: it travels by value (cloudpickle), and its closure with it."""
+    code = ("import numpy as np\n"
+            "import ringreduce as rr\n"
+            "scale = 3\n"
+            "def fn():\n"
+            "    rr.init()\n"
+            "    return rr.allreduce(np.array([rr.rank() + 1.0]) * scale, op=rr.Sum).tolist()\n"
+            "print('VALUES', rr.run(fn, np=2, timeout=60))\n")
+    job = run_python_code(code, timeout=90)
+    out = job.procs[0].stdout
+    assert "VALUES [[9.0], [9.0]]" in out, job.describe()
 
 
 def test_run_timeout():

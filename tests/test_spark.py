@@ -104,6 +104,13 @@ def test_example_trains(cases):
     assert got["files"] == ["ckpt.pt"]
 
 
+def test_horovod_runner(cases):
+    # np > 0: Spark tasks; np < 0: processes on the driver; rank 0's value either way
+    assert value(cases["runner_spark"]) == [0, 2, [4.0, 4.0]]
+    assert value(cases["runner_local"]) == [0, 3, [3.0, 3.0]]
+    assert cases["runner_bad_np"]["error"] == "InvalidInputError"
+
+
 def test_usage_errors(cases):
     assert cases["no_context"]["error"] == "InvalidInputError"
     assert "no active SparkContext" in cases["no_context"]["message"]

@@ -38,7 +38,7 @@ from .. import _task_world as tw
 from ..exceptions import InvalidInputError, RingReduceError
 from .output import OutputRelay, relayed
 
-__all__ = ["run"]
+__all__ = ["HorovodRunner", "run"]
 
 _WHAT = "ringreduce.spark.run"
 
@@ -177,3 +177,35 @@ def _stage_failure(e: BaseException, num_proc: int) -> str:
                     text.split("\n", 2)[-1], re.M)
     reason = why.group(1).strip() if why else (text.splitlines() or [""])[-1]
     return f"{where} of the {num_proc}-task stage failed" + (f": {reason}" if reason else "")
+
+
+class HorovodRunner:
+    """Databricks' ``sparkdl.HorovodRunner`` over ringreduce: ``HorovodRunner(np=4)
+    .run(train, lr=0.1)`` calls ``train(lr=0.1)`` on every rank and returns rank 0's value.
+
+    Parameters
+    ----------
+    np : int
+        Above 0: that many ranks in Spark tasks (``run`` above). Below 0: ``-np``
+        processes on this machine, the driver (``ringreduce.run``), to try a job without
+        the cluster. 0: every task slot (the context's ``defaultParallelism``).
+    driver_log_verbosity : {"log_callback_only", "all"}
+        Accepted; every rank's output comes back to the driver either way.
+    """
+
+    def __init__(self, *, np: int, driver_log_verbosity: str = "log_callback_only") -> None:
+        if not isinstance(np, int) or isinstance(np, bool):
+            raise InvalidInputError(f"HorovodRunner: np={np!r}: expected an int")
+        if driver_log_verbosity not in ("log_callback_only", "all"):
+            raise InvalidInputError(f"HorovodRunner: driver_log_verbosity="
+                                    f"{driver_log_verbosity!r}: expected 'log_callback_only' "
+                                    "or 'all'")
+        self.num_processor, self.driver_log_verbosity = np, driver_log_verbosity
+
+    def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
+        """``main(**kwargs)`` on every rank; rank 0's return value (errors as ``run``'s)."""
+        if self.num_processor < 0:
+            from .._run import run as run_here
+
+            return run_here(main, kwargs=kwargs, np=-self.num_processor)[0]
+        return run(main, kwargs=kwargs, num_proc=self.num_processor or None)[0]

@@ -83,6 +83,13 @@ def captured(**kw):
     return {"value": value, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
+def runner_fn(scale=1.0):
+    import ringreduce as rr
+
+    rr.init()
+    return (rr.rank(), rr.size(), rr.allreduce(np.ones(2) * scale, op=rr.Sum).tolist())
+
+
 def environ_fn(_):
     return [os.environ.get(k) for k in ("RANK", "MASTER_PORT", "RINGREDUCE_SECRET")]
 
@@ -135,6 +142,9 @@ def main():
     case("after_failure", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2)})
     case("dying", lambda: {"value": rs.run(dying_fn, num_proc=2)})
     case("example", lambda: {"value": example(sc)})
+    case("runner_spark", lambda: {"value": rs.HorovodRunner(np=2).run(runner_fn, scale=2.0)})
+    case("runner_local", lambda: {"value": rs.HorovodRunner(np=-3).run(runner_fn)})
+    case("runner_bad_np", lambda: {"value": rs.HorovodRunner(np="2")})
     case("mpi_args", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2,
                                               extra_mpi_args="-x FOO")})
     case("zero", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=0)})

@@ -10,15 +10,20 @@ Four launch modes, tried in this order:
 2. torchrun-style environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
    ``MASTER_PORT``. Rank 0 serves a TCP store on MASTER_PORT; the secret comes
    from ``RINGREDUCE_SECRET`` or, failing that, from rank 0 through the store.
-3. otherwise a single process (size 1).
+3. TensorFlow's ``TF_CONFIG`` (set by Kubeflow's TFJob, Vertex AI, and by hand for
+   ``MultiWorkerMirroredStrategy``): the same, with the ranks read off the cluster spec
+   (``tf_config_launch``).
+4. otherwise a single process (size 1).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 from . import _core
@@ -60,12 +65,43 @@ def launched_by_mpi() -> bool:
         and "RANK" not in os.environ
 
 
-def _env_int(name: str) -> int:
+def _env_int(name: str, env: Mapping[str, str] = os.environ) -> int:
     try:
-        return int(os.environ[name])
+        return int(env[name])
     except ValueError as err:
-        raise InvalidInputError(f"environment variable {name}={os.environ[name]!r} "
+        raise InvalidInputError(f"environment variable {name}={env[name]!r} "
                                 "is not an integer") from err
+
+
+def tf_config_launch(text: str) -> dict[str, str]:
+    """The env-var launch (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) that
+    a ``TF_CONFIG`` describes: the chief (if any) is rank 0, then the workers in order;
+    rank 0's address is the rendezvous (its port is free: no ``tf.train.Server`` runs).
+    Parameter servers and evaluators have no place in an allreduce job and are refused."""
+    try:
+        config = json.loads(text)
+        cluster, task = config["cluster"], config["task"]
+        kind, index = str(task["type"]), int(task.get("index", 0))
+        ranks = [("chief", i, a) for i, a in enumerate(cluster.get("chief", []))] \
+            + [("worker", i, a) for i, a in enumerate(cluster.get("worker", []))]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InvalidInputError(f"TF_CONFIG is not a cluster spec with a task: {err!r} "
+                                f"in {text[:200]!r}") from err
+    if kind not in ("chief", "worker"):
+        raise InvalidInputError(
+            f"TF_CONFIG: task {kind}:{index} has no place in a ringreduce job (ranks are "
+            "the chief and the workers, which average gradients among themselves); drop "
+            f"the {kind} replicas from the job")
+    mine = [r for r, (k, i, _) in enumerate(ranks) if (k, i) == (kind, index)]
+    if not mine:
+        raise InvalidInputError(f"TF_CONFIG: task {kind}:{index} is not in the cluster spec "
+                                f"({len(ranks)} chief/worker task(s))")
+    host, _, port = ranks[0][2].rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidInputError(f"TF_CONFIG: {ranks[0][0]}:0's address {ranks[0][2]!r} is "
+                                "not host:port")
+    return {"RANK": str(mine[0]), "WORLD_SIZE": str(len(ranks)),
+            "MASTER_ADDR": host.strip("[]"), "MASTER_PORT": port}
 
 
 def _mpi() -> tuple[int, int, bytes, Exchange]:
@@ -139,10 +175,10 @@ def unlink_mpich_segments(maps: str = "/proc/self/maps") -> list[str]:
     return done
 
 
-def _env_store() -> tuple[int, int, bytes, Exchange]:
-    rank, size = _env_int("RANK"), _env_int("WORLD_SIZE")
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = _env_int("MASTER_PORT") if "MASTER_PORT" in os.environ else 29500
+def _env_store(env: Mapping[str, str] = os.environ) -> tuple[int, int, bytes, Exchange]:
+    rank, size = _env_int("RANK", env), _env_int("WORLD_SIZE", env)
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT", env) if "MASTER_PORT" in env else 29500
     timeout = float(os.environ.get("RINGREDUCE_CONNECT_TIMEOUT_SECONDS", "60"))
     secret_env = os.environ.get("RINGREDUCE_SECRET", "")
     secret = secret_env.encode() if secret_env else os.urandom(32)
@@ -296,6 +332,8 @@ def discover() -> tuple[int, int, bytes, Exchange]:
         return _mpi()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _env_store()
+    if os.environ.get("TF_CONFIG"):
+        return _env_store({**os.environ, **tf_config_launch(os.environ["TF_CONFIG"])})
     return 0, 1, os.urandom(32), lambda mine: [mine]
 
 

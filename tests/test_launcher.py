@@ -8,6 +8,7 @@ namespaces, through ``ip netns exec`` into namespaces joined by a veth pair.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from procs import (
     Job,
     ProcessTree,
     base_env,
+    free_port,
     pid_alive,
     require_mpirun,
     run_procs,
@@ -487,3 +489,50 @@ def test_mpirun_with_a_host_list(hosts):
     cmd = [str(MPIRUN), *hosts, "-np", "2", PYTHON, WORKER, "allreduce"]
     job = run_procs([("mpirun", cmd, base_env(None, log_dir))], 60, log_dir)
     check_world(job, 2, hosts=1)
+
+
+# ------------------------------------------------------------------------- TF_CONFIG
+def _tf_config(kind: str, index: int, chief: bool = True, ports=(1, 2, 3)) -> str:
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[1:]], "ps": ["127.0.0.1:9"]}
+    if chief:
+        cluster["chief"] = [f"127.0.0.1:{ports[0]}"]
+    else:
+        cluster["worker"].insert(0, f"127.0.0.1:{ports[0]}")
+    return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+
+
+def test_tf_config_ranks_chief_first_then_workers():
+    from ringreduce._bootstrap import tf_config_launch
+
+    assert tf_config_launch(_tf_config("chief", 0)) == {
+        "RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    assert tf_config_launch(_tf_config("worker", 1))["RANK"] == "2"
+    assert tf_config_launch(_tf_config("worker", 0, chief=False))["RANK"] == "0"
+    spec = {"cluster": {"worker": ["[::1]:2222"]}, "task": {"type": "worker", "index": 0}}
+    assert tf_config_launch(json.dumps(spec))["MASTER_ADDR"] == "::1"
+    for bad, match in [(_tf_config("ps", 0), "ps:0 has no place"),
+                       (_tf_config("evaluator", 0), "evaluator:0 has no place"),
+                       (_tf_config("worker", 5), "worker:5 is not in the cluster spec"),
+                       ('{"cluster": {}}', "not a cluster spec with a task"),
+                       ("not json", "not a cluster spec"),
+                       (json.dumps({"cluster": {"worker": ["nohost"]},
+                                    "task": {"type": "worker"}}), "not host:port")]:
+        with pytest.raises(rr.InvalidInputError, match=match):
+            tf_config_launch(bad)
+
+
+def test_tf_config_launch_across_processes(tmp_path):
+    """Three processes started as a TFJob starts them, with only TF_CONFIG: the chief is
+    rank 0 and serves the rendezvous on its TF_CONFIG port."""
+    ports = [free_port() for _ in range(3)]
+    roles = [("chief", 0), ("worker", 0), ("worker", 1)]
+    specs = [(f"{k}:{i}", [PYTHON, WORKER, "allreduce"],
+              base_env({"TF_CONFIG": _tf_config(k, i, ports=ports)}, tmp_path))
+             for k, i in roles]
+    job = run_procs(specs, 60, tmp_path)
+    got = {}
+    for proc in job.procs:
+        assert proc.returncode == 0, job.describe()
+        got.update(results(proc.stdout))
+    assert sorted(got) == [0, 1, 2] and {r["sum"] for r in got.values()} == {6.0}
+    assert "rank 0 " in job.procs[0].stdout and "rank 2 " in job.procs[2].stdout

@@ -1,6 +1,6 @@
 """Rank discovery and endpoint exchange.
 
-Four launch modes, tried in this order:
+Five launch modes, tried in this order:
 
 0. under an elastic driver (``ringrun --min-np/--max-np``): the driver assigns rank and
    size for each generation and relays the endpoint records (``elastic/_client.py``).

@@ -1,13 +1,21 @@
-"""ringreduce.spark.run on a real Spark (local[4], pyspark from PyPI): one Spark
-application (tests/workers/spark_driver.py) runs every case, each test reads its line.
-The driver runs under tests/procs.py, which kills it, its JVM and the Python workers at
-the timeout or after; the pure parts of the world's formation are tested in one process
-(tests/test_task_world.py)."""
+"""ringreduce.spark.run on a real Spark (pyspark from PyPI): one Spark application
+(tests/workers/spark_driver.py) runs every case, each test reads its line.
+
+Where network namespaces can be made (root), the application runs on a standalone cluster
+whose two workers are two hosts (tests/netns.py), 2 task slots each, so ranks of a job
+land on both hosts (shared memory inside one, TCP across) and meet at the executor
+address Spark reports; elsewhere on ``local[4]``. Everything runs under tests/procs.py,
+which kills the driver, the JVMs and the Python workers at the timeout or after. The pure
+parts of the world's formation are tested in one process (tests/test_task_world.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 from procs import PYTHON, WORKERS, base_env, run_procs
@@ -19,16 +27,58 @@ pytestmark = [pytest.mark.timeout(300),
                                  reason="Spark needs a Java runtime (java not on PATH)")]
 
 
+_CLUSTER = """
+set -u
+run() {{ ns=$1 addr=$2; shift 2; ip netns exec "$ns" env SPARK_LOCAL_IP="$addr" \\
+    RINGREDUCE_HOST_ID="$ns" "$@"; }}
+run {ns0} {a0} {sc} org.apache.spark.deploy.master.Master --host {a0} --port 7077 \\
+    --webui-port 0 &
+sleep 2
+for h in "{ns0} {a0}" "{ns1} {a1}"; do
+    set -- $h
+    run $1 $2 {sc} org.apache.spark.deploy.worker.Worker spark://{a0}:7077 --host $2 \\
+        --cores 2 --memory 1g --webui-port 0 &
+done
+run {ns0} {a0} {python} {driver} spark://{a0}:7077 {a0}
+"""
+
+
+def _two_hosts(stack: contextlib.ExitStack) -> Optional[Any]:
+    """Two namespace hosts, or None where they cannot be made here."""
+    if os.geteuid() != 0:
+        return None
+    from netns import Hosts
+
+    try:
+        return stack.enter_context(Hosts(2))
+    except pytest.skip.Exception:
+        return None
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("spark")
-    job = run_procs([("spark driver", [PYTHON, str(WORKERS / "spark_driver.py")],
-                      base_env({"PYSPARK_PYTHON": PYTHON}, log_dir))], 240, log_dir)
+    env = base_env({"PYSPARK_PYTHON": PYTHON, "SPARK_WORKER_DIR": log_dir / "work",
+                    "SPARK_LOG_DIR": log_dir / "logs"}, log_dir)
+    driver = WORKERS / "spark_driver.py"
+    with contextlib.ExitStack() as stack:
+        hosts = _two_hosts(stack)
+        if hosts is None:
+            cmd = [PYTHON, str(driver)]
+        else:
+            import pyspark
+
+            cmd = ["bash", "-c", _CLUSTER.format(
+                ns0=hosts.names[0], ns1=hosts.names[1], a0=hosts.addrs[0], a1=hosts.addrs[1],
+                sc=Path(pyspark.__file__).parent / "bin" / "spark-class", python=PYTHON,
+                driver=driver)]
+        job = run_procs([("spark driver", cmd, env)], 240, log_dir)
     proc = job.procs[0]
     assert not job.timed_out, f"the Spark driver hit its timeout\n{job.describe()}"
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     out = {c["case"]: c for c in lines}
     assert proc.returncode == 0 and "zero" in out, job.describe()
+    out["hosts"] = hosts and hosts.names
     return out
 
 
@@ -37,14 +87,36 @@ def value(case: dict):
     return case["value"]
 
 
+def check_grouped(ranks: list, hosts: Optional[list]) -> None:
+    """Ranks in order, a host's ranks consecutive with local ranks 0..k-1, cross ranks
+    counting the hosts; on two hosts, both used."""
+    assert [r["rank"] for r in ranks] == list(range(len(ranks)))
+    where = [r["host"] for r in ranks]
+    order = list(dict.fromkeys(where))
+    assert where == sorted(where, key=order.index), where
+    for r in ranks:
+        same = [q for q in ranks if q["host"] == r["host"]]
+        assert r["local_size"] == len(same) and r["local_rank"] == same.index(r)
+        assert r["cross"] == [order.index(r["host"]), len(order)]
+    if hosts is not None:
+        assert sorted(order) == sorted(hosts)
+    assert len({r["pid"] for r in ranks}) == len(ranks)
+
+
 def test_ranks_and_allreduce(cases):
     got = value(cases["allreduce"])
-    assert [r["rank"] for r in got] == [0, 1, 2]
-    assert {(r["size"], r["local_size"]) for r in got} == {(3, 3)}
-    assert sorted(r["local_rank"] for r in got) == [0, 1, 2]
+    check_grouped(got, cases["hosts"])
+    assert {r["size"] for r in got} == {3}
     # (1 + 2 + 3) / 3 * 2.0 on every rank, in rank order
     assert all(r["avg"] == [4.0] * 4 for r in got)
-    assert len({r["pid"] for r in got}) == 3
+
+
+def test_every_slot_on_both_hosts(cases):
+    got = value(cases["four"])
+    check_grouped(got, cases["hosts"])
+    assert all(r["avg"] == [2.5] * 4 for r in got)
+    if cases["hosts"] is not None:
+        assert [r["local_size"] for r in got] == [2] * 4
 
 
 def test_num_proc_defaults_to_default_parallelism(cases):
@@ -117,3 +189,4 @@ def test_usage_errors(cases):
     assert cases["mpi_args"]["error"] == "InvalidInputError"
     assert "extra_mpi_args" in cases["mpi_args"]["message"]
     assert cases["zero"]["error"] == "InvalidInputError"
+

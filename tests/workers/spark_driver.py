@@ -1,6 +1,9 @@
-"""One Spark application (local[4]) running every case of tests/test_spark.py in turn:
-Spark's JVM takes seconds to start, so the cases share it. Prints one JSON line per case
-(``{"case": name, ...}``); a case that raises prints its error instead of stopping the rest.
+"""One Spark application running every case of tests/test_spark.py in turn: Spark's JVMs
+take seconds to start, so the cases share them. ``spark_driver.py`` runs on ``local[4]``;
+``spark_driver.py MASTER_URL DRIVER_ADDRESS`` joins a standalone cluster (two hosts of
+4 task slots in all, see tests/test_spark.py) once both executors have registered.
+Prints one JSON line per case (``{"case": name, ...}``); a case that raises prints its
+error instead of stopping the rest.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ def allreduce_fn(scale):
     rr.init()
     got = rr.allreduce(np.full(4, float(rr.rank() + 1)) * scale, op=rr.Average)
     return {"rank": rr.rank(), "size": rr.size(), "local_rank": rr.local_rank(),
-            "local_size": rr.local_size(), "avg": got.tolist(), "pid": os.getpid()}
+            "local_size": rr.local_size(), "cross": [rr.cross_rank(), rr.cross_size()],
+            "avg": got.tolist(), "pid": os.getpid(),
+            "host": os.environ.get("RINGREDUCE_HOST_ID")}
 
 
 def torch_fn():
@@ -120,18 +125,36 @@ def case(name, body):
     print(json.dumps(out, default=str), flush=True)
 
 
+def session(argv):
+    """local[4], or the standalone cluster at argv[0] with the driver at argv[1]."""
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.appName("ringreduce-tests")
+               .config("spark.ui.enabled", "false").config("spark.driver.memory", "1g"))
+    if not argv:
+        return builder.master("local[4]").getOrCreate()
+    spark = (builder.master(argv[0]).config("spark.driver.host", argv[1])
+             .config("spark.driver.bindAddress", argv[1])
+             .config("spark.executor.memory", "512m")
+             .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
+             .getOrCreate())
+    deadline = time.monotonic() + 90
+    while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:  # driver + 2
+        if time.monotonic() > deadline:
+            raise SystemExit("the two executors did not register within 90 s")
+        time.sleep(0.5)
+    return spark
+
+
 def main():
     import ringreduce.spark as rs
 
     case("no_context", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2)})
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[4]").appName("ringreduce-tests")
-             .config("spark.ui.enabled", "false").config("spark.driver.memory", "1g")
-             .getOrCreate())
+    spark = session(sys.argv[1:])
     sc = spark.sparkContext
     sc.setLogLevel("ERROR")
     case("allreduce", lambda: {"value": rs.run(allreduce_fn, args=(2.0,), num_proc=3)})
+    case("four", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=4)})
     case("default_num_proc", lambda: {"value": len(rs.run(allreduce_fn, args=(1.0,)))})
     case("environ_after", lambda: {"value": sc.parallelize(range(4), 4)
                                    .map(environ_fn).collect()})

@@ -58,3 +58,23 @@ def test_returned_raises_the_root_failure_not_its_echo():
     with pytest.raises(RingReduceError, match="rank 1 raised PeerLostError"):
         tw.returned([{"ok": True, "value": 1}, lost, {**lost, "at": 2.0}], "job")
     assert tw.returned([{"ok": True, "value": v} for v in "ab"], "job") == ["a", "b"]
+
+
+def test_driver_env(monkeypatch):
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2")
+    monkeypatch.setenv("RANK", "5")
+    env = tw.driver_env(12, ["eth9"], {"X": 1})
+    assert env["HOROVOD_CYCLE_TIME"] == "2" and "RANK" not in env
+    assert env["RINGREDUCE_CONNECT_TIMEOUT_SECONDS"] == "12.0"
+    assert env["RINGREDUCE_IFACE"] == "eth9" and env["X"] == "1"
+
+
+def test_returned_with_ranks_not_waited_for():
+    root = tw.call(_boom)
+    with pytest.raises(KeyError) as info:
+        tw.returned([None, root], "job")
+    assert "job: rank 1 raised" in str(info.value.__cause__)
+    with pytest.raises(RingReduceError, match="missing"):
+        tw.returned([None, {"ok": True, "value": 1}], "job")
+    with pytest.raises(KeyError, match="missing shard"):
+        tw.reraise(root, "rank 4")

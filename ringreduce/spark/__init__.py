@@ -57,7 +57,7 @@ class _Task:
 
         ctx = BarrierTaskContext.get()
         index = ctx.partitionId()
-        address = ctx.getTaskInfos()[index].address.rsplit(":", 1)[0]
+        address = ctx.getTaskInfos()[index].address.rsplit(":", 1)[0].strip("[]")  # host:port
         mine = json.dumps(asdict(tw.describe(address)))
         workers = [tw.Worker(**json.loads(m)) for m in ctx.allGather(mine)]
         env = tw.world_env(workers, index, self.secret, self.env)

@@ -91,6 +91,9 @@ def cluster(timeout: float = 30) -> Iterator[dict]:
     steps_before = _pids("slurmstepd")
     try:
         if not _pids("munged"):
+            # Debian's init script makes munged's socket directory; without an init
+            # system (a container whose package install started nothing) nobody has.
+            Path("/run/munge").mkdir(mode=0o755, parents=True, exist_ok=True)
             daemons.append(subprocess.Popen(["munged", "--foreground", "--force"],
                                             stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL))

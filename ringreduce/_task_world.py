@@ -89,12 +89,9 @@ def world_env(workers: Sequence[Worker], index: int, secret: str,
 def forwarded_env(base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The driver's ``RINGREDUCE_*`` and ``HOROVOD_*`` settings, which the workers get as
     ``ringrun`` gives them to remote ranks (launch variables excluded)."""
-    from .launcher import SCRUBBED_PREFIXES, SCRUBBED_VARS
+    from .launcher import _scrubbed_env, settings_only
 
-    base = os.environ if base is None else base
-    return {k: v for k, v in base.items() if k.startswith(("RINGREDUCE_", "HOROVOD_"))
-            and k not in SCRUBBED_VARS and not k.startswith(SCRUBBED_PREFIXES)
-            and k != "RINGREDUCE_SECRET"}
+    return settings_only(_scrubbed_env(os.environ if base is None else base))
 
 
 def driver_env(start_timeout: Optional[float], nics: Union[None, str, Sequence[str]],

@@ -151,6 +151,12 @@ def _scrubbed_env(base: Mapping[str, str]) -> dict[str, str]:
             and not k.startswith(SCRUBBED_PREFIXES)}
 
 
+def settings_only(base: Mapping[str, str]) -> dict[str, str]:
+    """The ``RINGREDUCE_*`` and ``HOROVOD_*`` variables of ``base``: what a rank started
+    elsewhere (a remote host, a Spark task, a Ray actor) gets from the launching process."""
+    return {k: v for k, v in base.items() if k.startswith(("RINGREDUCE_", "HOROVOD_"))}
+
+
 def _parse_env(items: Sequence[str], base: Mapping[str, str]) -> dict[str, str]:
     """``VAR=VAL`` sets a variable; ``VAR`` alone forwards this process's value."""
     out = {}
@@ -236,7 +242,7 @@ def rank_spec(rank: int, command: Sequence[str], host: str, local: bool,
     if local:
         return RankSpec(rank, host, list(command), {"PYTHONUNBUFFERED": "1", **base, **mine},
                         False)
-    forwarded = {k: v for k, v in base.items() if k.startswith(("RINGREDUCE_", "HOROVOD_"))}
+    forwarded = settings_only(base)
     remote_env = {"PYTHONUNBUFFERED": "1", **forwarded, "RINGREDUCE_HOST_ID": f"ringrun:{host}",
                   **mine}
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in remote_env.items())

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from . import _horovodrun
 from ._horovod_settings import elastic_timeout
-from ._task_world import error_record, reraise
+from ._task_world import error_record, last_generation, reraise
 from .exceptions import InvalidInputError, RingReduceError
 from .launcher import (
     TIMEOUT_EXIT_CODE,
@@ -201,10 +201,8 @@ def _returned(results: list[dict], code: int, failed_rank: Optional[int],
     from .exceptions import RingReduceTimeoutError
 
     if np is None and results:
-        last = max(-1 if r["generation"] is None else r["generation"] for r in results)
-        results = [r for r in results if (-1 if r["generation"] is None else r["generation"])
-                   == last]
-        if last < 0:  # no worker got into a generation: report the first one's error
+        results = last_generation(results)
+        if results[0]["generation"] is None:  # no worker got into a generation
             for r in results:
                 if not r["ok"]:
                     reraise(r, "a worker that joined no generation")

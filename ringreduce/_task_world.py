@@ -177,6 +177,17 @@ def returned(records: Sequence[Optional[Mapping[str, Any]]], what: str) -> list:
     return [rec["value"] for rec in records]  # type: ignore[index]
 
 
+def last_generation(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records of an elastic job's last generation (each carries the ``generation``
+    its worker ended in, None for one that joined none); when no worker joined one,
+    every record."""
+    def gen(r: Mapping[str, Any]) -> int:
+        return -1 if r["generation"] is None else r["generation"]
+
+    last = max((gen(r) for r in records), default=-1)
+    return [r for r in records if gen(r) == last]
+
+
 def lost(what: str, rank: int, why: str) -> RingReduceError:
     """The error for a rank whose worker ended without a record (it died)."""
     return RingReduceError(f"{what}: rank {rank}'s worker ended without a result: {why}")

@@ -29,6 +29,7 @@ import ringreduce.elastic as el
 from ringreduce.elastic.discovery import Discovery, FixedHosts, ScriptHosts
 from ringreduce.elastic.driver import ElasticDriver, ElasticSettings
 from ringreduce.elastic.hosts import Blacklist
+from ringreduce.elastic.processes import ProcessSpawner
 from ringreduce.launcher import HostSlots
 
 WORKER = [PYTHON, str(WORKERS / "elastic_worker.py")]
@@ -407,11 +408,15 @@ def test_blacklist_cooldowns_grow_with_each_failure_within_the_range():
             Blacklist(bad)  # type: ignore[arg-type]
 
 
+def _spawner() -> ProcessSpawner:
+    return ProcessSpawner([PYTHON, "-c", "pass"], {}, None, None, True)
+
+
 def _driver(hosts: str, **settings) -> ElasticDriver:
     """A driver that starts no worker: its methods run by hand, its socket listens."""
     found = [HostSlots(h, 1) for h in hosts.split(",")] if hosts else []
-    driver = ElasticDriver([PYTHON, "-c", "pass"], FixedHosts(found),
-                           ElasticSettings(**settings), {}, None, None, "127.0.0.1", True, 1.0)
+    driver = ElasticDriver(_spawner(), FixedHosts(found), ElasticSettings(**settings),
+                           "127.0.0.1", 1.0)
     driver.hosts = found
     return driver
 
@@ -488,9 +493,8 @@ class _SlowHosts(Discovery):
 def _running(discovery: Discovery) -> Iterator[ElasticDriver]:
     """The driver's real main loop and server in a thread (no host: no worker starts);
     stopped as by a signal."""
-    d = ElasticDriver([PYTHON, "-c", "pass"], discovery,
-                      ElasticSettings(1, 1, 1, discovery_interval=0.2), {}, None, None,
-                      "127.0.0.1", True, 1.0)
+    d = ElasticDriver(_spawner(), discovery, ElasticSettings(1, 1, 1, discovery_interval=0.2),
+                      "127.0.0.1", 1.0)
     loop = threading.Thread(target=d.run, args=(None,), daemon=True)
     loop.start()
     try:

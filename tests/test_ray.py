@@ -19,7 +19,7 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'ringreduce
 
 from ringreduce import _task_world as tw  # noqa: E402
 from ringreduce.exceptions import InvalidInputError  # noqa: E402
-from ringreduce.ray import RayExecutor, RaySettings  # noqa: E402
+from ringreduce.ray import ElasticRayExecutor, RayExecutor, RaySettings  # noqa: E402
 from ringreduce.ray import _death as death_text  # noqa: E402
 from ringreduce.ray._placement import visible_devices  # noqa: E402
 
@@ -31,13 +31,25 @@ DRIVER_TIMEOUT = 180  # seconds; the whole driver takes ~20 s on 2 cores
 # ------------------------------------------------------------- the Ray driver
 @pytest.fixture(scope="module")
 def driver():
+    return _run_driver("ray_driver.py", "no_room")
+
+
+@pytest.fixture(scope="module")
+def elastic():
+    """The elastic cases (tests/workers/ray_elastic_driver.py), on a cluster of 2 nodes."""
+    return _run_driver("ray_elastic_driver.py", "fails_everywhere")
+
+
+def _run_driver(script: str, last_case: str) -> dict:
+    """Run one Ray driver script to its end; its cases' lines by name, and what outlived it."""
     ray_tmp = tempfile.mkdtemp(prefix="rr-ray-", dir="/tmp")  # short: Ray's sockets go there
     log_dir = Path(ray_tmp) / "logs"
     log_dir.mkdir()
     try:
-        job = run_procs([("ray driver", [PYTHON, str(WORKERS / "ray_driver.py")],
-                          base_env({"RR_RAY_TMP": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"},
-                                   log_dir))], DRIVER_TIMEOUT, log_dir)
+        env = {"RR_RAY_TMP": ray_tmp, "RR_MARKS": str(Path(ray_tmp) / "marks"),
+               "RAY_USAGE_STATS_ENABLED": "0"}
+        job = run_procs([("ray driver", [PYTHON, str(WORKERS / script)],
+                          base_env(env, log_dir))], DRIVER_TIMEOUT, log_dir)
         leftovers = _processes_mentioning(ray_tmp)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -45,7 +57,7 @@ def driver():
     assert not job.timed_out, f"the Ray driver hit its timeout\n{job.describe()}"
     lines = [json.loads(s) for s in proc.stdout.splitlines() if s.startswith('{"case"')]
     cases = {line["case"]: line for line in lines}
-    assert proc.returncode == 0 and "no_room" in cases, job.describe()
+    assert proc.returncode == 0 and last_case in cases, job.describe()
     return {"cases": cases, "survivors": job.survivors, "leftovers": leftovers}
 
 
@@ -198,14 +210,63 @@ def test_no_ray_process_outlives_the_driver(driver):
     assert driver["survivors"] == []
 
 
+# ------------------------------------------------------------ elastic on Ray
+def _sizes(values) -> list:
+    """The world size of each epoch, the same on every rank of the last generation."""
+    assert [v["rank"] for v in values] == list(range(len(values)))
+    assert len({str(v["sizes"]) for v in values}) == 1 and len({v["total"] for v in values}) == 1
+    return values[0]["sizes"]
+
+
+def test_elastic_grows_when_a_node_joins(elastic):
+    values = ok(elastic, "node_joins")  # the head's 2 slots, then a node of 2 joins
+    sizes = _sizes(values)
+    assert len(values) == 4 and sizes[0] == 2 and sizes[-5:] == [4] * 5
+    assert sizes == sorted(sizes)  # 2, 2, ..., 4: no epoch lost or run twice
+    assert values[0]["total"] == sum(sizes)  # each epoch's allreduce summed its world
+
+
+def test_elastic_min_workers_executor_takes_every_slot(elastic):
+    values = ok(elastic, "min_workers_executor")  # RayExecutor(min_workers=2, max_workers=8)
+    assert _sizes(values) == [4, 4, 4] and values[0]["total"] == 12
+
+
+def test_elastic_crashed_worker_blacklists_its_node_and_rolls_back(elastic):
+    values = ok(elastic, "worker_dies")  # the last rank exits at epoch 3 of the 4-rank world
+    sizes = _sizes(values)
+    assert len(values) == 2 and sizes == [4, 4, 4] + [2] * 7
+    assert values[0]["total"] == sum(sizes)  # the broken epoch was rolled back, not counted
+
+
+def test_elastic_node_removed_during_training(elastic):
+    values = ok(elastic, "node_leaves")  # the second node is removed after epoch 3 at 4 ranks
+    sizes = _sizes(values)
+    assert len(values) == 2 and sizes[:3] == [4, 4, 4] and sizes[-5:] == [2] * 5
+    assert values[0]["total"] == sum(sizes)
+
+
+def test_elastic_error_everywhere_is_raised(elastic):
+    got = ok(elastic, "fails_everywhere")
+    assert got["error"] == "ValueError" and got["message"].startswith("bad batch on rank ")
+    assert "ElasticRayExecutor.run: rank " in got["cause"]
+
+
+def test_no_ray_process_outlives_the_elastic_driver(elastic):
+    assert elastic["leftovers"] == []
+    assert elastic["survivors"] == []
+
+
 # -------------------------------------------------------------- without Ray
 @pytest.mark.parametrize("kwargs, needle", [
     ({}, "say how many ranks"),
     ({"num_workers": 2, "num_hosts": 1}, "not both"),
     ({"num_workers": 0}, "num_workers=0"),
     ({"num_hosts": 2, "num_workers_per_host": 0}, "num_workers_per_host=0"),
-    ({"min_workers": 1, "max_workers": 4}, "min_workers, max_workers: elastic"),
-    ({"num_workers": 2, "reset_limit": 3}, "reset_limit: elastic"),
+    ({"num_workers": 2, "min_workers": 1}, "fixed-size job, or min_workers"),
+    ({"num_workers": 2, "reset_limit": 3}, "reset_limit only mean something to an elastic"),
+    ({"min_workers": 0}, "min_workers=0"),
+    ({"min_workers": 3, "max_workers": 2}, "max_workers=2: need a whole number >= min_work"),
+    ({"min_workers": 1, "cooldown_range": (5, 1)}, "cooldown range"),
     ({"num_workers": 1, "gpus_per_worker": 1}, "use_gpu=True"),
     ({"num_workers": 1, "cpus_per_worker": 0}, "reserve some CPUs"),
 ])
@@ -223,6 +284,29 @@ def test_calls_before_start_and_callbacks_refused():
     with pytest.raises(InvalidInputError, match="callbacks are not supported"):
         ex.run(print, callbacks=[print])
     ex.shutdown()  # harmless when not started
+
+
+def test_elastic_executor_without_ray():
+    ex = RayExecutor(None, min_workers=2, max_workers=4, cpus_per_worker=2, reset_limit=3)
+    with pytest.raises(InvalidInputError, match="not started; call start"):
+        ex.run(print)
+    for call in (lambda: ex.execute(print), lambda: ex.execute_single(print),
+                 lambda: ex.run_remote(print)):
+        with pytest.raises(InvalidInputError, match="not supported by an elastic executor"):
+            call()
+    with pytest.raises(InvalidInputError, match="executable_cls is not supported"):
+        ex.start(executable_cls=dict)
+    ex.shutdown()  # harmless
+    s = ElasticRayExecutor.create_settings(min_np=2, max_np=6, elastic_timeout=9, nics="lo")
+    assert (s.min_num_proc, s.max_num_proc, s.elastic_timeout, s.nics) == (2, 6, 9, "lo")
+    with pytest.raises(InvalidInputError, match="gpus_per_slot|use_gpu=True"):
+        ElasticRayExecutor(s, gpus_per_slot=1)
+    with pytest.raises(InvalidInputError, match="override_discovery=False needs"):
+        ElasticRayExecutor(s, override_discovery=False)
+    with pytest.raises(InvalidInputError, match="callbacks are not supported"):
+        ElasticRayExecutor(s).run(print, callbacks=[print])
+    with pytest.raises(InvalidInputError, match="not started"):
+        ElasticRayExecutor(s).run(print)
 
 
 def test_create_settings(tmp_path):

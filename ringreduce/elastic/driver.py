@@ -41,12 +41,10 @@ import secrets
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Optional
@@ -55,20 +53,16 @@ from ..exceptions import InvalidInputError
 from ..launcher import (
     HostSlots,
     OutputSettings,
-    _binary,
     _exit_code,
     _how,
-    _pump,
     _say,
-    _scrubbed_env,
     is_local_host,
-    omp_wait_policy,
-    rank_spec,
     signals_to,
 )
 from ._client import DRIVER_VAR, WORKER_VAR, tune
 from .discovery import Discovery
 from .hosts import Blacklist
+from .processes import ProcessSpawner, Spawn, WorkerProcess
 
 __all__ = ["ElasticSettings", "launch_elastic"]
 
@@ -94,7 +88,7 @@ class Worker:
     age: int
     host: str
     slot: int
-    proc: subprocess.Popen
+    proc: WorkerProcess
     state: str = "starting"  # starting, waiting, member, gone
     leaving: bool = False
     told_to_leave: bool = False  # was answered "leave" (it exits 0: not a finished job)
@@ -102,7 +96,6 @@ class Worker:
     wants_sync: bool = True  # what it asked for at its last join
     connected: bool = False  # was in a generation whose rendezvous completed (has state)
     code: Optional[int] = None
-    threads: list = field(default_factory=list)
 
 
 class ElasticDriver:
@@ -110,13 +103,10 @@ class ElasticDriver:
 
     handshake_seconds = 30.0  # a new connection's time to authenticate
 
-    def __init__(self, command: Sequence[str], discovery: Discovery, settings: ElasticSettings,
-                 env: dict, ssh_command: Optional[str], ssh_port: Optional[int],
-                 driver_addr: Optional[str], prefix: bool, grace: float,
-                 output: Optional[OutputSettings] = None) -> None:
-        self.command, self.discovery, self.s = list(command), discovery, settings
-        self.extra, self.ssh_command, self.ssh_port = env, ssh_command, ssh_port
-        self.prefix, self.grace, self.output = prefix, grace, output or OutputSettings()
+    def __init__(self, spawn: Spawn, discovery: Discovery, settings: ElasticSettings,
+                 driver_addr: Optional[str], grace: float) -> None:
+        self.spawn, self.discovery, self.s = spawn, discovery, settings
+        self.grace = grace
         self.cond = threading.Condition()
         self.workers: dict[str, Worker] = {}
         self.ages = 0
@@ -137,7 +127,6 @@ class ElasticDriver:
         self.listener: Optional[socket.socket] = socket.create_server(("0.0.0.0", 0))
         self.port = self.listener.getsockname()[1]
         self.driver_addr = driver_addr
-        self.out, self.err, self.lock = _binary(sys.stdout), _binary(sys.stderr), threading.Lock()
         self.signum: Optional[int] = None
         self.stop_at: Optional[float] = None  # when to stop the workers that are left
         self.no_hosts_since: Optional[float] = None
@@ -157,43 +146,16 @@ class ElasticDriver:
     def start_worker(self, host: HostSlots, slot: int) -> None:
         self.ages += 1
         wid = f"w{self.ages}"
-        local = is_local_host(host.host)
-        base = _scrubbed_env(os.environ)
         mine = {DRIVER_VAR: f"{self._address()}:{self.port}", WORKER_VAR: wid,
-                "RINGREDUCE_SECRET": self.key,
-                **omp_wait_policy({**base, **self.extra}, host.slots, local), **self.extra}
-        spec = rank_spec(self.ages, self.command, host.host, local, base, mine,
-                         self.ssh_command, self.ssh_port)
-        copies = self._output_files(wid)
+                "RINGREDUCE_SECRET": self.key}
         try:
-            proc = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+            proc = self.spawn(wid, host, slot, mine)
         except OSError as err:
-            OutputSettings.close(copies)
-            _say(f"cannot start worker {wid} on {host.host} ({spec.argv[0]}): {err}; "
+            _say(f"cannot start worker {wid} on {host.host} ({err}); "
                  f"{self.blacklist_host(host.host)}")
             return
-        w = Worker(wid, self.ages, host.host, slot, proc)
-        prefix = f"[{wid}@{host.host}]: ".encode() if self.prefix else b""
-        for pipe, write, copy in zip((proc.stdout, proc.stderr), (self.out, self.err), copies):
-            t = threading.Thread(target=_pump, daemon=True,
-                                 args=(pipe, write, prefix, self.lock, copy,
-                                       self.output.timestamp))
-            t.start()
-            w.threads.append(t)
-        self.workers[wid] = w
-        _say(f"started worker {wid} on {host.host} (slot {slot}, pid {proc.pid})")
-
-    def _output_files(self, wid: str) -> tuple:
-        """``--output-filename``'s files of worker ``wid`` (None, None if they cannot be
-        made: the job goes on, its output on ringrun's own only)."""
-        try:
-            return self.output.files(f"worker.{wid[1:]}")
-        except OSError as err:
-            _say(f"cannot write worker {wid}'s output files ({err}); its output goes to "
-                 "ringrun's only")
-            return None, None
+        self.workers[wid] = Worker(wid, self.ages, host.host, slot, proc)
+        _say(f"started worker {wid} on {host.host} (slot {slot}, {proc.where})")
 
     def live(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.state != "gone"]
@@ -224,10 +186,7 @@ class ElasticDriver:
             code = w.proc.poll()
             if code is None:
                 continue
-            try:  # leftovers of its session
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            w.proc.kill()  # what it left behind (its session's processes, its actor)
             w.state, w.code = "gone", code
             if code == 0 and not w.leaving:
                 if not self.finished:
@@ -243,7 +202,7 @@ class ElasticDriver:
             _say(f"worker {w.wid} on {w.host} {_how(w.code)}")
             return
         left = len(self.staying())
-        what = f"worker {w.wid} on {w.host} (pid {w.proc.pid}) {_how(w.code)}"
+        what = f"worker {w.wid} on {w.host} ({w.proc.where}) {_how(w.code)}"
         if self.finished:  # no generation forms again: no host to blacklist
             _say(f"{what}; {left} worker{'s' * (left != 1)} left")
             if w.generation == self.generation:  # a member of the last generation failed
@@ -426,10 +385,7 @@ class ElasticDriver:
         for w in workers:
             _say(f"worker {w.wid} on {w.host} ({w.state}) {why} within --elastic-timeout "
                  f"{self.s.elastic_timeout:g} s; stopping it")
-            try:
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            w.proc.kill()
 
     # ----------------------------------------------------------------- requests
     def serve(self) -> None:
@@ -616,10 +572,7 @@ class ElasticDriver:
 
     def stop(self) -> None:
         for w in self.live():
-            try:
-                os.killpg(w.proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
+            w.proc.terminate()
         kill_at = time.monotonic() + self.grace
 
         def killer() -> None:
@@ -627,10 +580,7 @@ class ElasticDriver:
                                                      for w in list(self.workers.values())):
                 time.sleep(0.05)
             for w in list(self.workers.values()):
-                try:
-                    os.killpg(w.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                w.proc.kill()
 
         threading.Thread(target=killer, daemon=True).start()
 
@@ -642,8 +592,7 @@ class ElasticDriver:
             pass
         listener.close()
         for w in self.workers.values():
-            for t in w.threads:
-                t.join(timeout=5)
+            w.proc.close(5)
 
 
 def _receive_timeout(sock: socket.socket, seconds: float) -> None:
@@ -693,8 +642,14 @@ def launch_elastic(command: Sequence[str], discovery: Discovery, settings: Elast
     if not 1 <= settings.min_np <= settings.np <= settings.max_np:
         raise InvalidInputError(f"need 1 <= --min-np ({settings.min_np}) <= -np "
                                 f"({settings.np}) <= --max-np ({settings.max_np})")
-    driver = ElasticDriver(command, discovery, settings, dict(env or {}), ssh_command,
-                           ssh_port, driver_addr, prefix_output, grace, output)
+    spawn = ProcessSpawner(command, dict(env or {}), ssh_command, ssh_port, prefix_output,
+                           output)
+    return drive(ElasticDriver(spawn, discovery, settings, driver_addr, grace), timeout)
+
+
+def drive(driver: ElasticDriver, timeout: Optional[float]) -> int:
+    """Run ``driver`` to the end of its job (its exit code), with SIGINT/SIGTERM stopping
+    the job; its workers are stopped however this ends."""
     with signals_to(driver):
         try:
             return driver.run(timeout)

@@ -62,8 +62,9 @@ except ImportError as _e:  # pragma: no cover - depends on the installation
 from .. import _task_world as tw
 from ..exceptions import InvalidInputError, RingReduceError, RingReduceTimeoutError
 from ._placement import Layout, Placement, visible_devices
+from .elastic import ElasticRayExecutor, make_settings, worker_resources
 
-__all__ = ["RayExecutor", "RaySettings"]
+__all__ = ["ElasticRayExecutor", "RayExecutor", "RaySettings"]
 
 _PEER_LOST_GRACE = 5.0  # seconds to wait for the root failure after a rank lost a peer
 _LEAVE_TIMEOUT = 10.0   # seconds shutdown() waits for the actors to leave before killing them
@@ -156,28 +157,8 @@ class RayExecutor:
                  min_workers: Optional[int] = None, max_workers: Optional[int] = None,
                  reset_limit: Optional[int] = None, cooldown_range: Optional[Sequence[int]] = None,
                  elastic_timeout: int = 1200, override_discovery: bool = True) -> None:
-        elastic = [name for name, value in (("min_workers", min_workers),
-                                            ("max_workers", max_workers),
-                                            ("reset_limit", reset_limit),
-                                            ("cooldown_range", cooldown_range))
-                   if value is not None]
-        if elastic:
-            raise InvalidInputError(
-                f"RayExecutor: {', '.join(elastic)}: elastic training on Ray is not supported; "
-                "give num_workers for a fixed-size job, or run an elastic job with ringrun "
-                "(--min-np/--max-np and a host discovery script)")
-        _check_counts(num_workers, num_hosts, num_workers_per_host)
-        if gpus_per_worker is not None and not use_gpu:
-            raise InvalidInputError("RayExecutor: gpus_per_worker is set but use_gpu is False; "
-                                    "set use_gpu=True to give the workers GPUs")
-        gpus = (1 if gpus_per_worker is None else gpus_per_worker) if use_gpu else 0
-        if (use_gpu and gpus <= 0) or cpus_per_worker < 0 or not (cpus_per_worker or gpus):
-            raise InvalidInputError(f"RayExecutor: cpus_per_worker={cpus_per_worker}, "
-                                    f"gpus_per_worker={gpus_per_worker}: each worker must "
-                                    "reserve some CPUs or at least part of a GPU")
+        cpus, gpus = worker_resources("RayExecutor", cpus_per_worker, use_gpu, gpus_per_worker)
         self.settings = settings if settings is not None else self.create_settings()
-        self._layout = Layout(num_workers, num_hosts, num_workers_per_host, cpus_per_worker, gpus,
-                              use_current_placement_group)
         self._placement: Optional[Placement] = None
         self._actors: list[Any] = []   # in the order they were made
         self._order: list[int] = []    # actor index of each rank
@@ -185,6 +166,27 @@ class RayExecutor:
         self._executable: tuple = (None, (), {})
         self._broken = False           # a call failed: form the world anew before the next
         self._unbuilt: set[int] = set()  # actors whose executable object is still to make
+        self._elastic: Optional[ElasticRayExecutor] = None
+        if min_workers is not None or max_workers is not None:
+            if num_workers is not None or num_hosts is not None:
+                raise InvalidInputError("RayExecutor: give num_workers (or num_hosts) for a "
+                                        "fixed-size job, or min_workers/max_workers for an "
+                                        "elastic one, not both")
+            elastic = make_settings(1 if min_workers is None else min_workers, max_workers,
+                                    reset_limit, elastic_timeout, self.settings.timeout_s,
+                                    self.settings.nics, cooldown_range, what="RayExecutor",
+                                    names=("min_workers", "max_workers"))
+            self._elastic = ElasticRayExecutor(elastic, use_gpu, cpus_per_worker, gpus_per_worker)
+            return
+        refused = [name for name, value in (("reset_limit", reset_limit),
+                                            ("cooldown_range", cooldown_range))
+                   if value is not None]
+        if refused:
+            raise InvalidInputError(f"RayExecutor: {', '.join(refused)} only mean something "
+                                    "to an elastic executor (min_workers/max_workers)")
+        _check_counts(num_workers, num_hosts, num_workers_per_host)
+        self._layout = Layout(num_workers, num_hosts, num_workers_per_host, cpus, gpus,
+                              use_current_placement_group)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, executable_cls: Optional[type] = None,
@@ -215,6 +217,9 @@ class RayExecutor:
             The error of a rank whose ``executable_cls`` raised (the executor is then shut
             down again).
         """
+        if self._elastic is not None:
+            self._start_elastic(executable_cls, extra_env_vars)
+            return
         if self._actors:
             raise InvalidInputError("RayExecutor.start: the executor is started already; "
                                     "call shutdown() before starting it again")
@@ -281,6 +286,9 @@ class RayExecutor:
             naming the rank whose actor died. The executor stays usable.
         """
         _no_callbacks(callbacks, "RayExecutor.run")
+        if self._elastic is not None:
+            return self._elastic.elastic_run("RayExecutor.run", fn, tuple(args or ()),
+                                             dict(kwargs or {}))
         return self._everywhere("RayExecutor.run", fn, tuple(args or ()), dict(kwargs or {}),
                                 False)
 
@@ -292,12 +300,14 @@ class RayExecutor:
         ``callbacks`` and errors: as in ``run``.
         """
         _no_callbacks(callbacks, "RayExecutor.execute")
+        self._not_elastic("RayExecutor.execute")
         return self._everywhere("RayExecutor.execute", fn, (), {}, True)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Call ``fn(executable)`` on rank 0 only and return its value (errors as in
         ``run``). ``fn`` must not wait for the other ranks: they run nothing."""
         what = "RayExecutor.execute_single"
+        self._not_elastic(what)
         self._ready(what)
         return self._outcome([self._actors[self._order[0]].call.remote(fn, (), {}, True)],
                              what)[0]
@@ -315,11 +325,26 @@ class RayExecutor:
             these calls to end, and forms the world anew if one failed.
         """
         what = "RayExecutor.run_remote"
+        self._not_elastic(what)
         self._ready(what)
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         return [self._actors[i].value.remote(fn, args, kwargs, what) for i in self._order]
 
     # ------------------------------------------------------------------ internals
+    def _start_elastic(self, executable_cls: Optional[type],
+                       extra_env_vars: Optional[Mapping[str, Any]]) -> None:
+        assert self._elastic is not None
+        if executable_cls is not None:
+            raise InvalidInputError("RayExecutor.start: executable_cls is not supported in an "
+                                    "elastic executor (its workers live for one run() call)")
+        self._elastic.env_vars = dict(extra_env_vars or {})
+        self._elastic.start()
+
+    def _not_elastic(self, what: str) -> None:
+        if self._elastic is not None:
+            raise InvalidInputError(f"{what}: not supported by an elastic executor "
+                                    "(min_workers/max_workers), as in Horovod; use run()")
+
     def _everywhere(self, what: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
                     executable: bool) -> list:
         self._ready(what)

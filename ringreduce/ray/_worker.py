@@ -59,6 +59,25 @@ class Worker:
         self.ok = self.ok and record["ok"]
         return record
 
+    def elastic(self, env: Mapping[str, str], fn: Callable[..., Any], args: Sequence[Any],
+                kwargs: Mapping[str, Any]) -> dict:
+        """One elastic worker's life (``ringreduce/ray/elastic.py``): ``fn(*args,
+        **kwargs)`` with the driver's variables in ``os.environ``; a record with the rank
+        and generation it ended in, and its exit code (0 also for a worker told to leave)."""
+        from .. import shutdown
+        from ..elastic._client import Membership
+
+        os.environ.update(env)
+        try:
+            record = tw.call(fn, args, kwargs)
+        except SystemExit as e:  # the driver told it to leave (code 0), or fn exited
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            record = {"ok": code == 0, "value": None, "left": True, "code": code,
+                      "error": None, "text": f"SystemExit({e.code!r})", "traceback": "",
+                      "at": 0.0}
+        shutdown()
+        return {**record, "rank": Membership.rank, "generation": Membership.generation}
+
     def value(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
               what: str) -> Any:
         """``fn(*args, **kwargs)``'s value, or its error raised again (``run_remote``)."""

@@ -148,6 +148,14 @@ def error_record(e: BaseException) -> dict:
             "traceback": text, "at": time.time(), "peer_lost": isinstance(e, PeerLostError)}
 
 
+def exit_record(e: SystemExit) -> dict:
+    """The record of a call that raised SystemExit: an elastic worker the driver told to
+    leave (code 0: ``left``, no value), or a function that exited."""
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return {"ok": code == 0, "value": None, "left": True, "code": code, "error": None,
+            "text": f"SystemExit({e.code!r})", "traceback": "", "at": time.time()}
+
+
 def reraise(record: Mapping[str, Any], who: str) -> NoReturn:
     """Raise a failed record's error again (a RingReduceError if it did not pickle), with
     its traceback text, headed by ``who``, as ``__cause__``."""
@@ -186,6 +194,26 @@ def last_generation(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, A
 
     last = max((gen(r) for r in records), default=-1)
     return [r for r in records if gen(r) == last]
+
+
+def elastic_values(what: str, records: Sequence[Mapping[str, Any]], code: int,
+                   failure: Optional[str]) -> list:
+    """What an elastic job run by ``elastic.driver`` in this process gives back: the values
+    of its last generation's ranks in rank order; or that generation's root failure raised
+    again; or RingReduceError with the driver's reason (``failure``, exit ``code``)."""
+    last = last_generation(records)
+    failed = [r for r in last if not r["ok"]]
+    if failed:
+        first = min(failed, key=lambda r: (r.get("peer_lost", False), r.get("at", 0.0)))
+        reraise(first, f"{what}: rank {first['rank']}")
+    if failure or code != 0:
+        raise RingReduceError(f"{what}: the job ended (exit code {code}): "
+                              f"{failure or 'a worker failed after training finished'}")
+    by_rank = {r["rank"]: r["value"] for r in last if not r.get("left")}
+    if not by_rank or sorted(by_rank) != list(range(len(by_rank))):
+        raise RingReduceError(f"{what}: the last generation's ranks returned no values "
+                              f"(ranks {sorted(by_rank)})")
+    return [by_rank[r] for r in range(len(by_rank))]
 
 
 def lost(what: str, rank: int, why: str) -> RingReduceError:

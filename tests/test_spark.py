@@ -4,7 +4,7 @@
 Where network namespaces can be made (root), the application runs on a standalone cluster
 whose two workers are two hosts (tests/netns.py), 2 task slots each, so ranks of a job
 land on both hosts (shared memory inside one, TCP across) and meet at the executor
-address Spark reports; elsewhere on ``local[4]``. Everything runs under tests/procs.py,
+address Spark reports; elsewhere on ``local[4,3]``. Everything runs under tests/procs.py,
 which kills the driver, the JVMs and the Python workers at the timeout or after. The pure
 parts of the world's formation are tested in one process (tests/test_task_world.py)."""
 
@@ -181,6 +181,27 @@ def test_horovod_runner(cases):
     assert value(cases["runner_spark"]) == [0, 2, [4.0, 4.0]]
     assert value(cases["runner_local"]) == [0, 3, [3.0, 3.0]]
     assert cases["runner_bad_np"]["error"] == "InvalidInputError"
+
+
+def test_elastic_job_grows_back_after_a_crashed_task(cases):
+    got = cases["elastic"]
+    values = value(got)  # 3 ranks; the last one's Python worker dies at epoch 3
+    assert [v["rank"] for v in values] == [0, 1, 2]
+    sizes = values[0]["sizes"]
+    assert all(v["sizes"] == sizes and v["total"] == values[0]["total"] for v in values)
+    # 3 ranks for epochs 0-2; 2 while Spark retries the task; 3 again once its new attempt
+    # registered (a new host) and the members took it in at a commit
+    assert sizes[:3] == [3, 3, 3] and sizes[3] == 2 and sizes[-6:] == [3] * 6, sizes
+    assert values[0]["total"] == sum(sizes)  # the broken epoch rolled back, none lost
+    assert "[w1]: trained " in got["stdout"] and "[w4]: trained " in got["stdout"]
+    if cases["hosts"] is not None:  # the standalone cluster: tasks on both hosts
+        assert len({v["host"] for v in values}) == 2
+
+
+def test_elastic_error_everywhere_is_raised(cases):
+    got = cases["elastic_failing"]
+    assert got["error"] == "ValueError" and got["message"].startswith("bad batch on rank ")
+    assert "ringreduce.spark.run_elastic: rank " in got["cause"]
 
 
 def test_usage_errors(cases):

@@ -98,6 +98,14 @@ def _drop() -> None:
         conn.close()
 
 
+def forget() -> None:
+    """Leave no trace of an elastic job in this process (its connection, its place), for
+    a process that runs another job later: a Spark Python worker that Spark reuses."""
+    _drop()
+    Membership.generation = Membership.rank = None
+    Membership.wants_sync = Membership.sync = True
+
+
 def tune(fd: int) -> None:
     """No Nagle delay (requests are small and answered at once); keepalive probes an idle
     connection every 5 s after 10 s and gives up after 3 missed probes."""

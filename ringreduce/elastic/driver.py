@@ -400,19 +400,9 @@ class ElasticDriver:
     def answer(self, sock: socket.socket) -> None:
         """Authenticate one connection (here, so that a silent one holds up nobody else),
         then answer its requests, one at a time, until it hangs up."""
-        tune(sock.fileno())
-        # A worker answers the challenge at once; a connection that stays silent is not
-        # one, and must not hold this thread and its socket for the rest of the job.
-        _receive_timeout(sock, self.handshake_seconds)
-        conn = Connection(sock.detach())
-        try:  # what multiprocessing's Listener.accept does, off the accept thread
-            deliver_challenge(conn, self.key.encode())
-            answer_challenge(conn, self.key.encode())
-        except (OSError, EOFError, AuthenticationError):
-            conn.close()  # a stranger, a wrong key or silence: refused
+        conn = authenticated(sock, self.key.encode(), self.handshake_seconds)
+        if conn is None:
             return
-        with socket.socket(fileno=os.dup(conn.fileno())) as same:
-            _receive_timeout(same, 0)  # requests come as rarely as commits
         handlers = {"join": self.on_join, "exchange": self.on_exchange,
                     "updates": self.on_updates}
         with conn:
@@ -593,6 +583,27 @@ class ElasticDriver:
         listener.close()
         for w in self.workers.values():
             w.proc.close(5)
+
+
+def authenticated(sock: socket.socket, key: bytes, seconds: float) -> Optional[Connection]:
+    """An accepted socket as a ``multiprocessing`` connection once its peer proved it knows
+    ``key`` (what ``Listener.accept`` does, but on the caller's thread, not the accept
+    thread); None, the socket closed, for a stranger, a wrong key or ``seconds`` of
+    silence. Its reads then wait as long as it takes."""
+    tune(sock.fileno())
+    # A worker answers the challenge at once; a connection that stays silent is not
+    # one, and must not hold a thread and its socket for the rest of the job.
+    _receive_timeout(sock, seconds)
+    conn = Connection(sock.detach())
+    try:
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
+    except (OSError, EOFError, AuthenticationError):
+        conn.close()
+        return None
+    with socket.socket(fileno=os.dup(conn.fileno())) as same:
+        _receive_timeout(same, 0)  # requests come as rarely as commits
+    return conn
 
 
 def _receive_timeout(sock: socket.socket, seconds: float) -> None:

@@ -71,10 +71,7 @@ class Worker:
         try:
             record = tw.call(fn, args, kwargs)
         except SystemExit as e:  # the driver told it to leave (code 0), or fn exited
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            record = {"ok": code == 0, "value": None, "left": True, "code": code,
-                      "error": None, "text": f"SystemExit({e.code!r})", "traceback": "",
-                      "at": 0.0}
+            record = tw.exit_record(e)
         shutdown()
         return {**record, "rank": Membership.rank, "generation": Membership.generation}
 

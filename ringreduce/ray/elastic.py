@@ -40,7 +40,7 @@ from .. import _task_world as tw
 from ..elastic.discovery import Discovery
 from ..elastic.driver import ElasticDriver, ElasticSettings, drive
 from ..elastic.hosts import check_cooldown_range
-from ..exceptions import InvalidInputError, RingReduceError
+from ..exceptions import InvalidInputError
 from ..launcher import HostSlots, _say
 from ._placement import _remote_worker
 
@@ -228,24 +228,7 @@ def run_job(what: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
     driver = ElasticDriver(spawn, discovery, driver_settings, driver_address(), grace=5.0)
     code = drive(driver, None)
     records = [h.record for h in spawn.handles if h.record is not None]
-    return _values(what, records, code, driver.failure)
-
-
-def _values(what: str, records: list[dict], code: int, failure: Optional[str]) -> list:
-    last = tw.last_generation(records)
-    failed = [r for r in last if not r["ok"]]
-    if failed:
-        first = min(failed, key=lambda r: (r.get("peer_lost", False), r.get("at", 0.0)))
-        tw.reraise(first, f"{what}: rank {first['rank']}")
-    if failure or code != 0:
-        raise RingReduceError(f"{what}: the job ended (exit code {code}): "
-                              f"{failure or 'a worker failed after training finished'}")
-    by_rank = {r["rank"]: r["value"] for r in last if r.get("code", 0) == 0 and
-               not r.get("left")}
-    if sorted(by_rank) != list(range(len(by_rank))) or not by_rank:
-        raise RingReduceError(f"{what}: the last generation's ranks returned no values "
-                              f"(ranks {sorted(by_rank)})")
-    return [by_rank[r] for r in range(len(by_rank))]
+    return tw.elastic_values(what, records, code, driver.failure)
 
 
 def _first_line(e: BaseException) -> str:

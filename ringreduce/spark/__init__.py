@@ -38,7 +38,7 @@ from .. import _task_world as tw
 from ..exceptions import InvalidInputError, RingReduceError
 from .output import OutputRelay, relayed
 
-__all__ = ["HorovodRunner", "run"]
+__all__ = ["HorovodRunner", "run", "run_elastic"]
 
 _WHAT = "ringreduce.spark.run"
 
@@ -164,6 +164,78 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (),
         relay.close()
     records = sorted(blobs, key=lambda r: r["rank"])
     return tw.returned(records, _WHAT)
+
+
+def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (),
+                kwargs: Optional[Mapping[str, Any]] = None, num_proc: Optional[int] = None,
+                min_num_proc: Optional[int] = None, max_num_proc: Optional[int] = None,
+                start_timeout: Optional[float] = None, elastic_timeout: Optional[float] = None,
+                reset_limit: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+                stdout: Any = None, stderr: Any = None, verbose: int = 1,
+                nics: Union[None, str, Sequence[str]] = None,
+                prefix_output_with_timestamp: bool = False, min_np: Optional[int] = None,
+                max_np: Optional[int] = None) -> list:
+    """Run ``fn(*args, **kwargs)`` as an elastic job in Spark tasks (Horovod's
+    ``horovod.spark.run_elastic``); return the last generation's values in rank order.
+
+    ``fn`` calls ``init()`` and wraps its training loop in ``ringreduce.elastic.run`` (or a
+    framework layer's ``elastic.run``) with a state object, as under ``ringrun --min-np``.
+    One Spark job of ``max_num_proc`` tasks runs; each task is a host of one slot, a
+    task that fails is retried by Spark and comes back as a new host
+    (``ringreduce/spark/elastic.py`` states the protocol).
+
+    Parameters
+    ----------
+    fn, args, kwargs :
+        The function of every rank and its arguments (pickled by Spark).
+    num_proc : int, optional
+        Workers to start with (default the context's ``defaultParallelism``).
+    min_num_proc, max_num_proc : int, optional
+        Fewest workers to train with and most, the number of Spark tasks (both default
+        ``num_proc``); ``min_np`` / ``max_np`` are Horovod's older names.
+    start_timeout : float, optional
+        Seconds the ranks of a generation wait for each other when they connect.
+    elastic_timeout : float, optional
+        Seconds a new generation may take to form (default ``HOROVOD_ELASTIC_TIMEOUT`` or
+        600, as ``ringrun --elastic-timeout``).
+    reset_limit : int, optional
+        End the job after this many resets.
+    env, stdout, stderr, nics, prefix_output_with_timestamp :
+        As for ``run``; output lines are prefixed with the worker's id (``[w3]: ``), as
+        ``ringrun``'s elastic mode does.
+    verbose :
+        Accepted and ignored.
+
+    Returns
+    -------
+    list
+        ``fn``'s value on each rank of the last generation, in rank order.
+
+    Raises
+    ------
+    Exception
+        The last generation's error (its earliest rank that did not only lose a peer);
+        RingReduceError with the driver's reason when it ended the job, or Spark's when
+        the Spark job failed (a task failed more often than ``spark.task.maxFailures``).
+    """
+    from .._horovod_settings import elastic_timeout as default_elastic_timeout
+    from ..elastic.driver import ElasticSettings
+    from .elastic import run_job
+
+    what = "ringreduce.spark.run_elastic"
+    sc = _spark_context()
+    num_proc = sc.defaultParallelism if num_proc is None else num_proc
+    low = min_np if min_np is not None else min_num_proc
+    high = max_np if max_np is not None else max_num_proc
+    low, high = num_proc if low is None else low, num_proc if high is None else high
+    if not 1 <= low <= num_proc <= high:
+        raise InvalidInputError(f"{what}: need 1 <= min_num_proc ({low}) <= num_proc "
+                                f"({num_proc}) <= max_num_proc ({high})")
+    settings = ElasticSettings(low, high, num_proc, default_elastic_timeout(elastic_timeout),
+                               reset_limit)
+    return run_job(what, sc, fn, args, kwargs or {}, settings, high,
+                   tw.driver_env(start_timeout, nics, env),
+                   (stdout or sys.stdout, stderr or sys.stderr, prefix_output_with_timestamp))
 
 
 def _stage_failure(e: BaseException, num_proc: int) -> str:

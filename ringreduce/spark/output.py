@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, Union
 
 from ..launcher import _binary, _pump
 
@@ -59,11 +59,11 @@ class OutputRelay:
             conn.settimeout(10)
             pipe = conn.makefile("rb")
             token, _, rest = pipe.readline().decode(errors="replace").strip().partition(" ")
-            rank, _, stream = rest.partition(" ")
-            if token != self._token or stream not in _STREAMS or not rank.isdigit():
+            label, _, stream = rest.partition(" ")
+            if token != self._token or stream not in _STREAMS or not label:
                 return  # not one of this job's tasks
             conn.settimeout(None)
-            _pump(pipe, self._writers[stream], f"[{rank}]: ".encode(), self._lock,
+            _pump(pipe, self._writers[stream], f"[{label}]: ".encode(), self._lock,
                   stamp=self._stamp)
 
     def close(self, wait: float = 5.0) -> None:
@@ -77,8 +77,9 @@ class OutputRelay:
 
 
 @contextlib.contextmanager
-def relayed(address: tuple[str, int], secret: str, rank: int) -> Iterator[None]:
-    """The task's end: ``sys.stdout`` and ``sys.stderr`` go to the driver meanwhile."""
+def relayed(address: tuple[str, int], secret: str, label: Union[int, str]) -> Iterator[None]:
+    """The task's end: ``sys.stdout`` and ``sys.stderr`` go to the driver meanwhile, each
+    line to be prefixed ``[label]: `` there (a rank; an elastic worker's id)."""
     saved = sys.stdout, sys.stderr
     opened: list[Any] = []
     try:
@@ -88,11 +89,11 @@ def relayed(address: tuple[str, int], secret: str, rank: int) -> Iterator[None]:
             stream = io.TextIOWrapper(conn.makefile("wb"), encoding="utf-8",
                                       errors="replace", line_buffering=True)
             opened.append((conn, stream))
-            stream.write(f"{_token(secret)} {rank} {name}\n")
+            stream.write(f"{_token(secret)} {label} {name}\n")
             setattr(sys, name, stream)
     except OSError as e:
         sys.stdout, sys.stderr = saved
-        print(f"ringreduce.spark: rank {rank} cannot send its output to the driver at "
+        print(f"ringreduce.spark: [{label}] cannot send its output to the driver at "
               f"{address[0]}:{address[1]} ({e}); it stays here", file=sys.stderr)
     try:
         yield

@@ -95,6 +95,50 @@ def runner_fn(scale=1.0):
     return (rr.rank(), rr.size(), rr.allreduce(np.ones(2) * scale, op=rr.Sum).tolist())
 
 
+def elastic_fn(die_at=None):
+    """An elastic job: epochs of one allreduce, committed, until the world has had 3 ranks
+    for 6 epochs after having had 2 (or 200 epochs); with ``die_at=(epoch, size)`` the
+    last rank's Python worker dies there (Spark retries its task)."""
+    import ringreduce as rr
+
+    rr.init()
+    state = rr.elastic.ObjectState(epoch=0, total=0.0, sizes=[])
+
+    @rr.elastic.run
+    def loop(state):
+        while state.epoch < 200 and not (2 in state.sizes and state.sizes[-6:] == [3] * 6):
+            if die_at == (state.epoch, rr.size()) and rr.rank() == rr.size() - 1:
+                os._exit(3)
+            state.total += float(rr.allreduce(np.ones(2), op=rr.Sum)[0])
+            state.sizes = state.sizes + [rr.size()]
+            state.epoch += 1
+            time.sleep(0.05)
+            state.commit()
+        print(f"trained {state.epoch} epochs")
+        return {"rank": rr.rank(), "total": state.total, "sizes": state.sizes,
+                "host": os.environ.get("RINGREDUCE_HOST_ID")}
+
+    return loop(state)
+
+
+def elastic_failing_fn():
+    import ringreduce as rr
+
+    rr.init()
+    raise ValueError(f"bad batch on rank {rr.rank()}")
+
+
+def elastic_case():
+    import io
+
+    import ringreduce.spark as rs
+
+    out = io.StringIO()
+    value = rs.run_elastic(elastic_fn, args=((3, 3),), num_proc=3, min_num_proc=2,
+                           elastic_timeout=60, stdout=out)
+    return {"value": value, "stdout": out.getvalue()}
+
+
 def environ_fn(_):
     return [os.environ.get(k) for k in ("RANK", "MASTER_PORT", "RINGREDUCE_SECRET")]
 
@@ -132,7 +176,7 @@ def session(argv):
     builder = (SparkSession.builder.appName("ringreduce-tests")
                .config("spark.ui.enabled", "false").config("spark.driver.memory", "1g"))
     if not argv:
-        return builder.master("local[4]").getOrCreate()
+        return builder.master("local[4,3]").getOrCreate()  # 3 attempts a task, as a cluster
     spark = (builder.master(argv[0]).config("spark.driver.host", argv[1])
              .config("spark.driver.bindAddress", argv[1])
              .config("spark.executor.memory", "512m")
@@ -170,6 +214,8 @@ def main():
     case("runner_bad_np", lambda: {"value": rs.HorovodRunner(np="2")})
     case("mpi_args", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=2,
                                               extra_mpi_args="-x FOO")})
+    case("elastic", elastic_case)
+    case("elastic_failing", lambda: {"value": rs.run_elastic(elastic_failing_fn, num_proc=2)})
     case("zero", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=0)})
     spark.stop()
 

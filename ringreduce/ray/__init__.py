@@ -107,16 +107,24 @@ class RayExecutor:
     use_current_placement_group : bool
         Inside a placement group already (a Ray Tune trial), start the actors in it
         (default); false makes a new one.
-    min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout, override_discovery :
-        Horovod's elastic Ray executor: not supported; ``min_workers``, ``max_workers``,
-        ``reset_limit`` or ``cooldown_range`` set is refused (use ``ringrun``'s elastic
-        mode); the other two are accepted and ignored.
+    min_workers, max_workers : int, optional
+        Either set (instead of ``num_workers``) makes the executor elastic (Horovod's
+        elastic ``RayExecutor``): ``run`` trains on every slot of the cluster's live nodes,
+        between ``min_workers`` (default 1) and ``max_workers`` (default no limit) workers,
+        as ``ElasticRayExecutor`` (``ringreduce/ray/elastic.py``) does; ``execute``,
+        ``execute_single`` and ``run_remote`` are refused then.
+    reset_limit, cooldown_range, elastic_timeout :
+        The elastic job's (as ``ringrun --reset-limit``, ``--blacklist-cooldown-range``,
+        ``--elastic-timeout``); the first two are refused in a fixed-size executor.
+    override_discovery :
+        Accepted and ignored (an elastic executor's hosts are Ray's live nodes).
 
     Raises
     ------
     InvalidInputError
         Neither or both of ``num_workers`` and ``num_hosts``, counts below 1, GPUs
-        without ``use_gpu``, an elastic argument.
+        without ``use_gpu``, ``min_workers`` with ``num_workers``, an elastic argument in
+        a fixed-size executor.
     """
 
     @classmethod

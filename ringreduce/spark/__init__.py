@@ -23,6 +23,9 @@ reused. A rank whose ``fn`` raises leaves at once, so its peers' collectives end
 and the driver raises the root failure again. Only a worker that dies makes the stage
 fail; Spark then kills the other tasks and, the stage being a barrier result stage, aborts
 the job instead of retrying it, so the training never starts twice.
+
+``run_elastic`` is Horovod's elastic variant: one task per worker in an ordinary stage,
+Spark's task retries bringing failed workers back (``elastic.py`` states its protocol).
 """
 
 from __future__ import annotations

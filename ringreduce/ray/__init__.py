@@ -62,7 +62,7 @@ except ImportError as _e:  # pragma: no cover - depends on the installation
 from .. import _task_world as tw
 from ..exceptions import InvalidInputError, RingReduceError, RingReduceTimeoutError
 from ._placement import Layout, Placement, visible_devices
-from .elastic import ElasticRayExecutor, make_settings, worker_resources
+from .elastic import ElasticRayExecutor, _first_line, make_settings, worker_resources
 
 __all__ = ["ElasticRayExecutor", "RayExecutor", "RaySettings"]
 
@@ -488,11 +488,6 @@ def _no_callbacks(callbacks: Optional[Sequence[Any]], what: str) -> None:
                                 "with what rank 0 logs through horovod.ray's ray_logger, "
                                 "which ringreduce has no counterpart of); return the values "
                                 "from the function instead, or pass callbacks=None")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _death(e: BaseException) -> str:

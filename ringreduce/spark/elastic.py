@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
@@ -77,7 +78,7 @@ class TaskSlot:
         self.kill()
 
     def kill(self) -> None:
-        if self.state == "running":
+        if self.state == "running":  # not ended: see TaskRegistry._watch
             self.send(("kill",))
 
     def close(self, timeout: float) -> None:
@@ -126,20 +127,22 @@ class TaskRegistry(Discovery):
 
     def _watch(self, slot: TaskSlot) -> None:
         """Wait for the task's record; a connection that ends first is a dead worker."""
+        record = None
         try:
             message = slot.conn.recv()
-            if message[0] == "record":
-                slot.record = message[1]
-                slot.code = message[1].get("code", 0 if message[1]["ok"] else 1)
-                slot.send(("bye",))
+            record = message[1] if message[0] == "record" else None
         except (OSError, EOFError, IndexError, TypeError):
-            if slot.state == "running":
-                _say(f"worker {slot.wid}'s Spark task {slot.name} ended without a result "
-                     "(its Python worker died)")
+            pass
         with self.cond:
-            if slot.code is None:
-                slot.code = -9
-            slot.state = "ended"
+            ran, slot.state, slot.record = slot.state == "running", "ended", record
+            # the state before the code: the driver polls the code, then kills a worker
+            # that has not ended; an ended task must never be sent ("kill",)
+            slot.code = -9 if record is None else record.get("code", 0 if record["ok"] else 1)
+        if record is not None:
+            slot.send(("bye",))
+        elif ran:
+            _say(f"worker {slot.wid}'s Spark task {slot.name} ended without a result (its "
+                 "Python worker died)")
 
     # ------------------------------------------------------------------ Discovery
     def poll(self) -> Optional[list[HostSlots]]:
@@ -157,13 +160,17 @@ class TaskRegistry(Discovery):
             raise OSError(f"Spark task {host.host} went away")
         return task
 
-    def wait_for(self, count: int, timeout: float) -> None:
-        """Wait until ``count`` tasks are waiting (at most ``timeout`` seconds), so that the
-        first generation has the workers asked for (Horovod waits for them too): tasks that
-        register later are hosts added, which the job grows onto at a commit."""
+    def wait_for(self, count: int, timeout: float, stop: Callable[[], bool]) -> None:
+        """Wait until ``count`` tasks are waiting, ``timeout`` seconds passed or ``stop()``
+        (the Spark job ended), so that the first generation has the workers asked for
+        (Horovod waits for them too): tasks that register later are hosts added, which
+        the job grows onto at a commit."""
+        deadline = time.monotonic() + timeout
         with self.cond:
-            self.cond.wait_for(lambda: sum(s.state == "waiting" for s in self.slots.values())
-                               >= count, timeout)
+            while sum(s.state == "waiting" for s in self.slots.values()) < count:
+                if stop() or time.monotonic() > deadline:
+                    return
+                self.cond.wait(0.2)
 
     def end(self) -> None:
         """Step 4: every waiting task (and every later one) returns without training."""
@@ -214,9 +221,9 @@ class _ElasticTask:
         from ..elastic import _client
 
         saved = tw.set_environ(env)
+        watcher.start()
         try:
             with relayed(self.output, self.secret, env[_client.WORKER_VAR]):
-                watcher.start()
                 try:
                     record = tw.call(*self.call)
                 except SystemExit as e:  # told to leave (0), or fn exited
@@ -257,7 +264,8 @@ def run_job(what: str, sc: Any, fn: Callable[..., Any], args: Sequence[Any],
                         (driver_host, registry.port), relay.address)
     job = _SparkJob(sc, tasks, task)
     try:
-        registry.wait_for(settings.np, settings.elastic_timeout)
+        registry.wait_for(settings.np, settings.elastic_timeout,
+                          lambda: not job.thread.is_alive())
         driver = ElasticDriver(registry, registry, settings, driver_host, grace=5.0)
         code = drive(driver, None)
     finally:

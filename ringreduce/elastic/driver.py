@@ -3,7 +3,10 @@
 The driver starts workers on the discovered hosts, forms *generations* (a rank for every
 worker, the endpoint records relayed), and forms a new one when workers fail or hosts
 come and go. Workers talk to it through ``_client.py``; the rest of a generation's life
-(the ring, the engine's fail-fast) is the ordinary job's.
+(the ring, the engine's fail-fast) is the ordinary job's. How a worker is started is a
+``Spawn`` (``processes.py``): processes for ``ringrun``, Ray actors for
+``ringreduce.ray``'s elastic executor, Spark tasks for ``ringreduce.spark.run_elastic``;
+hosts come from a ``Discovery`` (``discovery.py``, Ray's nodes, Spark's tasks).
 
 State machine of a worker, as the driver sees it::
 

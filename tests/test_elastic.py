@@ -477,6 +477,22 @@ def test_a_host_back_from_its_cooldown_makes_the_members_rejoin():
         d.close()
 
 
+def test_a_worker_that_cannot_be_started_blacklists_its_host(capsys):
+    spawn = ProcessSpawner(["/nonexistent/ringreduce-worker"], {}, None, None, True)
+    d = ElasticDriver(spawn, FixedHosts([HostSlots("localhost", 1)]),
+                      ElasticSettings(1, 1, 1), "127.0.0.1", 1.0)
+    try:
+        with d.cond:  # as the driver's own loop holds it
+            d.hosts = [HostSlots("localhost", 1)]
+            d.fill()
+            assert d.workers == {} and "localhost" in d.blacklist
+        err = capsys.readouterr().err
+        assert "cannot start worker w1 on localhost (/nonexistent/ringreduce-worker: " in err
+        assert "blacklisting host localhost" in err
+    finally:
+        d.close()
+
+
 class _SlowHosts(Discovery):
     """A discovery script that takes ``seconds`` and finds no host."""
 

@@ -258,6 +258,8 @@ def test_single_process_without_launcher():
 
 _INTERRUPT_SCRIPT = """
 import os, signal, threading, time
+# a background job inherits SIGINT ignored, which would drop the Ctrl-C sent below
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import ringreduce as rr
 from ringreduce.testing import make_world
@@ -294,6 +296,8 @@ def test_ctrl_c_interrupts_a_wait_for_a_peer_that_never_comes():
 
 _INTERRUPTED_BLOCKING = """
 import os, signal, threading
+# a background job inherits SIGINT ignored, which would drop the Ctrl-C sent below
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import ringreduce as rr
 from ringreduce.testing import make_world
@@ -327,6 +331,8 @@ def test_an_interrupted_blocking_call_keeps_its_buffer_alive():
 
 _INTERRUPTED_JOIN = """
 import os, signal, threading, time
+# a background job inherits SIGINT ignored, which would drop the Ctrl-C sent below
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 from ringreduce.testing import make_world
 c0, c1 = make_world(2)

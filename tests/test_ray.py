@@ -37,7 +37,7 @@ def driver():
 @pytest.fixture(scope="module")
 def elastic():
     """The elastic cases (tests/workers/ray_elastic_driver.py), on a cluster of 2 nodes."""
-    return _run_driver("ray_elastic_driver.py", "fails_everywhere")
+    return _run_driver("ray_elastic_driver.py", "own_discovery")
 
 
 def _run_driver(script: str, last_case: str) -> dict:
@@ -249,6 +249,11 @@ def test_elastic_error_everywhere_is_raised(elastic):
     got = ok(elastic, "fails_everywhere")
     assert got["error"] == "ValueError" and got["message"].startswith("bad batch on rank ")
     assert "ElasticRayExecutor.run: rank " in got["cause"]
+
+
+def test_elastic_with_horovods_discovery_object(elastic):
+    values = ok(elastic, "own_discovery")  # find_available_hosts_and_slots(): {head IP: 2}
+    assert _sizes(values) == [2, 2, 2]
 
 
 def test_no_ray_process_outlives_the_elastic_driver(elastic):

@@ -183,6 +183,25 @@ def fails_everywhere():
     return {"raised": False}
 
 
+class OneNode:
+    """Horovod's discovery interface: the head's IP address, 2 slots."""
+
+    def find_available_hosts_and_slots(self):
+        return {ray.util.get_node_ip_address(): 2}
+
+
+@case
+def own_discovery():
+    """override_discovery=False: the hosts come from settings.discovery, named by IP."""
+    fresh_marks()
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2,
+                                                  elastic_timeout=60, discovery=OneNode())
+    ex = ElasticRayExecutor(settings, override_discovery=False,
+                            env_vars={"RR_MARKS": str(MARKS)})
+    ex.start()
+    return ex.run(lambda: train(epochs(3)))
+
+
 def main() -> int:
     tmp = os.environ.get("RR_RAY_TMP")
     Cluster_.cluster = Cluster(initialize_head=True, head_node_args={

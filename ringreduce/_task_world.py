@@ -207,8 +207,9 @@ def elastic_values(what: str, records: Sequence[Mapping[str, Any]], code: int,
         first = min(failed, key=lambda r: (r.get("peer_lost", False), r.get("at", 0.0)))
         reraise(first, f"{what}: rank {first['rank']}")
     if failure or code != 0:
-        raise RingReduceError(f"{what}: the job ended (exit code {code}): "
-                              f"{failure or 'a worker failed after training finished'}")
+        why = failure or (f"stopped by signal {code - 128}" if code > 128 else
+                          "a worker failed after training finished")
+        raise RingReduceError(f"{what}: the job ended (exit code {code}): {why}")
     by_rank = {r["rank"]: r["value"] for r in last if not r.get("left")}
     if not by_rank or sorted(by_rank) != list(range(len(by_rank))):
         raise RingReduceError(f"{what}: the last generation's ranks returned no values "

@@ -78,3 +78,24 @@ def test_returned_with_ranks_not_waited_for():
         tw.returned([None, {"ok": True, "value": 1}], "job")
     with pytest.raises(KeyError, match="missing shard"):
         tw.reraise(root, "rank 4")
+
+
+def test_elastic_values_take_the_last_generation():
+    def rec(rank, generation, value=None, ok=True, **kw):
+        return {"ok": ok, "value": value, "rank": rank, "generation": generation, **kw}
+
+    done = [rec(0, 0, "old"), rec(1, 1, "b"), rec(0, 1, "a"), rec(None, 0, left=True)]
+    assert tw.elastic_values("x", done, 0, None) == ["a", "b"]
+    try:
+        raise ValueError("bad batch")
+    except ValueError as e:
+        bad = {**tw.error_record(e), "rank": 1, "generation": 2}
+    with pytest.raises(ValueError, match="bad batch") as info:  # the generation's own error
+        tw.elastic_values("x", [rec(0, 2, "a"), bad], 1, "every host is blacklisted")
+    assert "x: rank 1 raised" in str(info.value.__cause__)
+    with pytest.raises(RingReduceError, match="ended .exit code 1.: too few workers"):
+        tw.elastic_values("x", [rec(0, 0, "a")], 1, "too few workers")
+    with pytest.raises(RingReduceError, match="exit code 130.: stopped by signal 2"):
+        tw.elastic_values("x", [rec(0, 0, "a")], 130, None)
+    with pytest.raises(RingReduceError, match="returned no values"):
+        tw.elastic_values("x", [rec(1, 0, "b")], 0, None)

@@ -156,6 +156,27 @@ def exit_record(e: SystemExit) -> dict:
             "text": f"SystemExit({e.code!r})", "traceback": "", "at": time.time()}
 
 
+def elastic_call(fn: Callable[..., Any], args: Sequence[Any] = (),
+                 kwargs: Optional[Mapping[str, Any]] = None) -> dict:
+    """One elastic worker's life in a process another system started (a Ray actor, a Spark
+    task): ``call``'s record, or ``exit_record`` for a worker the driver told to leave,
+    with the rank and generation it ended in. The process then leaves the job and forgets
+    it (Spark reuses its Python workers)."""
+    from . import shutdown
+    from .elastic import _client
+
+    try:
+        record = call(fn, args, kwargs)
+    except SystemExit as e:
+        record = exit_record(e)
+    finally:
+        shutdown()
+    record = {**record, "rank": _client.Membership.rank,
+              "generation": _client.Membership.generation}
+    _client.forget()
+    return record
+
+
 def reraise(record: Mapping[str, Any], who: str) -> NoReturn:
     """Raise a failed record's error again (a RingReduceError if it did not pickle), with
     its traceback text, headed by ``who``, as ``__cause__``."""

@@ -64,16 +64,8 @@ class Worker:
         """One elastic worker's life (``ringreduce/ray/elastic.py``): ``fn(*args,
         **kwargs)`` with the driver's variables in ``os.environ``; a record with the rank
         and generation it ended in, and its exit code (0 also for a worker told to leave)."""
-        from .. import shutdown
-        from ..elastic._client import Membership
-
         os.environ.update(env)
-        try:
-            record = tw.call(fn, args, kwargs)
-        except SystemExit as e:  # the driver told it to leave (code 0), or fn exited
-            record = tw.exit_record(e)
-        shutdown()
-        return {**record, "rank": Membership.rank, "generation": Membership.generation}
+        return tw.elastic_call(fn, args, kwargs)
 
     def value(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
               what: str) -> Any:

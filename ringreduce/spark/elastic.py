@@ -217,22 +217,14 @@ class _ElasticTask:
     def _train(self, watcher: threading.Thread, env: dict) -> dict:
         """``fn`` with ``env`` set, its output relayed, ``watcher`` running meanwhile; its
         record, with the rank and generation it ended in."""
-        from .. import shutdown
-        from ..elastic import _client
+        from ..elastic._client import WORKER_VAR
 
         saved = tw.set_environ(env)
         watcher.start()
         try:
-            with relayed(self.output, self.secret, env[_client.WORKER_VAR]):
-                try:
-                    record = tw.call(*self.call)
-                except SystemExit as e:  # told to leave (0), or fn exited
-                    record = tw.exit_record(e)
-            return {**record, "rank": _client.Membership.rank,
-                    "generation": _client.Membership.generation}
+            with relayed(self.output, self.secret, env[WORKER_VAR]):
+                return tw.elastic_call(*self.call)
         finally:
-            shutdown()
-            _client.forget()  # Spark reuses this Python worker
             tw.restore_environ(saved)
 
 

@@ -363,7 +363,11 @@ def padded_rank(rank: int, size: int) -> str:
 
 
 def _say(text: str) -> None:
-    print(f"ringrun: {text}", file=sys.stderr, flush=True)
+    # One write of the whole line: print() writes the text and its newline apart, and a
+    # rank's line relayed between the two (the pumps write from their own threads) got
+    # glued to ours ("... 1=w2@b[w3@c]: ...").
+    sys.stderr.write(f"ringrun: {text}\n")
+    sys.stderr.flush()
 
 
 # ------------------------------------------------------------------------------ job

@@ -1,6 +1,6 @@
 """The TensorFlow and Keras examples in real processes: accuracy, checkpoints, resume.
 
-Seven launches in all (each has a hard timeout and leaves no process behind, see
+Six launches in all (each has a hard timeout and leaves no process behind, see
 tests/procs.py); importing TensorFlow costs ~5 s per process, so the epochs are few.
 """
 
@@ -41,18 +41,18 @@ def files(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.timeout(4 * TIMEOUT + 60)
-def test_keras_example_np1_np2_and_resume(tmp_path):
+@pytest.mark.timeout(3 * TIMEOUT + 60)
+def test_keras_example_and_resume(tmp_path):
+    """At -np 2 only: the script's code is the same at any size, and a -np 1 launch cost
+    one more TensorFlow process (the suite's time is mostly TensorFlow imports)."""
     require_mpirun()
     epochs = 10
-    acc, ckpt = {}, {}
-    for np_ in (1, 2):
-        ckpt[np_] = tmp_path / f"np{np_}"
-        job = launch(np_, KERAS, ["--epochs", epochs, "--checkpoint-dir", ckpt[np_]])
-        acc[np_] = final_accuracy(job)
-        assert files(ckpt[np_]) == ["ckpt.json", "ckpt.keras"], f"-np {np_}"
-        assert json.loads((ckpt[np_] / "ckpt.json").read_text())["epoch"] == epochs
-    assert min(acc.values()) >= 0.95, f"final accuracies {acc}"
+    acc, ckpt = {}, {2: tmp_path / "np2"}
+    job = launch(2, KERAS, ["--epochs", epochs, "--checkpoint-dir", ckpt[2]])
+    acc[2] = final_accuracy(job)
+    assert files(ckpt[2]) == ["ckpt.json", "ckpt.keras"]
+    assert json.loads((ckpt[2] / "ckpt.json").read_text())["epoch"] == epochs
+    assert acc[2] >= 0.95, f"final accuracy {acc}"
 
     # Resuming a finished run trains no further and reports the same accuracy.
     saved = {name: (ckpt[2] / name).read_bytes() for name in files(ckpt[2])}

@@ -1,11 +1,12 @@
-"""ringreduce.keras in real processes (mpirun): model.fit equivalence, callbacks, checkpoints,
-load_model, and a rank dying inside model.fit, on the TensorFlow, torch and JAX backends.
-One launch per backend and case: TensorFlow imports are slow."""
+"""ringreduce.keras in real processes (the env-var launch): model.fit equivalence, callbacks,
+checkpoints, load_model, and a rank dying inside model.fit, on the TensorFlow, torch and JAX
+backends. One launch per backend runs every case (Keras imports cost ~10 CPU-seconds a
+process); the dying rank comes last."""
 
 from __future__ import annotations
 
 import pytest
-from procs import run_env_launch, run_mpi
+from procs import run_env_launch
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
@@ -18,11 +19,25 @@ def backend_env(backend: str) -> dict:
     return {"KERAS_BACKEND": backend, **({"JAX_ENABLE_X64": "1"} if backend == "jax" else {})}
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
-def test_keras_fit_equals_one_process_and_callbacks_work(tmp_path, backend):
-    job = run_mpi(2, "keras_worker.py", [tmp_path, "check"], timeout=180,
-                  env=backend_env(backend))
-    job.check_ok(expect_ranks=2)
+@pytest.fixture(scope="module", params=["tensorflow", "torch", "jax"])
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def job(backend, tmp_path_factory):
+    """One launch per backend: every case, then rank 1 exits inside ``fit``."""
+    job = run_env_launch(2, "keras_worker.py", [tmp_path_factory.mktemp(backend)],
+                         timeout=180, env=backend_env(backend))
+    assert not job.timed_out, job.describe()
+    assert job.event(1, "fit-error") is None, job.describe()  # rank 1 exited 17, not raised
+    assert [p.returncode for p in job.procs] == [3, 17], job.describe()
+    logs = job.logs()
+    assert all(f"OK rank {r}" in logs.get(r, []) for r in range(2)), job.describe()
+    return job
+
+
+def test_keras_fit_equals_one_process_and_callbacks_work(job, backend):
     for r in range(2):
         eq = {(e["opt"], e["passes"], e["keras_steps"]) + (("embedding",) * e["embedding"]): e
               for e in job.events("equivalence")[r]}
@@ -82,12 +97,7 @@ def test_keras_fit_equals_one_process_and_callbacks_work(tmp_path, backend):
     assert h5 == {**h5, "magic": b"\x89HDF".hex(), "same": True}, h5
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
-def test_a_rank_dying_inside_fit_raises_peer_lost_on_the_others(tmp_path, backend):
-    # the env-var launch: mpirun would kill rank 0 as soon as rank 1 exits
-    job = run_env_launch(2, "keras_worker.py", [tmp_path, "die"], timeout=120,
-                         env=backend_env(backend))
-    assert not job.timed_out, job.describe()
+def test_a_rank_dying_inside_fit_raises_peer_lost_on_the_others(job):
     err = job.event(0, "fit-error")
     assert err is not None, job.describe()
     assert err["cls"] == "PeerLostError" and err["rr"], err

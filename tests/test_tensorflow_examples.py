@@ -1,7 +1,8 @@
 """The TensorFlow and Keras examples in real processes: accuracy, checkpoints, resume.
 
-Six launches in all (each has a hard timeout and leaves no process behind, see
-tests/procs.py); importing TensorFlow costs ~5 s per process, so the epochs are few.
+Five launches in all (each has a hard timeout and leaves no process behind, see
+tests/procs.py); importing TensorFlow costs ~10 CPU-seconds per process, so the epochs
+are few and no launch repeats another's code.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ TF2 = EXAMPLES / "tf2_custom_loop.py"
 TF1 = EXAMPLES / "tf1_monitored_session.py"
 ENV = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
 TIMEOUT = 150  # seconds per launch; a launch takes ~10 s
-TEST_SIZE = 360  # test examples: one of them is worth 1 / TEST_SIZE of accuracy
 
 
 def launch(np_: int, script, args) -> Job:
@@ -41,36 +41,25 @@ def files(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.timeout(3 * TIMEOUT + 60)
+@pytest.mark.timeout(2 * TIMEOUT + 60)
 def test_keras_example_and_resume(tmp_path):
     """At -np 2 only: the script's code is the same at any size, and a -np 1 launch cost
-    one more TensorFlow process (the suite's time is mostly TensorFlow imports)."""
+    one more TensorFlow process (the suite's time is mostly TensorFlow imports). Two
+    launches: a finished run resumed (nothing to train) is the torch example's test."""
     require_mpirun()
     epochs = 10
-    acc, ckpt = {}, {2: tmp_path / "np2"}
-    job = launch(2, KERAS, ["--epochs", epochs, "--checkpoint-dir", ckpt[2]])
-    acc[2] = final_accuracy(job)
-    assert files(ckpt[2]) == ["ckpt.json", "ckpt.keras"]
-    assert json.loads((ckpt[2] / "ckpt.json").read_text())["epoch"] == epochs
-    assert acc[2] >= 0.95, f"final accuracy {acc}"
-
-    # Resuming a finished run trains no further and reports the same accuracy.
-    saved = {name: (ckpt[2] / name).read_bytes() for name in files(ckpt[2])}
-    args = ["--epochs", epochs, "--checkpoint-dir", ckpt[2], "--resume"]
-    job = launch(2, KERAS, args)
-    assert "nothing to train" in job.procs[0].stdout, job.describe()
-    assert abs(final_accuracy(job) - acc[2]) <= 1.01 / TEST_SIZE, (final_accuracy(job), acc[2])
-    assert {n: (ckpt[2] / n).read_bytes() for n in files(ckpt[2])} == saved, \
-        "a finished run was trained further"
+    job = launch(2, KERAS, ["--epochs", epochs, "--checkpoint-dir", tmp_path])
+    assert final_accuracy(job) >= 0.95
+    assert files(tmp_path) == ["ckpt.json", "ckpt.keras"]
+    assert json.loads((tmp_path / "ckpt.json").read_text())["epoch"] == epochs
 
     # Resuming with one more epoch runs just that epoch (Keras numbers epochs from 1).
-    args[1] = epochs + 1
-    job = launch(2, KERAS, args)
+    job = launch(2, KERAS, ["--epochs", epochs + 1, "--checkpoint-dir", tmp_path, "--resume"])
     out = job.procs[0].stdout
     assert f"Epoch {epochs + 1}/{epochs + 1}" in out and f"Epoch {epochs}/" not in out, out
     assert final_accuracy(job) >= 0.95
-    assert files(ckpt[2]) == ["ckpt.json", "ckpt.keras"]
-    assert json.loads((ckpt[2] / "ckpt.json").read_text())["epoch"] == epochs + 1
+    assert files(tmp_path) == ["ckpt.json", "ckpt.keras"]
+    assert json.loads((tmp_path / "ckpt.json").read_text())["epoch"] == epochs + 1
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 60)

@@ -169,12 +169,18 @@ def case(name, body):
     print(json.dumps(out, default=str), flush=True)
 
 
+# The daemons' options (tests/test_spark.py sets them) for the driver and executor JVMs too
+JVM_OPTIONS = os.environ.get("SPARK_DAEMON_JAVA_OPTS", "")
+
+
 def session(argv):
     """local[4], or the standalone cluster at argv[0] with the driver at argv[1]."""
     from pyspark.sql import SparkSession
 
     builder = (SparkSession.builder.appName("ringreduce-tests")
-               .config("spark.ui.enabled", "false").config("spark.driver.memory", "1g"))
+               .config("spark.ui.enabled", "false").config("spark.driver.memory", "1g")
+               .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+               .config("spark.executor.extraJavaOptions", JVM_OPTIONS))
     if not argv:
         return builder.master("local[4,3]").getOrCreate()  # 3 attempts a task, as a cluster
     spark = (builder.master(argv[0]).config("spark.driver.host", argv[1])

@@ -2,7 +2,7 @@
 under real ``mpirun -np 2``, with only the import changed: they train, the ranks end with
 the same weights, and rank 0 alone writes the checkpoints.
 
-Five launches (each has a hard timeout and leaves no process behind, see tests/procs.py),
+Four launches (each has a hard timeout and leaves no process behind, see tests/procs.py),
 each in a fresh directory: Horovod's scripts write their checkpoints to ``./``.
 """
 

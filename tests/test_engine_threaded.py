@@ -610,9 +610,12 @@ def test_a_name_refused_on_one_rank_can_be_used_again_at_once():
     calls while rank 0 has not yet made the refused one: rank 0's call raises, naming
     rank 1; every later call of the name runs on both (rank 1's early calls wait for
     the refused one to be decided instead of being dropped). Then both ranks refuse
-    the same call and use the name again; and a name refused while it was in flight
-    still fails the call in flight."""
+    the same call and use the name again. Last, a duplicate of a name in flight on rank 0
+    is refused there alone and the call in flight goes on: rank 1 submits it only once
+    rank 0 has checked (were rank 1 first, rank 0's call could finish before its second
+    one, which would then be a real call that rank 1 never makes: a stall, not a refusal)."""
     w = world(2)
+    checked = threading.Event()
 
     def body(c):
         r, got, errors = c.rank(), [], []
@@ -628,22 +631,25 @@ def test_a_name_refused_on_one_rank_can_be_used_again_at_once():
         with pytest.raises(rr.InvalidInputError):
             c.broadcast(np.ones(2), root_rank=7, name="y")  # refused on both
         got.append(c.broadcast(np.full(2, r + 5.0), root_rank=0, name="y"))
+        if r == 1:
+            assert checked.wait(60)
         h = c.allreduce_async(np.ones(3), op=rr.Sum, name="z")
-        try:
-            c.allreduce(np.ones(3), op=rr.Sum, name="z")  # z is in flight: refused
-        except rr.InvalidInputError as err:
-            errors.append(err)
-        try:
-            h.wait()
-        except rr.RingReduceError as err:
-            errors.append(err)
+        if r == 0:
+            try:
+                c.allreduce(np.ones(3), op=rr.Sum, name="z")  # z is in flight: refused
+            except rr.InvalidInputError as err:
+                errors.append(err)
+            finally:
+                checked.set()
+        got.append(h.wait())
         return got, errors
 
-    for got, errors in run_threaded(2, body, world=w, timeout=60):
-        assert [g.tolist() for g in got] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [5.0, 5.0]], got
-        # The duplicate raises at once; the call in flight fails too unless it had
-        # already been decided when rank 0 heard of the refusal.
-        assert isinstance(errors[0], rr.InvalidInputError) and len(errors) <= 2, errors
+    results = run_threaded(2, body, world=w, timeout=60)
+    for got, _ in results:
+        assert [g.tolist() for g in got] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [5.0, 5.0],
+                                             [2.0, 2.0, 2.0]], got
+    assert [type(e) for e in results[0][1]] == [rr.InvalidInputError], results[0][1]
+    assert results[1][1] == [], results[1][1]
 
 
 def engine_thread_count() -> int:

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 
 import ringreduce as rr
-from ringreduce.testing import environ
+from ringreduce.testing import environ, make_world
 
 DTYPES = [np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
           np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.bool_]
@@ -16,6 +16,12 @@ OPS = [rr.Sum, rr.Average, rr.Min, rr.Max, rr.Product]
 def env(**values: str):
     """Temporarily set RINGREDUCE_* variables (read when a Context is created)."""
     return environ(values)
+
+
+def world(n: int, **settings: str) -> list:
+    """``n`` threaded ranks whose Contexts read ``settings`` (RINGREDUCE_* variables)."""
+    with env(**settings):
+        return make_world(n)
 
 
 def contribution(rank: int, count: int, dtype, seed: int = 0) -> np.ndarray:

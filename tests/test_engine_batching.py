@@ -8,15 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from conftest import env
+from conftest import world
 
 import ringreduce as rr
-from ringreduce.testing import make_world, run_threaded
-
-
-def world(n, **settings):
-    with env(**settings):
-        return make_world(n)
+from ringreduce.testing import run_threaded
 
 
 def close(w):

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from test_engine_threaded import world
+from conftest import world
 
 import ringreduce as rr
 from ringreduce.testing import run_threaded

@@ -12,16 +12,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import env
+from conftest import env, world
 
 import ringreduce as rr
 from ringreduce import _core
 from ringreduce.testing import make_world, run_threaded
-
-
-def world(n, **settings):
-    with env(**settings):
-        return make_world(n)
 
 
 def grads(rank, count=12, seed=0):

@@ -605,12 +605,15 @@ def test_a_name_refused_on_one_rank_can_be_used_again_at_once():
     calls while rank 0 has not yet made the refused one: rank 0's call raises, naming
     rank 1; every later call of the name runs on both (rank 1's early calls wait for
     the refused one to be decided instead of being dropped). Then both ranks refuse
-    the same call and use the name again. Last, a duplicate of a name in flight on rank 0
-    is refused there alone and the call in flight goes on: rank 1 submits it only once
-    rank 0 has checked (were rank 1 first, rank 0's call could finish before its second
-    one, which would then be a real call that rank 1 never makes: a stall, not a refusal)."""
+    the same call and use the name again. Last, calls of a name in flight on rank 0 (a
+    duplicate, and a broadcast with a bad root) are refused there alone and the call in
+    flight goes on, every time (the bad root was once sent to rank 0 and failed the call
+    in flight, or, when that call finished first in a paired round, the name's next call
+    on rank 1). Rank 1 submits only once rank 0 has checked: were rank 1 first, rank 0's
+    call could finish before its second one, which would then be a real call that rank 1
+    never makes (a stall, not a refusal)."""
     w = world(2)
-    checked = threading.Event()
+    checked = [threading.Event() for _ in range(4)]
 
     def body(c):
         r, got, errors = c.rank(), [], []
@@ -626,24 +629,28 @@ def test_a_name_refused_on_one_rank_can_be_used_again_at_once():
         with pytest.raises(rr.InvalidInputError):
             c.broadcast(np.ones(2), root_rank=7, name="y")  # refused on both
         got.append(c.broadcast(np.full(2, r + 5.0), root_rank=0, name="y"))
-        if r == 1:
-            assert checked.wait(60)
-        h = c.allreduce_async(np.ones(3), op=rr.Sum, name="z")
-        if r == 0:
-            try:
-                c.allreduce(np.ones(3), op=rr.Sum, name="z")  # z is in flight: refused
-            except rr.InvalidInputError as err:
-                errors.append(err)
-            finally:
-                checked.set()
-        got.append(h.wait())
+        for i, done in enumerate(checked):
+            if r == 1:
+                assert done.wait(60)
+            h = c.allreduce_async(np.full(3, i + 1.0), op=rr.Sum, name="z")
+            if r == 0:
+                try:
+                    for again in (lambda: c.allreduce(np.ones(3), op=rr.Sum, name="z"),
+                                  lambda: c.broadcast(np.ones(3), root_rank=5, name="z")):
+                        with pytest.raises(rr.InvalidInputError) as err:
+                            again()
+                        errors.append(err.value)
+                finally:
+                    done.set()
+            got.append(h.wait())
         return got, errors
 
     results = run_threaded(2, body, world=w, timeout=60)
     for got, _ in results:
-        assert [g.tolist() for g in got] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [5.0, 5.0],
-                                             [2.0, 2.0, 2.0]], got
-    assert [type(e) for e in results[0][1]] == [rr.InvalidInputError], results[0][1]
+        assert [g.tolist() for g in got] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [5.0, 5.0]] + [
+            [2.0 * i] * 3 for i in range(1, 5)], got
+    assert [str(e).split("'z': ")[1][:14] for e in results[0][1]] == [
+        "a tensor of th", "root_rank must"] * 4, results[0][1]
     assert results[1][1] == [], results[1][1]
 
 

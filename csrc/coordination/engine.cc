@@ -293,13 +293,18 @@ std::shared_ptr<HandleState> Engine::submit(std::vector<Entry> entries) {
 
 // Every named entry of the refused call is reported: the other ranks wait
 // for each of them (a group's members, or the only one). A join is nothing
-// the others wait for by name.
+// the others wait for by name. A call naming a tensor this rank has in flight
+// is a duplicate, whatever else is wrong with it: refused here alone, taking
+// no place (as enqueue_locked refuses duplicates), so the call in flight goes
+// on. Reported, it could not say which call it refuses: the one in flight may
+// finish at rank 0 (a paired round, engine_pair.cc) before the refusal arrives.
 void Engine::reject_locked(const std::vector<Entry>& entries, const std::string& why) {
   if (failed_ || stopping_ || size_ == 1) return;
   for (const Entry& e : entries)
+    if (!e.join && in_flight_.count(e.meta.name)) return;
+  for (const Entry& e : entries)
     if (!e.join && !e.meta.name.empty())
-      rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why, e.meta.members,
-                                    in_flight_.count(e.meta.name) > 0});
+      rejected_.push_back(Rejection{e.meta.kind, e.meta.name, why, e.meta.members});
   has_work_.store(true);
   end_device_hold();  // a refusal goes out at once
   notify();

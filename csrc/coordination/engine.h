@@ -135,7 +135,6 @@ class Engine : private DriveToken::Driver {
     std::string name;
     std::string why;
     std::vector<int32_t> members;  // of its process set; empty for the global set
-    bool in_flight = false;        // the name was in flight here: the refusal fails that call
   };
   std::string unnamed_locked(const std::vector<int32_t>& members);
   void reject_locked(const std::vector<Entry>& entries, const std::string& why);

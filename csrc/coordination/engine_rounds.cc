@@ -39,15 +39,10 @@ std::vector<Entry> Engine::drain() {
     taken.swap(queue_);
     rejections_.swap(rejected_);
     rejected_.clear();
-    // A refusal of a name that was in flight when it was refused refers to that
-    // call only while the call is still in flight; once done (here, and so at
-    // rank 0 too), it refuses the name's next call.
-    for (Rejection& rj : rejections_) rj.in_flight = rj.in_flight && in_flight_.count(rj.name) > 0;
     has_work_.store(false);
     host_queued_.store(false);
   }
-  for (const Rejection& rj : rejections_)
-    if (!rj.in_flight) refused_names_.insert(rj.name);
+  for (const Rejection& rj : rejections_) refused_names_.insert(rj.name);
   return std::vector<Entry>(std::make_move_iterator(taken.begin()),
                             std::make_move_iterator(taken.end()));
 }
@@ -137,15 +132,12 @@ bool Engine::receive_requests(uint64_t k, const std::vector<uint8_t>& promise) {
   return paired;
 }
 
-// A rank's submissions and refusals of one round, in the order they happened
+// A rank's refusals and submissions of one round, in the order they happened
 // (decode_requests_from).
 void Engine::submit_in_order(int rank, std::vector<RequestMeta> submitted,
                              const std::vector<Rejection>& refused, double t) {
-  for (const Rejection& rj : refused)
-    if (!rj.in_flight) negotiator_->reject(rank, rejected_meta(rj), rj.why, t);
+  for (const Rejection& rj : refused) negotiator_->reject(rank, rejected_meta(rj), rj.why, t);
   for (RequestMeta& m : submitted) negotiator_->submit(rank, std::move(m), t);
-  for (const Rejection& rj : refused)
-    if (rj.in_flight) negotiator_->reject(rank, rejected_meta(rj), rj.why, t);
 }
 
 void Engine::worker_round() {
@@ -197,7 +189,6 @@ std::vector<uint8_t> Engine::encode_requests(const std::vector<Entry>& fresh, bo
     w.put_str(rj.why);
     w.put<uint32_t>(static_cast<uint32_t>(rj.members.size()));
     for (int32_t m : rj.members) w.put<int32_t>(m);
-    w.put<uint8_t>(rj.in_flight ? 1 : 0);
   }
   // then: the process sets this rank joined (join(process_set=))
   std::vector<const std::vector<int32_t>*> sets;
@@ -222,9 +213,9 @@ void Engine::decode_requests(int rank, const std::vector<uint8_t>& payload, doub
   }
 }
 
-// A rank's refusals of names it did not have in flight happened before its
-// submissions in the same message (a refused call raised before its caller
-// could call again), the others after (engine.h, Rejection::in_flight).
+// A rank's refusals happened before its submissions in the same message: a
+// refused call raised before its caller could call again, and a refusal of a
+// name in flight is never sent (reject_locked).
 void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload, double t) {
   ByteReader r(payload.data(), payload.size());
   const bool join = r.get<uint8_t>() != 0;
@@ -242,7 +233,6 @@ void Engine::decode_requests_from(int rank, const std::vector<uint8_t>& payload,
     rj.why = r.get_str();
     rj.members.resize(r.get<uint32_t>());
     for (int32_t& m : rj.members) m = r.get<int32_t>();
-    rj.in_flight = r.get<uint8_t>() != 0;
   }
   submit_in_order(rank, std::move(submitted), refused, t);
   const uint32_t sets = r.get<uint32_t>();

@@ -27,7 +27,7 @@ from ._gpu_calls import GpuCalls
 from ._gpu_collectives import GpuCollectives
 from ._handles import Handle, _oldest_done
 from ._pool import OutputPool
-from ._refusals import is_reported, mark_reported
+from ._refusals import is_reported, mark_reported, name_rank
 from .exceptions import InvalidInputError, call_label
 
 
@@ -610,13 +610,14 @@ class Communicator(GpuCalls, CompositeCalls):
         if is_reported(err):
             return
         mark_reported(err)
+        why = name_rank(err, self.rank())
         for name in names:
-            self._engine.reject(kind, self._name(name), f"rank {self.rank()}: {err}")
+            self._engine.reject(kind, self._name(name), why)
 
     def _refuse(self, kind: str, name: Optional[str], err: Exception) -> None:
         if not is_reported(err):  # once: a second report would skip an unnamed call's name
             mark_reported(err)
-            self._engine.reject(kind, self._name(name), f"rank {self.rank()}: {err}")
+            self._engine.reject(kind, self._name(name), name_rank(err, self.rank()))
 
     @staticmethod
     def _name(name: Optional[str]) -> str:

@@ -113,6 +113,8 @@ class CompositeCalls:
         bytes (a small object travels whole in it: one folded call), then, for a larger
         object, one broadcast of the rest.
         """
+        with self._refusing("broadcast", _part(name, "head")):  # its error names this call
+            self._check_root(root_rank, call_label("broadcast_object", name))
         root, inline = self.rank() == root_rank, _OBJECT_HEAD - 8
         head, payload = bytearray(_OBJECT_HEAD), b""
         if root:

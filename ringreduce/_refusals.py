@@ -38,6 +38,14 @@ def mark_reported(err: BaseException) -> None:
     setattr(err, _MARK, True)
 
 
+def name_rank(err: BaseException, rank: int) -> str:
+    """Start ``err``'s message with ``rank <rank>: `` (as the engine's own errors do), unless
+    it names a rank already; return the message."""
+    if err.args and isinstance(err.args[0], str) and not err.args[0].startswith("rank "):
+        err.args = (f"rank {rank}: {err.args[0]}",) + err.args[1:]
+    return str(err)
+
+
 def reports_refusals(kind: str, comm_of: Callable[[Any], Any],
                      eager: Optional[Callable[[], bool]] = None,
                      group: Optional[str] = None) -> Callable[[F], F]:

@@ -153,23 +153,27 @@ def test_scale_factors_must_be_finite_numbers(lonely, bad):
 
 
 def test_local_argument_errors(lonely):
+    """Each error names the rank and the call made (in Python's checks, as in the core's)."""
     c = lonely[0]
-    for call in (c.broadcast, c.broadcast_):  # errors name the call made
+    for call in (c.broadcast, c.broadcast_):
         with pytest.raises(rr.InvalidInputError, match="root_rank must be an int in") as err:
             call(np.zeros(3), root_rank=2)
-        assert (call.__name__ + ": ") in str(err.value), err.value
-    with pytest.raises(rr.InvalidInputError, match="op must be one of"):
-        c.allreduce(np.zeros(3), op=17)
-    with pytest.raises(rr.InvalidInputError, match="not supported for dtype bool"):
-        c.allreduce(np.zeros(3, bool), op=rr.Average)
-    with pytest.raises(rr.InvalidInputError, match="not defined for dtype bool"):
-        c.allreduce(np.zeros(3, bool), op=rr.Max, postscale_factor=2.0)
-    with pytest.raises(rr.InvalidInputError, match="0-d scalar"):
-        c.allgather(np.float32(1.0))
-    with pytest.raises(rr.InvalidInputError, match="summing to dim 0"):
-        c.alltoall(np.zeros(4), splits=[1, 1])
-    with pytest.raises(rr.InvalidInputError, match="does not divide"):
-        c.alltoall(np.zeros(3))
+        assert str(err.value).startswith(f"rank 0: {call.__name__}: "), err.value
+    with pytest.raises(rr.InvalidInputError, match="^rank 0: broadcast_object 'o': root_rank"):
+        c.broadcast_object({"a": 1}, root_rank=2, name="o")
+    for match, call in (
+            ("op must be one of", lambda: c.allreduce(np.zeros(3), op=17)),
+            ("not supported for dtype bool",
+             lambda: c.allreduce(np.zeros(3, bool), op=rr.Average)),
+            ("not defined for dtype bool",
+             lambda: c.allreduce(np.zeros(3, bool), op=rr.Max, postscale_factor=2.0)),
+            ("0-d scalar", lambda: c.allgather(np.float32(1.0))),
+            ("summing to dim 0", lambda: c.alltoall(np.zeros(4), splits=[1, 1])),
+            ("does not divide", lambda: c.alltoall(np.zeros(3))),
+            ("needs at least one array", lambda: c.grouped_allreduce([]))):
+        with pytest.raises(rr.InvalidInputError, match=match) as err:
+            call()
+        assert str(err.value).startswith("rank 0: "), err.value
 
 
 def test_zero_size_arrays(pair):

@@ -25,10 +25,14 @@ def digits_split(images: bool) -> tuple[np.ndarray, ...]:
 
 
 def pin_threads(tf: Any, local_size: int) -> None:
-    """Share the cores between the ranks on this host."""
+    """Share the cores between the ranks on this host (once per process: TensorFlow refuses
+    a change once it has run an op, e.g. for a second training in a notebook)."""
     import os
 
     threads = max(1, (os.cpu_count() or 1) // local_size)
+    if (tf.config.threading.get_intra_op_parallelism_threads(),
+            tf.config.threading.get_inter_op_parallelism_threads()) == (threads, threads):
+        return
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
 

@@ -1,8 +1,11 @@
 """The TensorFlow and Keras examples in real processes: accuracy, checkpoints, resume.
 
-Five launches in all (each has a hard timeout and leaves no process behind, see
-tests/procs.py); importing TensorFlow costs ~10 CPU-seconds per process, so the epochs
-are few and no launch repeats another's code.
+One ``mpirun -np 2`` launch runs the five scripts one after another in each rank's
+process (tests/script_jobs.py: TensorFlow's imports cost ~10 CPU-seconds per process):
+the Keras and the custom-loop examples, each resumed with one more epoch, and last the
+TF1 graph example (it leaves eager execution). The launch has a hard timeout and leaves
+no process behind (tests/procs.py). At -np 2 only: the scripts' code is the same at any
+size; a finished run resumed (nothing to train) is the torch example's test.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import json
 import re
 
 import pytest
-from procs import ROOT, Job, require_mpirun, run_mpi
+from procs import ROOT, require_mpirun
+from script_jobs import Script, ScriptJob, run_scripts
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
@@ -22,76 +26,76 @@ KERAS = EXAMPLES / "keras_train.py"
 TF2 = EXAMPLES / "tf2_custom_loop.py"
 TF1 = EXAMPLES / "tf1_monitored_session.py"
 ENV = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
-TIMEOUT = 150  # seconds per launch; a launch takes ~10 s
+TIMEOUT = 400  # seconds for the five; they take 60-90 s on the 2-core VM
+KERAS_EPOCHS, TF2_EPOCHS = 10, 8
 
 
-def launch(np_: int, script, args) -> Job:
-    job = run_mpi(np_, script, args, env=ENV, timeout=TIMEOUT)
-    job.check_ok()
-    return job
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> ScriptJob:
+    require_mpirun()
+    work = tmp_path_factory.mktemp("tf-examples")
+    keras_dir, tf2_dir, tf1_dir = work / "keras-ckpt", work / "tf2-ckpt", work / "tf1-ckpt"
+    scripts = [
+        Script("keras", KERAS, ["--epochs", KERAS_EPOCHS, "--checkpoint-dir", keras_dir],
+               keras_dir),
+        Script("tf2", TF2, ["--epochs", TF2_EPOCHS, "--checkpoint-dir", tf2_dir], tf2_dir),
+        Script("keras-resume", KERAS, ["--epochs", KERAS_EPOCHS + 1, "--checkpoint-dir",
+                                       keras_dir, "--resume"], keras_dir),
+        Script("tf2-resume", TF2, ["--epochs", TF2_EPOCHS + 1, "--checkpoint-dir", tf2_dir,
+                                   "--resume"], tf2_dir),
+        Script("tf1", TF1, ["--checkpoint-dir", tf1_dir], tf1_dir),
+    ]
+    return run_scripts(2, scripts, work, ENV, TIMEOUT)
 
 
-def final_accuracy(job: Job) -> float:
-    found = re.findall(r"final test accuracy: ([0-9.]+)", job.procs[0].stdout)
-    assert len(found) == 1, f"expected one accuracy line (from rank 0)\n{job.describe()}"
+def final_accuracy(run: Script) -> float:
+    found = re.findall(r"final test accuracy: ([0-9.]+)", run.output())
+    assert len(found) == 1, f"expected one accuracy line (from rank 0)\n{run.output()}"
+    assert "final test accuracy" not in run.output(1), run.output(1)
     return float(found[0])
 
 
-def files(directory) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
-
-
-@pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_keras_example_and_resume(tmp_path):
-    """At -np 2 only: the script's code is the same at any size, and a -np 1 launch cost
-    one more TensorFlow process (the suite's time is mostly TensorFlow imports). Two
-    launches: a finished run resumed (nothing to train) is the torch example's test."""
-    require_mpirun()
-    epochs = 10
-    job = launch(2, KERAS, ["--epochs", epochs, "--checkpoint-dir", tmp_path])
-    assert final_accuracy(job) >= 0.95
-    assert files(tmp_path) == ["ckpt.json", "ckpt.keras"]
-    assert json.loads((tmp_path / "ckpt.json").read_text())["epoch"] == epochs
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_keras_example_and_resume(job):
+    run = job.check("keras")
+    assert final_accuracy(run) >= 0.95
+    assert run.files() == ["ckpt.json", "ckpt.keras"]
 
     # Resuming with one more epoch runs just that epoch (Keras numbers epochs from 1).
-    job = launch(2, KERAS, ["--epochs", epochs + 1, "--checkpoint-dir", tmp_path, "--resume"])
-    out = job.procs[0].stdout
+    run = job.check("keras-resume")
+    out, epochs = run.output(), KERAS_EPOCHS
     assert f"Epoch {epochs + 1}/{epochs + 1}" in out and f"Epoch {epochs}/" not in out, out
-    assert final_accuracy(job) >= 0.95
-    assert files(tmp_path) == ["ckpt.json", "ckpt.keras"]
-    assert json.loads((tmp_path / "ckpt.json").read_text())["epoch"] == epochs + 1
-
-
-@pytest.mark.timeout(2 * TIMEOUT + 60)
-def test_tf2_custom_loop_example_and_resume(tmp_path):
-    require_mpirun()
-    epochs = 8
-    args = ["--epochs", epochs, "--checkpoint-dir", tmp_path]
-    job = launch(2, TF2, args)
-    assert final_accuracy(job) >= 0.95
-    assert f"epoch {epochs}/{epochs}:" in job.procs[0].stdout, job.describe()
-    assert files(tmp_path) == ["ckpt.pkl"]
-
-    # --resume with one more epoch continues from the checkpoint: that epoch only.
-    job = launch(2, TF2, ["--epochs", epochs + 1, "--checkpoint-dir", tmp_path, "--resume"])
-    epochs_run = re.findall(r"^epoch (\d+)/", job.procs[0].stdout, re.M)
-    assert epochs_run == [str(epochs + 1)], job.describe()
-    assert final_accuracy(job) >= 0.95
-    assert files(tmp_path) == ["ckpt.pkl"]
+    assert final_accuracy(run) >= 0.95
+    assert run.files() == ["ckpt.json", "ckpt.keras"]
+    assert json.loads((run.cwd / "ckpt.json").read_text())["epoch"] == epochs + 1
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-def test_tf1_monitored_session_example(tmp_path):
-    require_mpirun()
-    job = launch(2, TF1, ["--checkpoint-dir", tmp_path])
-    assert final_accuracy(job) >= 0.93
-    last = re.search(r"training steps 0 to (\d+) on 2 rank", job.procs[0].stdout)
-    assert last, job.describe()
+def test_tf2_custom_loop_example_and_resume(job):
+    run, epochs = job.check("tf2"), TF2_EPOCHS
+    assert final_accuracy(run) >= 0.95
+    assert f"epoch {epochs}/{epochs}:" in run.output(), run.output()
+    assert run.files() == ["ckpt.pkl"]
+
+    # --resume with one more epoch continues from the checkpoint: that epoch only.
+    run = job.check("tf2-resume")
+    epochs_run = re.findall(r"^epoch (\d+)/", run.output(), re.M)
+    assert epochs_run == [str(epochs + 1)], run.output()
+    assert final_accuracy(run) >= 0.95
+    assert run.files() == ["ckpt.pkl"]
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_tf1_monitored_session_example(job):
+    run = job.check("tf1")
+    assert final_accuracy(run) >= 0.93
+    last = re.search(r"training steps 0 to (\d+) on 2 rank", run.output())
+    assert last, run.output()
     # Rank 0 alone writes: TensorFlow's checkpoint files, and no temporary ones.
     allowed = re.compile(r"checkpoint|graph\.pbtxt|events\.out\.tfevents\.[\w.-]+|"
                          r"model\.ckpt-\d+\.(index|meta|data-\d{5}-of-\d{5})")
-    names = files(tmp_path)
+    names = run.files()
     assert all(allowed.fullmatch(n) for n in names), names
     assert f"model.ckpt-{last[1]}.index" in names, names
-    state = (tmp_path / "checkpoint").read_text()
+    state = (run.cwd / "checkpoint").read_text()
     assert re.match(rf'model_checkpoint_path: "[^"]*model\.ckpt-{last[1]}"\n', state), state

@@ -1,0 +1,70 @@
+"""Several example scripts in one ``mpirun`` job (tests/workers/run_scripts.py).
+
+Every TensorFlow process costs ~10 CPU-seconds of imports, most of the example tests'
+time: the scripts of one test module share one job, one after another in each rank's
+process, each with its own ``sys.argv``, working directory and output files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from procs import WORKERS, Job, run_mpi
+
+
+@dataclass
+class Script:
+    """One script of a job: what to run, where, and (once run) what rank 0 printed."""
+
+    label: str
+    script: Path
+    args: Sequence[object]
+    cwd: Path
+    prefix: Path = Path()
+
+    def output(self, rank: int = 0) -> str:
+        """What the script wrote to ``sys.stdout`` on ``rank``."""
+        return _read(self.prefix.with_name(f"{self.prefix.name}.{rank}.out"))
+
+    def errors(self, rank: int = 0) -> str:
+        return _read(self.prefix.with_name(f"{self.prefix.name}.{rank}.err"))
+
+    def files(self) -> list[str]:
+        """The files in its working directory once it ended (rank 0's view)."""
+        path = self.prefix.with_name(self.prefix.name + ".files")
+        return json.loads(path.read_text()) if path.exists() else []
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else f"(no {path.name})"
+
+
+@dataclass
+class ScriptJob:
+    job: Job
+    scripts: dict[str, Script]
+
+    def check(self, label: str, ranks: int = 2) -> Script:
+        """The script ``label``, after asserting that the job (and so every script before
+        and after it) ended well; otherwise every rank's errors of every script."""
+        if self.job.timed_out or any(p.returncode != 0 for p in self.job.procs):
+            errors = "\n".join(f"--- {s.label}, rank {r}, stderr:\n{s.errors(r)[-3000:]}"
+                               for s in self.scripts.values() for r in range(ranks))
+            raise AssertionError(f"the scripts' job failed\n{self.job.describe()}\n{errors}")
+        return self.scripts[label]
+
+
+def run_scripts(np_: int, scripts: Sequence[Script], workdir: Path,
+                env: Mapping[str, object], timeout: float) -> ScriptJob:
+    """Run ``scripts`` in order in one ``mpirun -np np_`` job; outputs go to ``workdir``."""
+    for s in scripts:
+        s.prefix = workdir / s.label
+        s.cwd.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "spec.json"
+    spec.write_text(json.dumps([{"script": str(s.script), "args": [str(a) for a in s.args],
+                                 "cwd": str(s.cwd), "out": str(s.prefix)} for s in scripts]))
+    job = run_mpi(np_, WORKERS / "run_scripts.py", [spec], env=env, timeout=timeout)
+    return ScriptJob(job, {s.label: s for s in scripts})

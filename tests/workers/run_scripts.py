@@ -1,0 +1,68 @@
+"""Run several scripts one after another in this process, each as ``python SCRIPT ARGS``
+would run it: as ``__main__``, with its own ``sys.argv``, ``sys.path[0]`` (the script's
+directory) and working directory.
+
+    mpirun -np 2 python run_scripts.py SPEC.json
+
+TensorFlow costs ~10 CPU-seconds to import in every process, so the example tests
+launch one job for all their scripts instead of one job per script. ``SPEC.json`` is a
+list of ``{"script": path, "args": [...], "cwd": dir, "out": prefix}``, run in order.
+Rank r writes each script's ``sys.stdout`` and ``sys.stderr`` to ``<prefix>.<r>.out``
+and ``.err``, and rank 0 the names of the files in ``cwd`` afterwards to
+``<prefix>.files`` (a JSON list). A script that raises (or exits non-zero) ends the
+run: its traceback in its ``.err``, exit status 1. Scripts that leave eager execution
+(TF1 graphs) must come last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import sys
+import traceback
+
+from workerlib import launch_rank
+
+
+def run_one(spec: dict, rank: int) -> bool:
+    """Run one script of the spec; whether it succeeded."""
+    prefix, here = spec["out"], os.getcwd()
+    with open(f"{prefix}.{rank}.out", "w") as out, open(f"{prefix}.{rank}.err", "w") as err, \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        sys.argv = [spec["script"]] + [str(a) for a in spec["args"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(spec["script"]))  # as python SCRIPT
+        os.chdir(spec["cwd"])
+        try:
+            runpy.run_path(spec["script"], run_name="__main__")
+            ok = True
+        except SystemExit as exit_:
+            ok = exit_.code in (None, 0)
+            if not ok:
+                print(f"exit status {exit_.code}", file=err)
+        except BaseException:
+            traceback.print_exc(file=err)
+            ok = False
+        finally:
+            os.chdir(here)
+    if rank == 0:
+        with open(f"{prefix}.files", "w") as f:
+            json.dump(sorted(os.listdir(spec["cwd"])), f)
+    return ok
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        specs = json.load(f)
+    rank = launch_rank()
+    for spec in specs:
+        print(f"rank {rank}: running {spec['script']} {spec['args']}", flush=True)
+        if not run_one(spec, rank):
+            print(f"rank {rank}: {spec['script']} failed: see {spec['out']}.{rank}.err",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,8 +34,12 @@ class Script:
 
     def files(self) -> list[str]:
         """The files in its working directory once it ended (rank 0's view)."""
+        return sorted(self.digests())
+
+    def digests(self) -> dict[str, str | None]:
+        """Those files' SHA-256 by name (a directory's: None)."""
         path = self.prefix.with_name(self.prefix.name + ".files")
-        return json.loads(path.read_text()) if path.exists() else []
+        return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _read(path: Path) -> str:

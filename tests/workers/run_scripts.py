@@ -8,8 +8,8 @@ TensorFlow costs ~10 CPU-seconds to import in every process, so the example test
 launch one job for all their scripts instead of one job per script. ``SPEC.json`` is a
 list of ``{"script": path, "args": [...], "cwd": dir, "out": prefix}``, run in order.
 Rank r writes each script's ``sys.stdout`` and ``sys.stderr`` to ``<prefix>.<r>.out``
-and ``.err``, and rank 0 the names of the files in ``cwd`` afterwards to
-``<prefix>.files`` (a JSON list). A script that raises (or exits non-zero) ends the
+and ``.err``, and rank 0 the SHA-256 of each file in ``cwd`` afterwards to
+``<prefix>.files`` (a JSON object by name). A script that raises (or exits non-zero) ends the
 run: its traceback in its ``.err``, exit status 1. Scripts that leave eager execution
 (TF1 graphs) must come last.
 """
@@ -17,6 +17,7 @@ run: its traceback in its ``.err``, exit status 1. Scripts that leave eager exec
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import runpy
@@ -48,8 +49,21 @@ def run_one(spec: dict, rank: int) -> bool:
             os.chdir(here)
     if rank == 0:
         with open(f"{prefix}.files", "w") as f:
-            json.dump(sorted(os.listdir(spec["cwd"])), f)
+            json.dump(digests(spec["cwd"]), f)
     return ok
+
+
+def digests(directory: str) -> dict:
+    """Each file's SHA-256 by name (a directory's: None)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isdir(path):
+            out[name] = None
+        else:
+            with open(path, "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from procs import ROOT, run_env_launch, run_mpi
+from procs import ROOT, require_mpirun, run_env_launch, run_mpi
+from script_jobs import Script, run_scripts
 
 pytest.importorskip("jax")
 pytest.importorskip("optax")
@@ -40,17 +41,20 @@ def test_a_rank_dying_inside_a_jitted_step_raises_peer_lost(tmp_path):
     assert job.event(0, "step-error-after")["seconds"] < 30
 
 
+@pytest.mark.timeout(300)
 def test_jax_example_trains_checkpoints_and_resumes(tmp_path):
+    """Trains, then resumes the finished run (no epoch trains, the same accuracy): one
+    launch runs both (tests/script_jobs.py)."""
     pytest.importorskip("sklearn")
-    script = ROOT / "examples" / "jax_train.py"
-    ckpt = tmp_path / "ckpt"
-    job = run_mpi(2, script, ["--checkpoint-dir", ckpt], timeout=180)
-    job.check_ok()
-    acc = [float(a) for a in re.findall(r"final test accuracy: ([0-9.]+)",
-                                        job.procs[0].stdout)]
-    assert len(acc) == 1 and acc[0] >= 0.95, job.describe()
-    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt.pkl"]
-    again = run_mpi(2, script, ["--checkpoint-dir", ckpt, "--resume"], timeout=180)
-    again.check_ok()  # a finished run: no epoch trains, the same accuracy
-    assert "epoch " not in again.procs[0].stdout, again.describe()
-    assert f"final test accuracy: {acc[0]:.4f}" in again.procs[0].stdout, again.describe()
+    require_mpirun()
+    script, ckpt = ROOT / "examples" / "jax_train.py", tmp_path / "ckpt"
+    job = run_scripts(2, [Script("train", script, ["--checkpoint-dir", ckpt], ckpt),
+                          Script("resume", script, ["--checkpoint-dir", ckpt, "--resume"],
+                                 ckpt)], tmp_path, {}, 240)
+    out = job.check("train").output()
+    acc = [float(a) for a in re.findall(r"final test accuracy: ([0-9.]+)", out)]
+    assert len(acc) == 1 and acc[0] >= 0.95, out
+    assert job.check("train").files() == ["ckpt.pkl"]
+    again = job.check("resume").output()
+    assert "epoch " not in again, again
+    assert f"final test accuracy: {acc[0]:.4f}" in again, again

@@ -25,16 +25,16 @@ def digits_split(images: bool) -> tuple[np.ndarray, ...]:
 
 
 def pin_threads(tf: Any, local_size: int) -> None:
-    """Share the cores between the ranks on this host (once per process: TensorFlow refuses
-    a change once it has run an op, e.g. for a second training in a notebook)."""
+    """Share the cores between the ranks on this host. Once TensorFlow has run an op in this
+    process (a notebook, an earlier training) its thread pools are fixed: they stay."""
     import os
 
     threads = max(1, (os.cpu_count() or 1) // local_size)
-    if (tf.config.threading.get_intra_op_parallelism_threads(),
-            tf.config.threading.get_inter_op_parallelism_threads()) == (threads, threads):
-        return
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError:  # "cannot be modified after initialization"
+        pass
 
 
 def train_and_report(rr: Any, train: Callable[[Any], float], args: Any) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 import ringreduce as rr
 from ringreduce.testing import environ, make_world
@@ -87,3 +88,15 @@ def tolerance(dtype, op: int, n: int) -> float:
         return 0.0
     eps = {2: 2 ** -8 if dt.name == "bfloat16" else 2 ** -11, 4: 2 ** -24, 8: 2 ** -53}
     return 4 * n * eps[dt.itemsize]
+
+
+@pytest.fixture(scope="session")
+def tensorflow_scripts(tmp_path_factory):
+    """The TensorFlow examples, Horovod's and ours, in one launch (tests/script_jobs.py):
+    tests/test_tensorflow_examples.py and test_tensorflow_horovod_examples.py check its
+    parts."""
+    from procs import require_mpirun
+    from script_jobs import tensorflow_job
+
+    require_mpirun()
+    return tensorflow_job(tmp_path_factory.mktemp("tensorflow-scripts"))

@@ -1,8 +1,10 @@
-"""Several example scripts in one ``mpirun`` job (tests/workers/run_scripts.py).
+"""Several scripts in one ``mpirun`` job (tests/workers/run_scripts.py).
 
 Every TensorFlow process costs ~10 CPU-seconds of imports, most of the example tests'
-time: the scripts of one test module share one job, one after another in each rank's
-process, each with its own ``sys.argv``, working directory and output files.
+time: the scripts share a job, one after another in each rank's process, each with its
+own ``sys.argv``, working directory and output files. ``tensorflow_job`` is the one job
+of the TensorFlow examples, Horovod's and ours (conftest.py's session fixture
+``tensorflow_scripts``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from procs import WORKERS, Job, run_mpi
+from procs import ROOT, WORKERS, Job, run_mpi
 
 
 @dataclass
@@ -72,3 +74,36 @@ def run_scripts(np_: int, scripts: Sequence[Script], workdir: Path,
                                  "cwd": str(s.cwd), "out": str(s.prefix)} for s in scripts]))
     job = run_mpi(np_, WORKERS / "run_scripts.py", [spec], env=env, timeout=timeout)
     return ScriptJob(job, {s.label: s for s in scripts})
+
+
+TF_ENV = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+TF_TIMEOUT = 600  # seconds for the nine; they take ~90 s on the 2-core VM
+KERAS_EPOCHS, TF2_EPOCHS = 10, 8  # our Keras and custom-loop examples
+
+
+def tensorflow_job(work: Path) -> ScriptJob:
+    """The TensorFlow examples, the two TF1 graph ones last (they leave eager execution).
+    Test workers stay out: they change process-wide settings (Keras' floatx) for their
+    checks, which the examples would inherit."""
+    examples, horovod = ROOT / "examples", ROOT / "examples" / "horovod"
+    keras_dir, tf2_dir = work / "keras-ckpt", work / "tf2-ckpt"
+    keras = ["--epochs", KERAS_EPOCHS, "--checkpoint-dir", keras_dir]
+    tf2 = ["--epochs", TF2_EPOCHS, "--checkpoint-dir", tf2_dir]
+    scripts = [
+        Script("hvd-keras", horovod / "tensorflow2_keras_mnist.py", [], work / "hvd-keras"),
+        Script("hvd-tf2", horovod / "tensorflow2_mnist.py", [], work / "hvd-tf2"),
+        Script("hvd-synthetic", horovod / "tensorflow2_synthetic_benchmark.py",
+               ["--fp16-allreduce", "--num-iters", 2, "--num-batches-per-iter", 1,
+                "--num-warmup-batches", 1, "--batch-size", 4], work / "hvd-synthetic"),
+        Script("keras", examples / "keras_train.py", keras, keras_dir),
+        Script("tf2", examples / "tf2_custom_loop.py", tf2, tf2_dir),
+        Script("keras-resume", examples / "keras_train.py",
+               ["--epochs", KERAS_EPOCHS + 1, *keras[2:], "--resume"], keras_dir),
+        Script("tf2-resume", examples / "tf2_custom_loop.py",
+               ["--epochs", TF2_EPOCHS + 1, *tf2[2:], "--resume"], tf2_dir),
+        Script("tf1", examples / "tf1_monitored_session.py",
+               ["--checkpoint-dir", work / "tf1-ckpt"], work / "tf1-ckpt"),
+        # last: tf.disable_v2_behavior() also turns off resource variables, for good
+        Script("hvd-tf1", horovod / "tensorflow_mnist.py", ["--use-adasum"], work / "hvd-tf1"),
+    ]
+    return run_scripts(2, scripts, work, TF_ENV, TF_TIMEOUT)

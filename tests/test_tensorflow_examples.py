@@ -1,11 +1,10 @@
 """The TensorFlow and Keras examples in real processes: accuracy, checkpoints, resume.
 
-One ``mpirun -np 2`` launch runs the five scripts one after another in each rank's
-process (tests/script_jobs.py: TensorFlow's imports cost ~10 CPU-seconds per process):
-the Keras and the custom-loop examples, each resumed with one more epoch, and last the
-TF1 graph example (it leaves eager execution). The launch has a hard timeout and leaves
-no process behind (tests/procs.py). At -np 2 only: the scripts' code is the same at any
-size; a finished run resumed (nothing to train) is the torch example's test.
+They run in the suite's one TensorFlow launch (conftest.py's ``tensorflow_scripts``,
+tests/script_jobs.py: TensorFlow's imports cost ~10 CPU-seconds per process): the Keras
+and the custom-loop examples, each resumed with one more epoch, and the TF1 graph
+example. At -np 2 only: the scripts' code is the same at any size; a finished run
+resumed (nothing to train) is the torch example's test.
 """
 
 from __future__ import annotations
@@ -14,38 +13,11 @@ import json
 import re
 
 import pytest
-from procs import ROOT, require_mpirun
-from script_jobs import Script, ScriptJob, run_scripts
+from script_jobs import KERAS_EPOCHS, TF2_EPOCHS, TF_TIMEOUT, Script
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 pytest.importorskip("sklearn")
-
-EXAMPLES = ROOT / "examples"
-KERAS = EXAMPLES / "keras_train.py"
-TF2 = EXAMPLES / "tf2_custom_loop.py"
-TF1 = EXAMPLES / "tf1_monitored_session.py"
-ENV = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
-TIMEOUT = 400  # seconds for the five; they take 60-90 s on the 2-core VM
-KERAS_EPOCHS, TF2_EPOCHS = 10, 8
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> ScriptJob:
-    require_mpirun()
-    work = tmp_path_factory.mktemp("tf-examples")
-    keras_dir, tf2_dir, tf1_dir = work / "keras-ckpt", work / "tf2-ckpt", work / "tf1-ckpt"
-    scripts = [
-        Script("keras", KERAS, ["--epochs", KERAS_EPOCHS, "--checkpoint-dir", keras_dir],
-               keras_dir),
-        Script("tf2", TF2, ["--epochs", TF2_EPOCHS, "--checkpoint-dir", tf2_dir], tf2_dir),
-        Script("keras-resume", KERAS, ["--epochs", KERAS_EPOCHS + 1, "--checkpoint-dir",
-                                       keras_dir, "--resume"], keras_dir),
-        Script("tf2-resume", TF2, ["--epochs", TF2_EPOCHS + 1, "--checkpoint-dir", tf2_dir,
-                                   "--resume"], tf2_dir),
-        Script("tf1", TF1, ["--checkpoint-dir", tf1_dir], tf1_dir),
-    ]
-    return run_scripts(2, scripts, work, ENV, TIMEOUT)
 
 
 def final_accuracy(run: Script) -> float:
@@ -55,14 +27,14 @@ def final_accuracy(run: Script) -> float:
     return float(found[0])
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_keras_example_and_resume(job):
-    run = job.check("keras")
+@pytest.mark.timeout(TF_TIMEOUT + 60)
+def test_keras_example_and_resume(tensorflow_scripts):
+    run = tensorflow_scripts.check("keras")
     assert final_accuracy(run) >= 0.95
     assert run.files() == ["ckpt.json", "ckpt.keras"]
 
     # Resuming with one more epoch runs just that epoch (Keras numbers epochs from 1).
-    run = job.check("keras-resume")
+    run = tensorflow_scripts.check("keras-resume")
     out, epochs = run.output(), KERAS_EPOCHS
     assert f"Epoch {epochs + 1}/{epochs + 1}" in out and f"Epoch {epochs}/" not in out, out
     assert final_accuracy(run) >= 0.95
@@ -70,24 +42,24 @@ def test_keras_example_and_resume(job):
     assert json.loads((run.cwd / "ckpt.json").read_text())["epoch"] == epochs + 1
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_tf2_custom_loop_example_and_resume(job):
-    run, epochs = job.check("tf2"), TF2_EPOCHS
+@pytest.mark.timeout(TF_TIMEOUT + 60)
+def test_tf2_custom_loop_example_and_resume(tensorflow_scripts):
+    run, epochs = tensorflow_scripts.check("tf2"), TF2_EPOCHS
     assert final_accuracy(run) >= 0.95
     assert f"epoch {epochs}/{epochs}:" in run.output(), run.output()
     assert run.files() == ["ckpt.pkl"]
 
     # --resume with one more epoch continues from the checkpoint: that epoch only.
-    run = job.check("tf2-resume")
+    run = tensorflow_scripts.check("tf2-resume")
     epochs_run = re.findall(r"^epoch (\d+)/", run.output(), re.M)
     assert epochs_run == [str(epochs + 1)], run.output()
     assert final_accuracy(run) >= 0.95
     assert run.files() == ["ckpt.pkl"]
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_tf1_monitored_session_example(job):
-    run = job.check("tf1")
+@pytest.mark.timeout(TF_TIMEOUT + 60)
+def test_tf1_monitored_session_example(tensorflow_scripts):
+    run = tensorflow_scripts.check("tf1")
     assert final_accuracy(run) >= 0.93
     last = re.search(r"training steps 0 to (\d+) on 2 rank", run.output())
     assert last, run.output()

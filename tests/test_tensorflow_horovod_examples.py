@@ -2,11 +2,9 @@
 under real ``mpirun -np 2``, with only the import changed: they train, the ranks end with
 the same weights, and rank 0 alone writes the checkpoints.
 
-One launch runs the four scripts one after another in each rank's process
-(tests/script_jobs.py: TensorFlow's imports cost ~10 CPU-seconds per process), each in
-a fresh directory (Horovod's scripts write their checkpoints to ``./``); the TF1 graph
-script last, since it leaves eager execution. The launch has a hard timeout and leaves
-no process behind (tests/procs.py).
+They run in the suite's one TensorFlow launch (conftest.py's ``tensorflow_scripts``,
+tests/script_jobs.py: TensorFlow's imports cost ~10 CPU-seconds per process), each in a
+fresh directory (Horovod's scripts write their checkpoints to ``./``).
 """
 
 from __future__ import annotations
@@ -14,34 +12,15 @@ from __future__ import annotations
 import re
 
 import pytest
-from procs import ROOT, require_mpirun
-from script_jobs import Script, ScriptJob, run_scripts
+from script_jobs import TF_TIMEOUT
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 pytest.importorskip("sklearn")
 
-EXAMPLES = ROOT / "examples" / "horovod"
-ENV = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
-TIMEOUT = 300  # seconds for the four; they take 60-90 s on the 2-core VM
 MIN_ACCURACY = 0.93  # measured 0.975-0.986 at -np 2 (README, "Horovod's own examples")
 RESULT = re.compile(r"final test accuracy: ([0-9.]+) \(ranks: ([0-9., ]+); "
                     r"weight checksums: ([-0-9.e+, ]+)\)")
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> ScriptJob:
-    require_mpirun()
-    work = tmp_path_factory.mktemp("horovod-tf")
-    scripts = [
-        Script("keras", EXAMPLES / "tensorflow2_keras_mnist.py", [], work / "keras"),
-        Script("tf2", EXAMPLES / "tensorflow2_mnist.py", [], work / "tf2"),
-        Script("synthetic", EXAMPLES / "tensorflow2_synthetic_benchmark.py",
-               ["--fp16-allreduce", "--num-iters", 2, "--num-batches-per-iter", 1,
-                "--num-warmup-batches", 1, "--batch-size", 4], work / "synthetic"),
-        Script("tf1", EXAMPLES / "tensorflow_mnist.py", ["--use-adasum"], work / "tf1"),
-    ]
-    return run_scripts(2, scripts, work, ENV, TIMEOUT)
 
 
 def agreed_accuracy(out: str) -> float:
@@ -55,9 +34,9 @@ def agreed_accuracy(out: str) -> float:
     return float(acc)
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_tensorflow2_keras_mnist(job):
-    run = job.check("keras")
+@pytest.mark.timeout(TF_TIMEOUT + 60)
+def test_tensorflow2_keras_mnist(tensorflow_scripts):
+    run = tensorflow_scripts.check("hvd-keras")
     out = run.output()
     assert agreed_accuracy(out) >= MIN_ACCURACY
     # LearningRateWarmupCallback(initial_lr=0.001 * size(), warmup_epochs=3, verbose=1)
@@ -65,9 +44,9 @@ def test_tensorflow2_keras_mnist(job):
     assert run.files() == [f"checkpoint-{e}.h5" for e in range(1, 9)]
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_tensorflow2_mnist(job):
-    run = job.check("tf2")
+@pytest.mark.timeout(TF_TIMEOUT + 60)
+def test_tensorflow2_mnist(tensorflow_scripts):
+    run = tensorflow_scripts.check("hvd-tf2")
     assert agreed_accuracy(run.output()) >= MIN_ACCURACY
     steps = re.findall(r"^Step #(\d+)\tLoss: ([0-9.]+)$", run.output(), re.M)
     assert [int(s) for s, _ in steps] == list(range(0, 200, 10)), steps  # 400 // size()
@@ -76,11 +55,11 @@ def test_tensorflow2_mnist(job):
                            "checkpoints-1.index"]
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_tensorflow_mnist_tf1_graph_with_adasum(job):
+@pytest.mark.timeout(TF_TIMEOUT + 60)
+def test_tensorflow_mnist_tf1_graph_with_adasum(tensorflow_scripts):
     """With --use-adasum only: the averaging path of a TF1 graph under mpirun is
     tests/test_tensorflow_examples.py's MonitoredTrainingSession example."""
-    run = job.check("tf1")
+    run = tensorflow_scripts.check("hvd-tf1")
     found = re.findall(r"final test accuracy: ([0-9.]+) \((\d+)/(\d+)\)", run.output())
     assert len(found) == 1, run.output()
     assert float(found[0][0]) >= MIN_ACCURACY and found[0][2] == "360", found
@@ -92,7 +71,7 @@ def test_tensorflow_mnist_tf1_graph_with_adasum(job):
     assert state.startswith('model_checkpoint_path: "model.ckpt-200"'), state
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-def test_tensorflow2_synthetic_benchmark_fp16(job):
-    out = job.check("synthetic").output()
+@pytest.mark.timeout(TF_TIMEOUT + 60)
+def test_tensorflow2_synthetic_benchmark_fp16(tensorflow_scripts):
+    out = tensorflow_scripts.check("hvd-synthetic").output()
     assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+ \+-[0-9.]+", out), out

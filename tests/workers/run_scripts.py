@@ -11,7 +11,7 @@ Rank r writes each script's ``sys.stdout`` and ``sys.stderr`` to ``<prefix>.<r>.
 and ``.err``, and rank 0 the SHA-256 of each file in ``cwd`` afterwards to
 ``<prefix>.files`` (a JSON object by name). A script that raises (or exits non-zero) ends the
 run: its traceback in its ``.err``, exit status 1. Scripts that leave eager execution
-(TF1 graphs) must come last.
+(TF1 graphs) must come last; each starts with an empty default TensorFlow graph.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from workerlib import launch_rank
 def run_one(spec: dict, rank: int) -> bool:
     """Run one script of the spec; whether it succeeded."""
     prefix, here = spec["out"], os.getcwd()
+    if "tensorflow" in sys.modules:  # an empty default graph, as a fresh process has
+        sys.modules["tensorflow"].compat.v1.reset_default_graph()
     with open(f"{prefix}.{rank}.out", "w") as out, open(f"{prefix}.{rank}.err", "w") as err, \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sys.argv = [spec["script"]] + [str(a) for a in spec["args"]]

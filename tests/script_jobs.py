@@ -10,6 +10,7 @@ of the TensorFlow examples, Horovod's and ours (conftest.py's session fixture
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,14 @@ class Script:
         """Those files' SHA-256 by name (a directory's: None)."""
         path = self.prefix.with_name(self.prefix.name + ".files")
         return json.loads(path.read_text()) if path.exists() else {}
+
+
+def final_accuracy(run: Script) -> float:
+    """The accuracy an example printed at its end, on rank 0 alone."""
+    found = re.findall(r"final test accuracy: ([0-9.]+)", run.output())
+    assert len(found) == 1, f"expected one accuracy line (from rank 0)\n{run.output()}"
+    assert "final test accuracy" not in run.output(1), run.output(1)
+    return float(found[0])
 
 
 def _read(path: Path) -> str:

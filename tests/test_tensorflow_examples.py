@@ -13,18 +13,11 @@ import json
 import re
 
 import pytest
-from script_jobs import KERAS_EPOCHS, TF2_EPOCHS, TF_TIMEOUT, Script
+from script_jobs import KERAS_EPOCHS, TF2_EPOCHS, TF_TIMEOUT, final_accuracy
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 pytest.importorskip("sklearn")
-
-
-def final_accuracy(run: Script) -> float:
-    found = re.findall(r"final test accuracy: ([0-9.]+)", run.output())
-    assert len(found) == 1, f"expected one accuracy line (from rank 0)\n{run.output()}"
-    assert "final test accuracy" not in run.output(1), run.output(1)
-    return float(found[0])
 
 
 @pytest.mark.timeout(TF_TIMEOUT + 60)

@@ -15,7 +15,7 @@ import re
 
 import pytest
 from procs import ROOT, require_mpirun
-from script_jobs import Script, ScriptJob, run_scripts
+from script_jobs import Script, ScriptJob, final_accuracy, run_scripts
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -48,13 +48,6 @@ def job(tmp_path_factory) -> ScriptJob:
                 "--batch-size", 4], work / "synthetic"),
     ]
     return run_scripts(2, scripts, work, {}, TIMEOUT)
-
-
-def final_accuracy(run: Script) -> float:
-    found = re.findall(r"final test accuracy: ([0-9.]+)", run.output())
-    assert len(found) == 1, f"expected one accuracy line (from rank 0)\n{run.output()}"
-    assert "final test accuracy" not in run.output(1), run.output(1)
-    return float(found[0])
 
 
 @pytest.mark.timeout(TIMEOUT + 60)

@@ -26,6 +26,7 @@ class Script:
     script: Path
     args: Sequence[object]
     cwd: Path
+    fails: bool = False  # expected to raise on every rank (its errors: ``errors(rank)``)
     prefix: Path = Path()
 
     def output(self, rank: int = 0) -> str:
@@ -80,7 +81,8 @@ def run_scripts(np_: int, scripts: Sequence[Script], workdir: Path,
         s.cwd.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.json"
     spec.write_text(json.dumps([{"script": str(s.script), "args": [str(a) for a in s.args],
-                                 "cwd": str(s.cwd), "out": str(s.prefix)} for s in scripts]))
+                                 "cwd": str(s.cwd), "out": str(s.prefix), "fails": s.fails}
+                                for s in scripts]))
     job = run_mpi(np_, WORKERS / "run_scripts.py", [spec], env=env, timeout=timeout)
     return ScriptJob(job, {s.label: s for s in scripts})
 

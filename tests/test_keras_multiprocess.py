@@ -74,7 +74,8 @@ def test_keras_fit_equals_one_process_and_callbacks_work(job, backend):
         # arithmetic on these data in one process, up to 3e-5 in the input gradient
         sbn = job.event(r, "sync-bn")
         loose = backend != "tensorflow"
-        assert sbn["single"] == 0.0 and sbn["fit"] <= (1e-6 if loose else tol), sbn
+        assert sbn["single"] == (0.0 if r == 0 else None), sbn  # a one-rank world: rank 0's
+        assert sbn["fit"] <= (1e-6 if loose else tol), sbn
         for case, d in sbn["layer"].items():
             assert max(d.values()) <= (1e-4 if loose else 1e-12), (case, d)
         lazy = job.event(r, "lazy")

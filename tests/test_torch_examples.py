@@ -1,9 +1,10 @@
 """The PyTorch examples under real ``mpirun -np 2``: the README's quick start
-(``examples/pytorch_train.py``: accuracy, checkpoint, resume), the Horovod-style script,
+(``examples/pytorch_train.py``: accuracy, checkpoint, resume, a resume without a checkpoint
+failing on every rank), the Horovod-style script,
 and Horovod's own PyTorch examples (digits instead of MNIST; the synthetic benchmark)
 with only the import changed, Adasum and fp16 compression included.
 
-One launch runs the seven scripts one after another in each rank's process
+One launch runs the eight scripts one after another in each rank's process
 (tests/script_jobs.py: each torch process costs ~8 CPU-seconds of imports). At -np 2
 only: the scripts' code is the same at any size. The launch has a hard timeout and
 leaves no process behind (tests/procs.py).
@@ -25,7 +26,7 @@ EXAMPLE = ROOT / "examples" / "pytorch_train.py"
 HOROVOD_STYLE = ROOT / "examples" / "horovod_style.py"
 HOROVOD = ROOT / "examples" / "horovod"
 EPOCHS = 8
-TIMEOUT = 300  # seconds for the seven; they take ~60 s on the 2-core VM
+TIMEOUT = 300  # seconds for the eight; they take ~60 s on the 2-core VM
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def job(tmp_path_factory) -> ScriptJob:
         Script("resume-finished", EXAMPLE, [*train, "--resume"], ckpt),
         Script("resume-more", EXAMPLE, ["--epochs", EPOCHS + 1, "--checkpoint-dir", ckpt,
                                         "--resume"], ckpt),
+        Script("resume-missing", EXAMPLE, ["--epochs", 1, "--checkpoint-dir", work / "none",
+                                           "--resume"], work / "none", fails=True),
         Script("horovod-style", HOROVOD_STYLE, [], work / "horovod-style"),
         Script("mnist", HOROVOD / "pytorch_mnist.py", ["--epochs", 8], work / "mnist"),
         Script("mnist-adasum-fp16", HOROVOD / "pytorch_mnist.py",
@@ -68,6 +71,14 @@ def test_pytorch_example_and_resume(job):
     import torch
 
     assert torch.load(more.cwd / "ckpt.pt")["epoch"] == EPOCHS + 1
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_resume_without_checkpoint_fails_on_every_rank(job):
+    run = job.check("resume-missing")  # it raised on both ranks, and the job went on
+    for r in range(2):
+        err = run.errors(r)
+        assert f"load_checkpoint on rank {r}: rank 0 reports: no checkpoint at" in err, err
 
 
 @pytest.mark.timeout(TIMEOUT + 60)

@@ -1,5 +1,5 @@
-"""ringreduce.torch in real processes: a worker under both launches, a resume without a
-checkpoint, DataLoader workers forked after init (the examples: tests/test_torch_examples.py).
+"""ringreduce.torch in real processes: a worker under both launches, DataLoader workers
+forked after init (the examples: tests/test_torch_examples.py).
 
 Each launch has a hard timeout and leaves no process behind (tests/procs.py).
 These are the slowest torch tests (a few seconds per launch: importing torch).
@@ -8,11 +8,9 @@ These are the slowest torch tests (a few seconds per launch: importing torch).
 from __future__ import annotations
 
 import pytest
-from procs import ROOT, require_mpirun, run_env_launch, run_mpi
+from procs import run_env_launch, run_mpi
 
 pytest.importorskip("torch")
-
-EXAMPLE = ROOT / "examples" / "pytorch_train.py"
 
 
 @pytest.mark.parametrize("launch", ["mpirun", "env"])
@@ -25,16 +23,6 @@ def test_torch_worker(tmp_path, launch):
     for r in range(2):
         msg = job.event(r, "missing-error")["msg"]
         assert f"on rank {r}" in msg and "rank 0 reports: no checkpoint at" in msg, msg
-
-
-def test_resume_without_checkpoint_fails_on_every_rank(tmp_path):
-    require_mpirun()
-    job = run_mpi(2, EXAMPLE, ["--epochs", 1, "--checkpoint-dir", tmp_path, "--resume"],
-                  timeout=120)
-    assert not job.timed_out and job.procs[0].returncode != 0, job.describe()
-    out = job.procs[0].stdout + job.procs[0].stderr
-    for r in range(2):
-        assert f"load_checkpoint on rank {r}: rank 0 reports: no checkpoint at" in out, out
 
 
 def test_dataloader_workers_forked_after_init():

@@ -247,7 +247,7 @@ def sync_batch_norm() -> None:
     """SyncBatchNormalization: the layer cases of sync_bn_cases (unequal per-rank batches;
     in tf.function on tensorflow; on jax only the masked one, not jitted: JAX's per-op
     dispatch under jax.grad made the three cases cost 14 s, and fit runs the layer jitted)
-    at this size and at size 1, and model.fit with it."""
+    at this size and at size 1 (on rank 0), and model.fit with it."""
     import sync_bn_cases
 
     start = time.time()
@@ -255,7 +255,8 @@ def sync_batch_norm() -> None:
     layer = sync_bn_cases.layer_cases(rr.rank(), rr.size(), rr.allgather_object,
                                       compiled=backend == "tensorflow",
                                       names=["masked-sequence"] if backend == "jax" else None)
-    single = sync_bn_cases.single_rank_is_batch_norm()
+    # one process's arithmetic, the same on every rank: rank 0 checks it for both
+    single = sync_bn_cases.single_rank_is_batch_norm() if rr.rank() == 0 else None
     fit = sync_bn_cases.fit_equals_one_process(batches, X, Y)
     event("sync-bn", layer=layer, single=single, fit=fit, seconds=time.time() - start)
 

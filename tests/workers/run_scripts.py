@@ -10,7 +10,8 @@ list of ``{"script": path, "args": [...], "cwd": dir, "out": prefix}``, run in o
 Rank r writes each script's ``sys.stdout`` and ``sys.stderr`` to ``<prefix>.<r>.out``
 and ``.err``, and rank 0 the SHA-256 of each file in ``cwd`` afterwards to
 ``<prefix>.files`` (a JSON object by name). A script that raises (or exits non-zero) ends the
-run: its traceback in its ``.err``, exit status 1. Scripts that leave eager execution
+run: its traceback in its ``.err``, exit status 1; so does one with ``"fails": true`` that
+does not fail (its failure is expected, and the run goes on). Scripts that leave eager execution
 (TF1 graphs) must come last; each starts with an empty default TensorFlow graph.
 """
 
@@ -28,7 +29,7 @@ from workerlib import launch_rank
 
 
 def run_one(spec: dict, rank: int) -> bool:
-    """Run one script of the spec; whether it succeeded."""
+    """Run one script of the spec; whether it ended as expected."""
     prefix, here = spec["out"], os.getcwd()
     if "tensorflow" in sys.modules:  # an empty default graph, as a fresh process has
         sys.modules["tensorflow"].compat.v1.reset_default_graph()
@@ -52,7 +53,7 @@ def run_one(spec: dict, rank: int) -> bool:
     if rank == 0:
         with open(f"{prefix}.files", "w") as f:
             json.dump(digests(spec["cwd"]), f)
-    return ok
+    return ok != spec.get("fails", False)
 
 
 def digests(directory: str) -> dict:

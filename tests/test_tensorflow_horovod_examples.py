@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from script_jobs import TF_TIMEOUT
+from script_jobs import TF_TIMEOUT, Script
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
@@ -23,10 +23,12 @@ RESULT = re.compile(r"final test accuracy: ([0-9.]+) \(ranks: ([0-9., ]+); "
                     r"weight checksums: ([-0-9.e+, ]+)\)")
 
 
-def agreed_accuracy(out: str) -> float:
-    """Rank 0's test accuracy, after checking that both ranks scored it with equal weights."""
-    found = RESULT.findall(out)
-    assert len(found) == 1, f"expected one result line (from rank 0)\n{out}"
+def agreed_accuracy(run: Script) -> float:
+    """Rank 0's test accuracy, after checking that both ranks scored it with equal weights
+    (and that rank 1 printed none)."""
+    found = RESULT.findall(run.output())
+    assert len(found) == 1, f"expected one result line (from rank 0)\n{run.output()}"
+    assert "final test accuracy" not in run.output(1), run.output(1)
     acc, ranks, checksums = found[0]
     assert ranks.split(", ") == [acc, acc], found[0]
     first, second = checksums.split(", ")
@@ -38,7 +40,7 @@ def agreed_accuracy(out: str) -> float:
 def test_tensorflow2_keras_mnist(tensorflow_scripts):
     run = tensorflow_scripts.check("hvd-keras")
     out = run.output()
-    assert agreed_accuracy(out) >= MIN_ACCURACY
+    assert agreed_accuracy(run) >= MIN_ACCURACY
     # LearningRateWarmupCallback(initial_lr=0.001 * size(), warmup_epochs=3, verbose=1)
     assert "Epoch 3: finished gradual learning rate warmup to 0.002." in out, out
     assert run.files() == [f"checkpoint-{e}.h5" for e in range(1, 9)]
@@ -47,7 +49,7 @@ def test_tensorflow2_keras_mnist(tensorflow_scripts):
 @pytest.mark.timeout(TF_TIMEOUT + 60)
 def test_tensorflow2_mnist(tensorflow_scripts):
     run = tensorflow_scripts.check("hvd-tf2")
-    assert agreed_accuracy(run.output()) >= MIN_ACCURACY
+    assert agreed_accuracy(run) >= MIN_ACCURACY
     steps = re.findall(r"^Step #(\d+)\tLoss: ([0-9.]+)$", run.output(), re.M)
     assert [int(s) for s, _ in steps] == list(range(0, 200, 10)), steps  # 400 // size()
     assert float(steps[-1][1]) < float(steps[0][1]) / 5, steps

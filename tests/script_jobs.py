@@ -31,10 +31,14 @@ class Script:
 
     def output(self, rank: int = 0) -> str:
         """What the script wrote to ``sys.stdout`` on ``rank``."""
-        return _read(self.prefix.with_name(f"{self.prefix.name}.{rank}.out"))
+        return _read(self._path(f"{rank}.out"))
 
     def errors(self, rank: int = 0) -> str:
-        return _read(self.prefix.with_name(f"{self.prefix.name}.{rank}.err"))
+        return _read(self._path(f"{rank}.err"))
+
+    def _path(self, suffix: str) -> Path:
+        """One of the files run_scripts.py writes for this script: ``<prefix>.<suffix>``."""
+        return self.prefix.with_name(f"{self.prefix.name}.{suffix}")
 
     def files(self) -> list[str]:
         """The files in its working directory once it ended (rank 0's view)."""
@@ -42,7 +46,7 @@ class Script:
 
     def digests(self) -> dict[str, str | None]:
         """Those files' SHA-256 by name (a directory's: None)."""
-        path = self.prefix.with_name(self.prefix.name + ".files")
+        path = self._path("files")
         return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -66,10 +70,12 @@ class ScriptJob:
     def check(self, label: str, ranks: int = 2) -> Script:
         """The script ``label``, after asserting that the job (and so every script before
         and after it) ended well; otherwise every rank's errors of every script."""
-        if self.job.timed_out or any(p.returncode != 0 for p in self.job.procs):
+        try:
+            self.job.check_ok()
+        except AssertionError as err:
             errors = "\n".join(f"--- {s.label}, rank {r}, stderr:\n{s.errors(r)[-3000:]}"
                                for s in self.scripts.values() for r in range(ranks))
-            raise AssertionError(f"the scripts' job failed\n{self.job.describe()}\n{errors}")
+            raise AssertionError(f"the scripts' job failed: {err}\n{errors}") from None
         return self.scripts[label]
 
 

@@ -204,6 +204,11 @@ def own_discovery():
 
 def main() -> int:
     tmp = os.environ.get("RR_RAY_TMP")
+    if tmp:
+        # Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster (default /tmp/ray,
+        # which a fresh machine lacks, and where a later ray.init() would find a dead one)
+        os.environ["RAY_TMPDIR"] = tmp
+        os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
     Cluster_.cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": False, "object_store_memory": 80 * 2**20,
         **({"temp_dir": tmp} if tmp else {})})

@@ -217,3 +217,41 @@ def test_usage_errors(cases):
     assert "extra_mpi_args" in cases["mpi_args"]["message"]
     assert cases["zero"]["error"] == "InvalidInputError"
 
+
+
+def test_torch_estimator_trains_resumes_and_transforms(cases):
+    got = value(cases["torch_estimator"])
+    # 2 ranks, each on its own share of the store's parts, gradients averaged every step:
+    # the weights are where plain float64 SGD over the same shares ends (float32 here)
+    assert got["replay_diff"] < 1e-5, got
+    loss, val = got["history"]["loss"], got["history"]["val_loss"]
+    assert len(loss) == len(val) == 3 and loss[2] < loss[0] / 50 and val[2] < val[0] / 50
+    # the same run_id with epochs=5: resumed after epoch 2 from rank 0's checkpoint
+    resumed = got["resumed"]
+    assert resumed["loss"][:3] == loss and len(resumed["loss"]) == 5, resumed
+    assert resumed["loss"][4] < loss[2]
+    assert got["checkpoint"] == ["checkpoint.pkl"]
+    # transform: every row, its columns kept, the prediction the driver's model gives
+    assert got["rows"] == 240 and got["columns"][-1] == "y__output"
+    assert got["transform_diff"] < 1e-6
+
+
+def test_torch_estimator_vector_labels_weights_and_refusals(cases):
+    got = value(cases["torch_estimator_vector"])
+    assert len(got["history"]["val_loss"]) == 2
+    assert got["history"]["loss"][1] < got["history"]["loss"][0]
+    assert (got["output_type"], got["output_size"]) == ("DenseVector", 2)
+    assert got["missing"][0] == "InvalidInputError" and "'nope'" in got["missing"][1]
+    assert got["too_few_rows"][0] == "InvalidInputError"
+    assert "would get no rows" in got["too_few_rows"][1]
+
+
+def test_keras_estimator_trains_resumes_and_transforms(cases):
+    got = value(cases["keras_estimator"])
+    assert got["replay_diff"] < 1e-5, got  # the same plain SGD replay as the torch case
+    hist = got["history"]
+    assert set(hist) == {"loss", "mae", "val_loss", "val_mae"}, hist
+    assert all(len(v) == 3 for v in hist.values()) and hist["loss"][2] < hist["loss"][0] / 50
+    resumed = got["resumed"]
+    assert all(resumed[k][:3] == hist[k] and len(resumed[k]) == 5 for k in hist), resumed
+    assert got["rows"] == 240 and got["transform_diff"] < 1e-6

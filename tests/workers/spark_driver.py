@@ -223,7 +223,19 @@ def main():
     case("elastic", elastic_case)
     case("elastic_failing", lambda: {"value": rs.run_elastic(elastic_failing_fn, num_proc=2)})
     case("zero", lambda: {"value": rs.run(allreduce_fn, args=(1.0,), num_proc=0)})
+    estimators(spark)
     spark.stop()
+
+
+def estimators(spark):
+    """The Spark ML estimators' cases; their module goes to the executors as a user's would
+    (its loss functions are pickled by reference)."""
+    import spark_estimators as est
+
+    spark.sparkContext.addPyFile(est.__file__)
+    case("torch_estimator", lambda: {"value": est.torch_estimator(spark)})
+    case("torch_estimator_vector", lambda: {"value": est.torch_estimator_vector(spark)})
+    case("keras_estimator", lambda: {"value": est.keras_estimator(spark)})
 
 
 if __name__ == "__main__":

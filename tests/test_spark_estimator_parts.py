@@ -1,0 +1,97 @@
+"""The Spark ML estimators' framework-neutral parts in one process, without a Spark
+session (ringreduce/spark/_estimator.py, ringreduce/spark/common/store.py): params, column
+checks, rows to arrays, the ranks' shares, a rank's batches, the store's layout. The fits
+themselves run on a real Spark in tests/test_spark.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyspark", reason="pyspark is not installed (the test extra has it)")
+
+from pyspark.ml.linalg import DenseVector, VectorUDT  # noqa: E402
+from pyspark.sql.types import (  # noqa: E402
+    ArrayType,
+    DoubleType,
+    FloatType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from ringreduce.exceptions import InvalidInputError  # noqa: E402
+from ringreduce.spark._estimator import RankData, assign, describe_columns, rows_to_arrays  # noqa: E402
+from ringreduce.spark.common.store import LocalStore, Store  # noqa: E402
+from ringreduce.spark.torch import TorchEstimator, TorchModel  # noqa: E402
+
+SCHEMA = StructType([StructField("v", VectorUDT()), StructField("a", ArrayType(FloatType())),
+                     StructField("d", DoubleType()), StructField("n", LongType()),
+                     StructField("s", StringType())])
+
+
+def test_params_are_horovods():
+    est = TorchEstimator(num_proc=3, batch_size=4, feature_cols=["v"])
+    assert (est.getNumProc(), est.getBatchSize(), est.getEpochs()) == (3, 4, 1)
+    assert est.setEpochs(7) is est and est.getEpochs() == 7
+    assert est.getPartitionsPerProcess() == 10 and est.getShuffle() is True
+    assert est.copy().getFeatureCols() == ["v"]
+    with pytest.raises(InvalidInputError, match="unknown argument.*batchsize"):
+        TorchEstimator(batchsize=4)
+    model = TorchModel(feature_columns=["v"], label_columns=["y"], history={"loss": [1.0]})
+    assert model.getHistory() == {"loss": [1.0]} and model._output_names() == ["y__output"]
+
+
+def test_columns_are_checked_by_name():
+    cols = describe_columns(SCHEMA, ["v", "a", "d", "n"], "fit")
+    assert [(c.dtype, c.vector) for c in cols] == [("float64", True), ("float32", True),
+                                                   ("float64", False), ("int64", False)]
+    with pytest.raises(InvalidInputError, match="'x' is not in the DataFrame"):
+        describe_columns(SCHEMA, ["x"], "fit")
+    with pytest.raises(InvalidInputError, match="'s' has type string"):
+        describe_columns(SCHEMA, ["s"], "fit")
+
+
+def test_rows_become_arrays():
+    cols = describe_columns(SCHEMA, ["v", "a", "n"], "fit")
+    got = rows_to_arrays([(DenseVector([1, 2]), [3.0, 4.0], 5), (DenseVector([6, 7]),
+                                                                 [8.0, 9.0], 10)], cols)
+    assert got["v"].tolist() == [[1, 2], [6, 7]] and got["a"].dtype == np.float32
+    assert got["n"].tolist() == [5, 10] and got["n"].dtype == np.int64
+    with pytest.raises(InvalidInputError, match="'v': rows hold vectors of different"):
+        rows_to_arrays([(DenseVector([1]), [1.0], 1), (DenseVector([1, 2]), [1.0], 1)], cols)
+
+
+def test_shares_are_balanced_and_none_is_empty():
+    parts = [("a", 10), ("b", 7), ("c", 5), ("d", 4), ("e", 0)]
+    shares = assign(parts, 2, "fit")
+    rows = dict(parts)
+    assert sorted(sum(rows[p] for p in s) for s in shares) == [12, 14]  # 10+4, 7+5
+    with pytest.raises(InvalidInputError, match=r"rank\(s\) \[2\] would get no rows"):
+        assign([("a", 3), ("b", 1)], 3, "fit")
+
+
+def test_a_rank_takes_the_same_steps_whatever_its_share(tmp_path):
+    np.savez(tmp_path / "p0.npz", x=np.arange(5), y=np.arange(5) * 2)
+    np.savez(tmp_path / "p1.npz", x=np.arange(5, 7), y=np.arange(5, 7) * 2)
+    data = RankData([str(tmp_path / "p0.npz"), str(tmp_path / "p1.npz")])
+    assert data.rows == 7
+    plain = [b["x"].tolist() for b in data.batches(0, 4, 3, False, 0)]
+    assert plain == [[0, 1, 2], [3, 4, 5], [6, 0, 1], [2, 3, 4]]  # wraps around
+    shuffled = [b for b in data.batches(1, 5, 3, True, 9)]
+    assert len(shuffled) == 5 and all((b["y"] == 2 * b["x"]).all() for b in shuffled)
+    seen = np.concatenate([b["x"] for b in shuffled])[:7]
+    assert sorted(seen.tolist()) == list(range(7))  # every row once before any twice
+    again = [b["x"].tolist() for b in data.batches(1, 5, 3, True, 9)]
+    assert again == [b["x"].tolist() for b in shuffled]
+    assert [len(b["x"]) for b in data.in_order(3)] == [3, 3, 1]
+
+
+def test_store_layout(tmp_path):
+    store = Store.create(f"file://{tmp_path}")
+    assert isinstance(store, LocalStore) and store.prefix_path == str(tmp_path)
+    assert store.get_checkpoint_path("r") == str(tmp_path / "runs" / "r" / "checkpoint.pkl")
+    assert store.get_train_data_path("r").endswith("intermediate_train_data.r")
+    with pytest.raises(InvalidInputError, match="hdfs://nn/x.*mounted path"):
+        Store.create("hdfs://nn/x")

@@ -1,0 +1,146 @@
+"""The Spark ML estimators' cases of tests/workers/spark_driver.py (ringreduce.spark.torch):
+fits on 2 ranks in the driver's Spark application, with the store in a fresh directory
+that every executor sees (the namespace hosts share this machine's file system)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+COEF = np.array([1.0, -2.0, 0.5])
+
+
+def frame(spark, n=240):
+    """Rows of (features vector, y, y2 array, weight, is_val): y linear in the features."""
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 3))
+    y = x @ COEF + 0.3
+    rows = [(Vectors.dense(xi), float(t), [float(t), float(-t)], float(1 + i % 3),
+             i % 5 == 0) for i, (xi, t) in enumerate(zip(x, y))]
+    return spark.createDataFrame(rows, ["features", "y", "y2", "w", "is_val"])
+
+
+def mse(output, label):
+    import torch
+
+    return torch.nn.functional.mse_loss(output.reshape(-1), label.reshape(-1))
+
+
+def replay(store, run_id, start, epochs, steps, batch, lr):
+    """Plain float64 SGD on the parts each rank was given (the same assignment the fit
+    made), the two ranks' gradients averaged per step, in order (shuffle=False)."""
+    from ringreduce.spark._estimator import RankData, assign
+
+    path = store.get_train_data_path(run_id)
+    parts = sorted((os.path.join(path, f), int(np.load(os.path.join(path, f))["y"].shape[0]))
+                   for f in os.listdir(path))
+    ranks = [RankData(paths) for paths in assign(parts, 2, "replay")]
+    w, b = np.array(start[0], np.float64).reshape(-1), float(np.asarray(start[1]).reshape(-1)[0])
+    for epoch in range(epochs):
+        for batches in zip(*(r.batches(epoch, steps, batch, False, 0) for r in ranks)):
+            gw, gb = np.zeros(3), 0.0
+            for data in batches:
+                err = data["features"] @ w + b - data["y"]
+                gw += 2 * data["features"].T @ err / len(err) / 2
+                gb += 2 * err.mean() / 2
+            w, b = w - lr * gw, b - lr * gb
+    return np.concatenate([w, [b]])
+
+
+def torch_estimator(spark):
+    """Fit (validation by a column, no shuffling), the replay, a resumed fit and transform."""
+    import torch
+
+    from ringreduce.spark.common.store import Store
+    from ringreduce.spark.torch import TorchEstimator
+
+    df = frame(spark)
+    store = Store.create(tempfile.mkdtemp(prefix="rr-est-"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    start = [p.detach().numpy().copy() for p in model.parameters()]
+    est = TorchEstimator(num_proc=2, store=store, model=model, run_id="lin",
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss=mse,
+                         feature_cols=["features"], label_cols=["y"], validation="is_val",
+                         batch_size=8, epochs=3, shuffle=False, partitions_per_process=3,
+                         verbose=0)
+    fitted = est.fit(df)
+    got = np.concatenate([p.detach().numpy().reshape(-1) for p in fitted.getModel().parameters()])
+    want = replay(store, "lin", start, 3, 192 // 16, 8, 0.05)
+    first = fitted.getHistory()
+    resumed = est.setEpochs(5).fit(df).getHistory()
+    out = fitted.transform(df)
+    rows = out.select("features", "y", "y__output").collect()
+    local = fitted.getModel()(torch.tensor(np.array([r["features"].toArray() for r in rows]),
+                                           dtype=torch.float32)).detach().numpy().reshape(-1)
+    return {"history": first, "resumed": resumed, "replay_diff": float(np.abs(got - want).max()),
+            "coef": got.tolist(), "columns": out.columns, "rows": len(rows),
+            "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max()),
+            "checkpoint": sorted(os.listdir(store.get_run_path("lin")))}
+
+
+def torch_estimator_vector(spark):
+    """An array label (a vector output column), sample weights and a validation fraction;
+    then two refusals: a missing column and more ranks than rows."""
+    import torch
+
+    from ringreduce.spark.common.store import Store
+    from ringreduce.spark.torch import TorchEstimator
+
+    df = frame(spark)
+    model = torch.nn.Linear(3, 2)
+
+    def weighted(output, label):
+        return ((output - label) ** 2).mean(dim=1)
+
+    est = TorchEstimator(num_proc=2, store=Store.create(tempfile.mkdtemp(prefix="rr-est-")),
+                         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
+                         loss=weighted, feature_cols=["features"], label_cols=["y2"],
+                         sample_weight_col="w", validation=0.25, batch_size=16, epochs=2,
+                         random_seed=3, partitions_per_process=2, verbose=0)
+    fitted = est.fit(df)
+    first = fitted.transform(df).select("y2__output").first()[0]
+    out = {"history": fitted.getHistory(), "output_type": type(first).__name__,
+           "output_size": len(first)}
+    for name, bad in (("missing", est.copy().setFeatureCols(["nope"])),
+                      ("too_few_rows", est.copy().setValidation(None))):
+        try:
+            bad.fit(df.limit(1) if name == "too_few_rows" else df)
+            out[name] = None
+        except Exception as e:
+            out[name] = [type(e).__name__, str(e)]
+    return out
+
+
+def keras_estimator(spark):
+    """As torch_estimator, for KerasEstimator on the TensorFlow backend, with a metric."""
+    import keras
+
+    from ringreduce.spark.common.store import Store
+    from ringreduce.spark.keras import KerasEstimator
+
+    df = frame(spark)
+    store = Store.create(tempfile.mkdtemp(prefix="rr-est-"))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    start = [np.array(w) for w in model.get_weights()]
+    est = KerasEstimator(num_proc=2, store=store, model=model, run_id="lin",
+                         optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+                         feature_cols=["features"], label_cols=["y"], validation="is_val",
+                         batch_size=8, epochs=3, shuffle=False, partitions_per_process=3,
+                         verbose=0)
+    fitted = est.fit(df)
+    got = np.concatenate([np.ravel(w) for w in fitted.getModel().get_weights()])
+    want = replay(store, "lin", start, 3, 192 // 16, 8, 0.05)
+    first = fitted.getHistory()
+    resumed = est.setEpochs(5).fit(df).getHistory()
+    rows = fitted.transform(df).select("features", "y__output").collect()
+    local = fitted.getModel().predict_on_batch(
+        np.array([r["features"].toArray() for r in rows], np.float32)).reshape(-1)
+    return {"history": first, "resumed": resumed, "replay_diff": float(np.abs(got - want).max()),
+            "rows": len(rows),
+            "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max())}

@@ -95,3 +95,23 @@ def test_store_layout(tmp_path):
     assert store.get_train_data_path("r").endswith("intermediate_train_data.r")
     with pytest.raises(InvalidInputError, match="hdfs://nn/x.*mounted path"):
         Store.create("hdfs://nn/x")
+
+
+def test_keras_estimator_refuses_and_ships_keras_objects():
+    keras = pytest.importorskip("keras")
+    from ringreduce.spark import keras as sk
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    est = sk.KerasEstimator(model=model, optimizer="sgd", loss="mse")
+    with pytest.raises(InvalidInputError, match="optimizer must be a Keras optimizer"):
+        est._payload()
+    with pytest.raises(InvalidInputError, match="loss is required"):
+        sk.KerasEstimator(model=model, optimizer=keras.optimizers.SGD())._payload()
+    # a Keras loss travels as its config (as model.save would keep it), a name as it is
+    wire = sk._to_wire([keras.losses.MeanSquaredError(reduction="sum"), "mae"],
+                       keras.losses.Loss, "losses")
+    back = sk._from_wire(wire, {})
+    assert isinstance(back[0], keras.losses.MeanSquaredError) and back[0].reduction == "sum"
+    assert back[1] == "mae"
+    again = sk.load_model_bytes(sk.model_bytes(model))
+    assert all((a == b).all() for a, b in zip(again.get_weights(), model.get_weights()))

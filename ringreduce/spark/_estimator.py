@@ -87,6 +87,10 @@ class _ParamsMixin:
     _DEFAULTS: dict[str, Any] = {}
     _WHAT = "estimator"
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._init_params(kwargs)
+
     def _init_params(self, kwargs: Mapping[str, Any]) -> None:
         unknown = sorted(set(kwargs) - set(self._DEFAULTS))
         if unknown:
@@ -341,7 +345,7 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
 
     def _spec(self, df: Any, what: str) -> TrainSpec:
         p = {name: self.getOrDefault(name) for name in self._DEFAULTS}
-        for name in ("model", "feature_cols", "label_cols", "store"):
+        for name in ("model", "optimizer", "feature_cols", "label_cols", "store"):
             if not p[name]:
                 raise InvalidInputError(f"{what}: {name} is required")
         if p["sample_weight_col"] and p["sample_weight_col"] in p["feature_cols"]:
@@ -376,10 +380,6 @@ class ModelBase(_ParamsMixin, _SparkModel):
     """A trained model as a Spark ML ``Model``: ``transform(df)`` appends one prediction
     column per label column. A framework subclass implements ``_predictor()``: a picklable
     ``fn(list of feature arrays) -> list of output arrays`` (one per label column)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._init_params(kwargs)
 
     def getHistory(self) -> dict:
         return self.getOrDefault("history")

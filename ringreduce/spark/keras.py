@@ -82,16 +82,10 @@ class KerasEstimator(EstimatorBase):
 
     _WHAT = "KerasEstimator"
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._init_params(kwargs)
-
     def _payload(self) -> dict:
         from ..exceptions import InvalidInputError
 
         model, opt = self.getOrDefault("model"), self.getOrDefault("optimizer")
-        if opt is None:
-            raise InvalidInputError(f"{self._WHAT}.fit: optimizer is required")
         if not isinstance(opt, keras.optimizers.Optimizer):
             raise InvalidInputError(f"{self._WHAT}.fit: optimizer must be a Keras optimizer, "
                                     f"got {type(opt).__name__}")

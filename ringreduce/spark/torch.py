@@ -76,16 +76,8 @@ class TorchEstimator(EstimatorBase):
 
     _WHAT = "TorchEstimator"
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._init_params(kwargs)
-
     def _payload(self) -> dict:
         model, opt = self.getOrDefault("model"), self.getOrDefault("optimizer")
-        if opt is None:
-            from ..exceptions import InvalidInputError
-
-            raise InvalidInputError(f"{self._WHAT}.fit: optimizer is required")
         return {"model": model, "optimizer": _optimizer_recipe(model, opt),
                 "loss": _losses(self), "metrics": list(self.getOrDefault("metrics") or [])}
 

@@ -255,3 +255,10 @@ def test_keras_estimator_trains_resumes_and_transforms(cases):
     resumed = got["resumed"]
     assert all(resumed[k][:3] == hist[k] and len(resumed[k]) == 5 for k in hist), resumed
     assert got["rows"] == 240 and got["transform_diff"] < 1e-6
+
+
+def test_estimator_example_trains(cases):
+    """examples/spark_estimator.py: TorchEstimator on the digits DataFrame, 8 epochs."""
+    got = value(cases["estimator_example"])
+    assert len(got["history"]["val_accuracy"]) == 8
+    assert got["history"]["val_accuracy"][-1] > 0.9 and got["test_accuracy"] > 0.9, got

@@ -180,7 +180,7 @@ def _train(spec: TrainSpec) -> Any:
     hvd.init()
     p, pay = spec.params, spec.payload
     torch.manual_seed(spec.seed())
-    model = pay["model"]
+    model = pay["model"].to(_device(spec))
     opt = _rebuild_optimizer(pay["optimizer"], model)
     resume = load_resume(rr._comm(), spec)
     history: dict = {}
@@ -214,11 +214,26 @@ def _train(spec: TrainSpec) -> Any:
             "history": history}
 
 
+def _device(spec: TrainSpec) -> Any:
+    """This rank's GPU (``cuda:<local rank>``) with ``use_gpu`` where torch sees one, else
+    the CPU (Horovod's rule)."""
+    import torch
+
+    import ringreduce as rr
+
+    if spec.params["use_gpu"] and torch.cuda.is_available():
+        return torch.device("cuda", rr.local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _columns(spec: TrainSpec, batch: dict) -> tuple[list, list, Any]:
-    p = spec.params
-    inputs = _tensors([batch[c] for c in p["feature_cols"]], p["input_shapes"])
-    labels = _tensors([batch[c] for c in p["label_cols"]], p["label_shapes"])
-    weights = p["sample_weight_col"] and _tensors([batch[p["sample_weight_col"]]], None)[0]
+    p, device = spec.params, _device(spec)
+    inputs = [t.to(device) for t in _tensors([batch[c] for c in p["feature_cols"]],
+                                             p["input_shapes"])]
+    labels = [t.to(device) for t in _tensors([batch[c] for c in p["label_cols"]],
+                                             p["label_shapes"])]
+    weights = p["sample_weight_col"] and _tensors([batch[p["sample_weight_col"]]],
+                                                  None)[0].to(device)
     return inputs, labels, weights
 
 

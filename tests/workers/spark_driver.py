@@ -236,6 +236,19 @@ def estimators(spark):
     case("torch_estimator", lambda: {"value": est.torch_estimator(spark)})
     case("torch_estimator_vector", lambda: {"value": est.torch_estimator_vector(spark)})
     case("keras_estimator", lambda: {"value": est.keras_estimator(spark)})
+    case("estimator_example", lambda: {"value": estimator_example()})
+
+
+def estimator_example():
+    """examples/spark_estimator.py in this session (getOrCreate joins it), 8 epochs."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import spark_estimator
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return spark_estimator.main(["--num-proc", "2", "--epochs", "8", "--store", tmp])
 
 
 if __name__ == "__main__":

@@ -241,6 +241,8 @@ def test_torch_estimator_vector_labels_weights_and_refusals(cases):
     assert len(got["history"]["val_loss"]) == 2
     assert got["history"]["loss"][1] < got["history"]["loss"][0]
     assert (got["output_type"], got["output_size"]) == ("DenseVector", 2)
+    # train_minibatch_fn: a step that never steps; the loss is still measured and reported
+    assert got["custom_step_moved"] == 0.0 and len(got["custom_step_loss"]) == 1
     assert got["missing"][0] == "InvalidInputError" and "'nope'" in got["missing"][1]
     assert got["too_few_rows"][0] == "InvalidInputError"
     assert "would get no rows" in got["too_few_rows"][1]

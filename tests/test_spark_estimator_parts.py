@@ -39,6 +39,8 @@ def test_params_are_horovods():
     assert est.copy().getFeatureCols() == ["v"]
     with pytest.raises(InvalidInputError, match="unknown argument.*batchsize"):
         TorchEstimator(batchsize=4)
+    with pytest.raises(InvalidInputError, match="transformation_fn: not supported"):
+        TorchEstimator(transformation_fn=lambda b: b)._spec(None, "TorchEstimator.fit")
     model = TorchModel(feature_columns=["v"], label_columns=["y"], history={"loss": [1.0]})
     assert model.getHistory() == {"loss": [1.0]} and model._output_names() == ["y__output"]
 

@@ -56,6 +56,7 @@ COMMON_PARAMS: dict[str, Any] = {
     "validation_steps_per_epoch": None, "random_seed": None, "shuffle": True,
     "shuffle_buffer_size": None, "verbose": 1, "partitions_per_process": 10, "run_id": None,
     "gradient_compression": None, "label_shapes": None, "transformation_fn": None,
+    "transformation_edit_fields": None, "transformation_removed_fields": None,
     "use_gpu": True, "inmemory_cache_all": False, "compress_sparse_cols": False,
     "train_reader_num_workers": 2, "val_reader_num_workers": 2, "reader_pool_type": "thread",
 }
@@ -345,6 +346,12 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
 
     def _spec(self, df: Any, what: str) -> TrainSpec:
         p = {name: self.getOrDefault(name) for name in self._DEFAULTS}
+        petastorm = [n for n in self._DEFAULTS if n.startswith("transformation_") and p[n]]
+        if petastorm:
+            raise InvalidInputError(
+                f"{what}: {', '.join(petastorm)}: not supported (Horovod applies them as a "
+                "Petastorm TransformSpec to pandas batches; there is no Petastorm here): "
+                "transform the DataFrame with Spark before fit")
         for name in ("model", "optimizer", "feature_cols", "label_cols", "store"):
             if not p[name]:
                 raise InvalidInputError(f"{what}: {name} is required")

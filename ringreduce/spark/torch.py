@@ -42,7 +42,7 @@ __all__ = ["TorchEstimator", "TorchModel"]
 
 
 @with_params({**COMMON_PARAMS, "input_shapes": None, "loss_constructors": None,
-              "backward_passes_per_step": 1})
+              "backward_passes_per_step": 1, "train_minibatch_fn": None})
 class TorchEstimator(EstimatorBase):
     """Horovod's ``TorchEstimator``: ``fit(df)`` trains ``model`` with ``optimizer`` on
     ``num_proc`` ranks and returns a ``TorchModel``.
@@ -72,6 +72,10 @@ class TorchEstimator(EstimatorBase):
         ``ringreduce.torch.Compression.fp16`` and friends.
     backward_passes_per_step : int
         Batches whose gradients are accumulated before one averaged step.
+    train_minibatch_fn : callable, optional
+        Horovod's custom step: ``train_minibatch_fn()`` returns ``step(model, optimizer,
+        transform_outputs, loss_fn, inputs, labels, sample_weights) -> (outputs, loss)``
+        (for example an LBFGS step with a closure); the default is ``_train_minibatch``.
     """
 
     _WHAT = "TorchEstimator"
@@ -263,22 +267,41 @@ def _metrics(spec: TrainSpec, outputs: Any, labels: list) -> dict[str, float]:
     return out
 
 
+def _train_minibatch(model: Any, optimizer: Any, transform_outputs: Callable,
+                     loss_fn: Callable, inputs: list, labels: list, sample_weights: Any
+                     ) -> tuple[Any, Any]:
+    """One step, the default of Horovod's ``train_minibatch_fn`` (same signature)."""
+    optimizer.zero_grad()
+    outputs, labels = transform_outputs(model(*inputs), labels)
+    loss = loss_fn(outputs, labels, sample_weights)
+    loss.backward()
+    optimizer.step()
+    return outputs, loss
+
+
+def _same(outputs: Any, labels: list) -> tuple[Any, list]:
+    """Horovod's ``transform_outputs`` for a custom step: the loss takes outputs as the
+    model gives them (one tensor, or one per label column)."""
+    return outputs, labels
+
+
 def _epoch(spec: TrainSpec, model: Any, dopt: Any, data: RankData, epoch: int) -> dict:
     """One epoch of ``steps_per_epoch`` steps; the loss and metrics averaged over ranks."""
     import ringreduce as rr
 
     p = spec.params
     model.train()
+    step = p["train_minibatch_fn"]() if p["train_minibatch_fn"] else _train_minibatch
+
+    def loss_fn(outputs: Any, labels: list, weights: Any) -> Any:
+        return _loss(spec, outputs, labels, weights)
+
     sums: dict[str, float] = {"loss": 0.0}
     n = 0
     for batch in data.batches(epoch, spec.steps_per_epoch(rr.size()), int(p["batch_size"]),
                               bool(p["shuffle"]), spec.seed() * 1000 + rr.rank()):
         inputs, labels, weights = _columns(spec, batch)
-        dopt.zero_grad()
-        outputs = model(*inputs)
-        loss = _loss(spec, outputs, labels, weights)
-        loss.backward()
-        dopt.step()
+        outputs, loss = step(model, dopt, _same, loss_fn, inputs, labels, weights)
         rows = len(labels[0])
         sums["loss"] += float(loss.detach()) * rows
         for k, v in _metrics(spec, outputs, labels).items():

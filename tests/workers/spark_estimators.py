@@ -83,6 +83,12 @@ def torch_estimator(spark):
             "checkpoint": sorted(os.listdir(store.get_run_path("lin")))}
 
 
+def no_step(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights):
+    """A train_minibatch_fn's step that computes the loss and changes nothing."""
+    outputs, labels = transform_outputs(model(*inputs), labels)
+    return outputs, loss_fn(outputs, labels, sample_weights)
+
+
 def torch_estimator_vector(spark):
     """An array label (a vector output column), sample weights and a validation fraction;
     then two refusals: a missing column and more ranks than rows."""
@@ -106,6 +112,12 @@ def torch_estimator_vector(spark):
     first = fitted.transform(df).select("y2__output").first()[0]
     out = {"history": fitted.getHistory(), "output_type": type(first).__name__,
            "output_size": len(first)}
+    # Horovod's custom step: one that never steps leaves the weights where they started
+    start = [t.detach().numpy().copy() for t in model.parameters()]
+    frozen = est.copy().setTrainMinibatchFn(lambda: no_step).setEpochs(1).fit(df)
+    out["custom_step_moved"] = max(float(np.abs(a - t.detach().numpy()).max()) for a, t in
+                                   zip(start, frozen.getModel().parameters()))
+    out["custom_step_loss"] = frozen.getHistory()["loss"]
     for name, bad in (("missing", est.copy().setFeatureCols(["nope"])),
                       ("too_few_rows", est.copy().setValidation(None))):
         try:

@@ -234,6 +234,11 @@ def test_torch_estimator_trains_resumes_and_transforms(cases):
     # transform: every row, its columns kept, the prediction the driver's model gives
     assert got["rows"] == 240 and got["columns"][-1] == "y__output"
     assert got["transform_diff"] < 1e-6
+    # backward_passes_per_step=2 with batches of 4: the replay's steps of 8 rows
+    assert got["halves_diff"] < 1e-5, got
+    # the run's checkpoint is of another model: refused naming the run, on every rank
+    assert got["mismatch"][0] == "InvalidInputError", got["mismatch"]
+    assert "run_id 'lin' has a checkpoint" in got["mismatch"][1]
 
 
 def test_torch_estimator_vector_labels_weights_and_refusals(cases):
@@ -246,6 +251,12 @@ def test_torch_estimator_vector_labels_weights_and_refusals(cases):
     assert got["missing"][0] == "InvalidInputError" and "'nope'" in got["missing"][1]
     assert got["too_few_rows"][0] == "InvalidInputError"
     assert "would get no rows" in got["too_few_rows"][1]
+    # (counted in the training rows, written first: the validation fraction holds the rest)
+    assert got["nulls"][0] == "InvalidInputError" and "'y2' holds " in got["nulls"][1]
+    assert "null(s): fill or drop them" in got["nulls"][1]
+    assert got["lengths"][0] == "InvalidInputError"
+    assert "'y2' holds vectors of different lengths (1, 2)" in got["lengths"][1]
+    assert got["null_flag_rows"] == [192, 48]  # a null validation flag is a training row
 
 
 def test_keras_estimator_trains_resumes_and_transforms(cases):

@@ -119,3 +119,75 @@ def test_keras_estimator_refuses_and_ships_keras_objects():
     assert back[1] == "mae"
     again = sk.load_model_bytes(sk.model_bytes(model))
     assert all((a.numpy() == b.numpy()).all() for a, b in zip(again.weights, model.weights))
+
+
+def test_fit_arguments_are_checked_by_name():
+    from ringreduce.spark._estimator import _check_values
+
+    good = {**TorchEstimator()._DEFAULTS, "feature_cols": ["v"], "label_cols": ["y"]}
+    _check_values(good, "fit")
+    for bad, match in (({"feature_cols": "v"}, "feature_cols must be a list"),
+                       ({"batch_size": 0}, "batch_size=0"),
+                       ({"validation_steps_per_epoch": 0}, "validation_steps_per_epoch=0"),
+                       ({"epochs": -1}, "epochs=-1")):
+        with pytest.raises(InvalidInputError, match=match):
+            _check_values({**good, **bad}, "fit")
+    # a default list is each estimator's own
+    a, b = TorchEstimator(), TorchEstimator()
+    a.getCallbacks().append("cb")
+    assert b.getCallbacks() == [] and TorchEstimator().getMetrics() == []
+
+
+def test_torch_optimizers_rebuild_and_losses_and_metrics_are_checked():
+    torch = pytest.importorskip("torch")
+    from ringreduce.spark import torch as st
+    from ringreduce.spark._torch_remote import _rebuild_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    for opt in (torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+                torch.optim.SGD([{"params": [model.bias], "lr": 0.5},
+                                 {"params": [model.weight]}], lr=0.1, momentum=0.9)):
+        copy = torch.nn.Linear(3, 2)
+        again = _rebuild_optimizer(st._optimizer_recipe(model, opt), copy)
+        assert type(again) is type(opt) and again.param_groups[0]["params"][0] is (
+            copy.bias if len(opt.param_groups) == 2 else copy.weight)
+        assert [g["lr"] for g in again.param_groups] == [g["lr"] for g in opt.param_groups]
+    with pytest.raises(InvalidInputError, match="not the model's"):
+        st._optimizer_recipe(model, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), 0.1))
+    est = TorchEstimator(label_cols=["a", "b", "c"], loss=[len, len])
+    with pytest.raises(InvalidInputError, match="2 losses for 3 label columns"):
+        st._losses(est)
+
+    def acc(o, y):
+        return 0
+
+    assert [n for n, _, _ in st._metric_specs(est.setMetrics([acc]))] == ["a_acc", "b_acc",
+                                                                          "c_acc"]
+    with pytest.raises(InvalidInputError, match=r"\['acc'\] repeat"):
+        st._metric_specs(TorchEstimator(label_cols=["a"], metrics=[acc, acc]))
+
+
+def test_torch_step_accumulates_and_labels_take_the_outputs_shape():
+    torch = pytest.importorskip("torch")
+    from ringreduce.spark._torch_remote import _Step, transform_outputs
+
+    out, lab = transform_outputs(torch.zeros(4, 1), [torch.arange(4.0)])
+    assert out[0].shape == lab[0].shape == (4, 1)  # not (4,) against (4, 1): no broadcast
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+
+    def loss_fn(outputs, labels, _w):
+        return torch.nn.functional.mse_loss(outputs[0], labels[0])
+
+    def stepped(k, batches):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = _Step(k)
+        for rows in batches:
+            step(model, opt, transform_outputs, loss_fn, [x[rows]], [y[rows]], None)
+        step.finish(opt)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    # two batches of 2 accumulated = one step on all 4 rows; a leftover batch steps too
+    assert torch.allclose(stepped(2, [slice(0, 2), slice(2, 4)]), stepped(1, [slice(0, 4)]))
+    assert torch.allclose(stepped(2, [slice(0, 4)]), stepped(1, [slice(0, 4)]))

@@ -29,6 +29,7 @@ that runs on every rank and the prediction of one batch:
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import shutil
@@ -96,7 +97,8 @@ class _ParamsMixin:
         unknown = sorted(set(kwargs) - set(self._DEFAULTS))
         if unknown:
             raise InvalidInputError(f"{self._WHAT}: unknown argument(s) {', '.join(unknown)}")
-        self._setDefault(**self._DEFAULTS)
+        # a copy per instance: appending to one estimator's callbacks must not change others'
+        self._setDefault(**{k: copy.copy(v) for k, v in self._DEFAULTS.items()})
         self._set(**{k: v for k, v in kwargs.items() if v is not None})
 
     def setParams(self, **kwargs: Any) -> Any:
@@ -141,6 +143,9 @@ def rows_to_arrays(rows: Sequence[Any], columns: Sequence[Column]) -> dict[str, 
     out = {}
     for i, col in enumerate(columns):
         values = [r[i] for r in rows]
+        if any(v is None for v in values):
+            raise InvalidInputError(f"column {col.name!r} holds nulls: fill or drop them "
+                                    "(df.na.drop / df.na.fill) first")
         if col.vector:
             values = [v.toArray() if hasattr(v, "toArray") else v for v in values]
             lengths = {len(v) for v in values}
@@ -154,15 +159,23 @@ def rows_to_arrays(rows: Sequence[Any], columns: Sequence[Column]) -> dict[str, 
 
 
 def _write_partition(directory: str, columns: list[Column], index: int,
-                     rows: Iterator[Any]) -> Iterator[tuple[str, int]]:
-    """One Spark task's part: its rows into ``part-<index>.npz`` (atomically)."""
+                     rows: Iterator[Any]) -> Iterator[dict]:
+    """One Spark task's part: its rows into ``part-<index>.npz`` (atomically). What the
+    driver must check across parts comes back instead of raising here (an exception in a
+    task reaches the driver as Spark's, and one part sees only its own rows): each
+    column's nulls and vector lengths; a part with nulls is not written."""
     rows = list(rows)
     if not rows:
         return
-    arrays = rows_to_arrays(rows, columns)
-    path = os.path.join(directory, f"part-{index:05d}.npz")
-    atomic_write(path, lambda f: np.savez(f, **arrays))
-    yield path, len(rows)
+    nulls = {c.name: sum(r[i] is None for r in rows) for i, c in enumerate(columns)}
+    widths = {c.name: sorted({len(r[i]) for r in rows if r[i] is not None})
+              for i, c in enumerate(columns) if c.vector}
+    path = None
+    if not any(nulls.values()) and all(len(w) == 1 for w in widths.values()):
+        arrays = rows_to_arrays(rows, columns)
+        path = os.path.join(directory, f"part-{index:05d}.npz")
+        atomic_write(path, lambda f: np.savez(f, **arrays))
+    yield {"path": path, "rows": len(rows), "nulls": nulls, "widths": widths}
 
 
 @dataclass
@@ -188,9 +201,14 @@ def materialize(df: Any, store: Store, run_id: str, columns: list[Column], valid
     if validation is None:
         train_df, val_df = df.select(*names), None
     elif isinstance(validation, str):
-        describe_columns(df.schema, [validation], what)
-        train_df = df.filter(~df[validation].cast("boolean")).select(*names)
-        val_df = df.filter(df[validation].cast("boolean")).select(*names)
+        if describe_columns(df.schema, [validation], what)[0].vector:
+            raise InvalidInputError(f"{what}: the validation column {validation!r} must hold "
+                                    "booleans or numbers, one per row")
+        from pyspark.sql import functions as F
+
+        flag = F.coalesce(df[validation].cast("boolean"), F.lit(False))  # null: training
+        train_df = df.filter(~flag).select(*names)
+        val_df = df.filter(flag).select(*names)
     elif isinstance(validation, float) and 0 < validation < 1:
         train_df, val_df = df.select(*names).randomSplit([1 - validation, validation],
                                                          seed=seed)
@@ -198,9 +216,9 @@ def materialize(df: Any, store: Store, run_id: str, columns: list[Column], valid
         raise InvalidInputError(f"{what}: validation={validation!r}: give a fraction in "
                                 "(0, 1) or the name of a boolean column")
     out = Materialized(columns, _write(train_df, store.get_train_data_path(run_id), columns,
-                                       parts))
+                                       parts, what))
     if val_df is not None:
-        out.val = _write(val_df, store.get_val_data_path(run_id), columns, parts)
+        out.val = _write(val_df, store.get_val_data_path(run_id), columns, parts, what)
         if not out.val_rows:
             raise InvalidInputError(f"{what}: validation={validation!r} left no validation rows")
     if not out.train_rows:
@@ -208,18 +226,31 @@ def materialize(df: Any, store: Store, run_id: str, columns: list[Column], valid
     return out
 
 
-def _write(df: Any, directory: str, columns: list[Column], parts: int) -> list[tuple[str, int]]:
+def _write(df: Any, directory: str, columns: list[Column], parts: int,
+           what: str) -> list[tuple[str, int]]:
+    """``df`` into ``parts`` files under ``directory``; ``(path, rows)`` of each. Refuses
+    nulls and vectors of different lengths by column, over every part."""
     shutil.rmtree(directory, ignore_errors=True)  # a previous fit of this run's partitions
     os.makedirs(directory)
     writer = _PartitionWriter(directory, columns)
-    return sorted(df.repartition(parts).rdd.mapPartitionsWithIndex(writer).collect())
+    reports = df.repartition(parts).rdd.mapPartitionsWithIndex(writer).collect()
+    for col in columns:
+        nulls = sum(r["nulls"][col.name] for r in reports)
+        if nulls:
+            raise InvalidInputError(f"{what}: column {col.name!r} holds {nulls} null(s): fill "
+                                    "or drop them (df.na.fill / df.na.drop) before fit")
+        widths = sorted({w for r in reports for w in r["widths"].get(col.name, [])})
+        if len(widths) > 1:
+            raise InvalidInputError(f"{what}: column {col.name!r} holds vectors of different "
+                                    f"lengths ({', '.join(map(str, widths[:5]))})")
+    return sorted((r["path"], r["rows"]) for r in reports)
 
 
 class _PartitionWriter:
     def __init__(self, directory: str, columns: list[Column]) -> None:
         self.directory, self.columns = directory, columns
 
-    def __call__(self, index: int, rows: Iterator[Any]) -> Iterator[tuple[str, int]]:
+    def __call__(self, index: int, rows: Iterator[Any]) -> Iterator[dict]:
         return _write_partition(self.directory, self.columns, index, rows)
 
 
@@ -325,6 +356,23 @@ def mean_across(comm: Any, sums: Mapping[str, float], count: float) -> dict[str,
 
 
 # ------------------------------------------------------------------ driver side
+_AT_LEAST_ONE = ("batch_size", "val_batch_size", "train_steps_per_epoch",
+                 "validation_steps_per_epoch", "backward_passes_per_step",
+                 "partitions_per_process", "num_proc")
+
+
+def _check_values(p: Mapping[str, Any], what: str) -> None:
+    """Refuse by name the values that would fail later, on the ranks."""
+    for name in ("feature_cols", "label_cols"):
+        if isinstance(p[name], str) or not all(isinstance(c, str) for c in p[name]):
+            raise InvalidInputError(f"{what}: {name} must be a list of column names, got "
+                                    f"{p[name]!r}")
+    for name in _AT_LEAST_ONE:
+        v = p.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise InvalidInputError(f"{what}: {name}={v!r}: give a whole number >= 1")
+    if not isinstance(p["epochs"], int) or p["epochs"] < 0:
+        raise InvalidInputError(f"{what}: epochs={p['epochs']!r}: give a whole number >= 0")
 class EstimatorBase(_ParamsMixin, _SparkEstimator):
     """``fit(df)``: materialize, assign, train on ``num_proc`` ranks, wrap the result.
 
@@ -355,6 +403,7 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
         for name in ("model", "optimizer", "feature_cols", "label_cols", "store"):
             if not p[name]:
                 raise InvalidInputError(f"{what}: {name} is required")
+        _check_values(p, what)
         if p["sample_weight_col"] and p["sample_weight_col"] in p["feature_cols"]:
             raise InvalidInputError(f"{what}: the sample weights cannot be a feature column")
         store = p["store"]
@@ -367,7 +416,8 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
                            num_proc * max(1, int(p["partitions_per_process"])),
                            p["random_seed"], what)
         return TrainSpec(self._payload(), p, assign(data.train, num_proc, what),
-                         assign(data.val, num_proc, what) if data.val else [[]] * num_proc,
+                         assign(data.val, num_proc, f"{what} (validation rows)")
+                         if data.val else [[]] * num_proc,
                          data.train_rows, data.val_rows, store.get_checkpoint_path(run_id),
                          run_id)
 

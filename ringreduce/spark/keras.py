@@ -235,7 +235,15 @@ def _train(spec: TrainSpec) -> Any:
     resume = load_resume(rr._comm(), spec)
     history: dict = {}
     if resume is not None:
-        model.set_weights(resume["model"])
+        try:
+            model.set_weights(resume["model"])
+        except ValueError as e:  # every rank has the same checkpoint: all raise alike
+            from ..exceptions import InvalidInputError
+
+            raise InvalidInputError(
+                f"KerasEstimator.fit: run_id {spec.run_id!r} has a checkpoint at "
+                f"{spec.checkpoint!r} from a different model ({e}); give a new run_id or "
+                "remove that run's directory") from e
         _restore_optimizer(model.optimizer, resume.get("optimizer"))
         history = resume["history"]
     hvd.broadcast_global_variables(0, model)

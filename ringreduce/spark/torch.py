@@ -13,30 +13,21 @@ ML ``Model``::
     fitted.transform(df).select("y__output")
 
 What a fit does, step by step, is in ``ringreduce/spark/_estimator.py``; the loop each rank
-runs is ``_train`` below: ``ringreduce.torch.DistributedOptimizer`` around a rebuilt copy of
-the user's optimizer, parameters and optimizer state broadcast from rank 0 (after a resume,
-rank 0's checkpoint), ``model(*features)`` per batch, ``loss(output, label)`` per label
-column weighted by ``loss_weights``.
+runs is ``train`` in ``_torch_remote.py``: ``ringreduce.torch.DistributedOptimizer`` around
+a copy of the user's optimizer, parameters and optimizer state broadcast from rank 0 (after
+a resume, rank 0's checkpoint), ``model(*features)`` per batch, ``loss(output, label)`` per
+label column weighted by ``loss_weights``.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Callable
 
 import numpy as np
 
-from ._estimator import (
-    COMMON_PARAMS,
-    EstimatorBase,
-    ModelBase,
-    RankData,
-    TrainSpec,
-    load_resume,
-    mean_across,
-    save_epoch,
-    with_params,
-)
+from ._estimator import COMMON_PARAMS, EstimatorBase, ModelBase, TrainSpec, with_params
 
 __all__ = ["TorchEstimator", "TorchModel"]
 
@@ -71,11 +62,12 @@ class TorchEstimator(EstimatorBase):
     gradient_compression : optional
         ``ringreduce.torch.Compression.fp16`` and friends.
     backward_passes_per_step : int
-        Batches whose gradients are accumulated before one averaged step.
+        Batches whose mean gradient makes one averaged step (an epoch's leftover batches
+        make one more at its end).
     train_minibatch_fn : callable, optional
         Horovod's custom step: ``train_minibatch_fn()`` returns ``step(model, optimizer,
         transform_outputs, loss_fn, inputs, labels, sample_weights) -> (outputs, loss)``
-        (for example an LBFGS step with a closure); the default is ``_train_minibatch``.
+        (for example an LBFGS step with a closure), which zeroes and steps itself.
     """
 
     _WHAT = "TorchEstimator"
@@ -83,10 +75,12 @@ class TorchEstimator(EstimatorBase):
     def _payload(self) -> dict:
         model, opt = self.getOrDefault("model"), self.getOrDefault("optimizer")
         return {"model": model, "optimizer": _optimizer_recipe(model, opt),
-                "loss": _losses(self), "metrics": list(self.getOrDefault("metrics") or [])}
+                "loss": _losses(self), "metrics": _metric_specs(self)}
 
     def _remote(self) -> Callable[[TrainSpec], Any]:
-        return _train
+        from ._torch_remote import train
+
+        return train
 
     def _make_model(self, weights: Any, history: dict, run_id: str) -> TorchModel:
         import torch
@@ -137,7 +131,11 @@ def _optimizer_recipe(model: Any, opt: Any) -> dict:
                                     "are not the model's; build it on model.parameters()")
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": [index[id(p)] for p in g["params"]]})
-    return {"cls": type(opt), "defaults": dict(opt.defaults), "groups": groups,
+    # only what the constructor takes (AdamW's defaults hold a flag its __init__ does not);
+    # load_state_dict restores every group's hyperparameters anyway
+    takes = inspect.signature(type(opt)).parameters
+    defaults = {k: v for k, v in opt.defaults.items() if k in takes}
+    return {"cls": type(opt), "defaults": defaults, "groups": groups,
             "state": opt.state_dict()}
 
 
@@ -150,7 +148,31 @@ def _losses(est: TorchEstimator) -> list:
         raise InvalidInputError("TorchEstimator.fit: loss (or loss_constructors) is required")
     losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
     labels = est.getOrDefault("label_cols")
+    if len(losses) not in (1, len(labels)):
+        from ..exceptions import InvalidInputError
+
+        raise InvalidInputError(f"TorchEstimator.fit: {len(losses)} losses for "
+                                f"{len(labels)} label columns: give one, or one per column")
     return losses * len(labels) if len(losses) == 1 else losses
+
+
+def _metric_specs(est: TorchEstimator) -> list[tuple[str, Any, int]]:
+    """``(name, metric, label index)`` per metric and label column: the metric's
+    ``__name__``, prefixed ``<label>_`` when there are several label columns."""
+    from ..exceptions import InvalidInputError
+
+    labels = est.getOrDefault("label_cols")
+    specs = []
+    for fn in est.getOrDefault("metrics") or []:
+        base = getattr(fn, "__name__", type(fn).__name__)
+        specs += [(base if len(labels) == 1 else f"{label}_{base}", fn, i)
+                  for i, label in enumerate(labels)]
+    names = [n for n, _, _ in specs]
+    clash = sorted({n for n in names if names.count(n) > 1 or n == "loss"})
+    if clash:
+        raise InvalidInputError(f"TorchEstimator.fit: metric name(s) {clash} repeat or are "
+                                "'loss': give each metric a __name__ of its own")
+    return specs
 
 
 def _tensors(arrays: list[np.ndarray], shapes: Any) -> list:
@@ -159,174 +181,8 @@ def _tensors(arrays: list[np.ndarray], shapes: Any) -> list:
     out = []
     for i, a in enumerate(arrays):
         t = torch.from_numpy(np.ascontiguousarray(a))
-        t = t.float() if t.is_floating_point() else t.long() if t.dtype != torch.bool else t
+        t = t.long() if not (t.is_floating_point() or t.dtype == torch.bool) else t.float()
         if shapes:
             t = t.reshape(*shapes[i])
         out.append(t)
     return out
-
-
-def _rebuild_optimizer(recipe: dict, model: Any) -> Any:
-    params = list(model.parameters())
-    groups = [{**g, "params": [params[i] for i in g["params"]]} for g in recipe["groups"]]
-    opt = recipe["cls"](groups, **recipe["defaults"])
-    opt.load_state_dict(recipe["state"])
-    return opt
-
-
-def _train(spec: TrainSpec) -> Any:
-    """One rank of a fit: the loop of Horovod's TorchEstimator."""
-    import torch
-
-    import ringreduce as rr
-    import ringreduce.torch as hvd
-
-    hvd.init()
-    p, pay = spec.params, spec.payload
-    torch.manual_seed(spec.seed())
-    model = pay["model"].to(_device(spec))
-    opt = _rebuild_optimizer(pay["optimizer"], model)
-    resume = load_resume(rr._comm(), spec)
-    history: dict = {}
-    if resume is not None:
-        model.load_state_dict(resume["model"])
-        opt.load_state_dict(resume["optimizer"])
-        history = resume["history"]
-    start = len(history.get("loss", []))
-    dopt = hvd.DistributedOptimizer(
-        opt, named_parameters=model.named_parameters(),
-        compression=p["gradient_compression"] or hvd.Compression.none,
-        backward_passes_per_step=int(p["backward_passes_per_step"]))
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(dopt, root_rank=0)
-    data = RankData(spec.train[rr.rank()])
-    val = RankData(spec.val[rr.rank()]) if spec.val_rows else None
-    for epoch in range(start, int(p["epochs"])):
-        row = _epoch(spec, model, dopt, data, epoch)
-        if val is not None:
-            row.update({f"val_{k}": v for k, v in _evaluate(spec, model, val).items()})
-        for k, v in row.items():
-            history.setdefault(k, []).append(v)
-        if p["verbose"] and rr.rank() == 0:
-            print(f"epoch {epoch}: " + ", ".join(f"{k}={v:.6g}" for k, v in row.items()),
-                  flush=True)
-        save_epoch(rr._comm(), spec, {"model": model.state_dict(),
-                                      "optimizer": opt.state_dict(), "history": history})
-    if rr.rank() != 0:
-        return None
-    return {"weights": {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()},
-            "history": history}
-
-
-def _device(spec: TrainSpec) -> Any:
-    """This rank's GPU (``cuda:<local rank>``) with ``use_gpu`` where torch sees one, else
-    the CPU (Horovod's rule)."""
-    import torch
-
-    import ringreduce as rr
-
-    if spec.params["use_gpu"] and torch.cuda.is_available():
-        return torch.device("cuda", rr.local_rank() % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def _columns(spec: TrainSpec, batch: dict) -> tuple[list, list, Any]:
-    p, device = spec.params, _device(spec)
-    inputs = [t.to(device) for t in _tensors([batch[c] for c in p["feature_cols"]],
-                                             p["input_shapes"])]
-    labels = [t.to(device) for t in _tensors([batch[c] for c in p["label_cols"]],
-                                             p["label_shapes"])]
-    weights = p["sample_weight_col"] and _tensors([batch[p["sample_weight_col"]]],
-                                                  None)[0].to(device)
-    return inputs, labels, weights
-
-
-def _loss(spec: TrainSpec, outputs: Any, labels: list, weights: Any) -> Any:
-    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    lw = spec.params["loss_weights"] or [1.0] * len(labels)
-    total = 0
-    for fn, w, out, lab in zip(spec.payload["loss"], lw, outputs, labels):
-        value = fn(out, lab)
-        if weights is not None:
-            if value.dim() == 0:
-                from ..exceptions import InvalidInputError
-
-                raise InvalidInputError("TorchEstimator: with sample_weight_col the loss must "
-                                        "return one value per row (reduction='none')")
-            value = (value.reshape(-1) * weights).sum() / weights.sum()
-        total = total + w * value
-    return total
-
-
-def _metrics(spec: TrainSpec, outputs: Any, labels: list) -> dict[str, float]:
-    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    out = {}
-    for i, fn in enumerate(spec.payload["metrics"]):
-        name = getattr(fn, "__name__", f"metric{i}")
-        out[name] = float(fn(outputs[0], labels[0]))
-    return out
-
-
-def _train_minibatch(model: Any, optimizer: Any, transform_outputs: Callable,
-                     loss_fn: Callable, inputs: list, labels: list, sample_weights: Any
-                     ) -> tuple[Any, Any]:
-    """One step, the default of Horovod's ``train_minibatch_fn`` (same signature)."""
-    optimizer.zero_grad()
-    outputs, labels = transform_outputs(model(*inputs), labels)
-    loss = loss_fn(outputs, labels, sample_weights)
-    loss.backward()
-    optimizer.step()
-    return outputs, loss
-
-
-def _same(outputs: Any, labels: list) -> tuple[Any, list]:
-    """Horovod's ``transform_outputs`` for a custom step: the loss takes outputs as the
-    model gives them (one tensor, or one per label column)."""
-    return outputs, labels
-
-
-def _epoch(spec: TrainSpec, model: Any, dopt: Any, data: RankData, epoch: int) -> dict:
-    """One epoch of ``steps_per_epoch`` steps; the loss and metrics averaged over ranks."""
-    import ringreduce as rr
-
-    p = spec.params
-    model.train()
-    step = p["train_minibatch_fn"]() if p["train_minibatch_fn"] else _train_minibatch
-
-    def loss_fn(outputs: Any, labels: list, weights: Any) -> Any:
-        return _loss(spec, outputs, labels, weights)
-
-    sums: dict[str, float] = {"loss": 0.0}
-    n = 0
-    for batch in data.batches(epoch, spec.steps_per_epoch(rr.size()), int(p["batch_size"]),
-                              bool(p["shuffle"]), spec.seed() * 1000 + rr.rank()):
-        inputs, labels, weights = _columns(spec, batch)
-        outputs, loss = step(model, dopt, _same, loss_fn, inputs, labels, weights)
-        rows = len(labels[0])
-        sums["loss"] += float(loss.detach()) * rows
-        for k, v in _metrics(spec, outputs, labels).items():
-            sums[k] = sums.get(k, 0.0) + v * rows
-        n += rows
-    return mean_across(rr._comm(), sums, n)
-
-
-def _evaluate(spec: TrainSpec, model: Any, val: RankData) -> dict[str, float]:
-    """Loss and metrics over this rank's validation rows, averaged over every rank's rows."""
-    import torch
-
-    import ringreduce as rr
-
-    model.eval()
-    sums: dict[str, float] = {"loss": 0.0}
-    n = 0
-    steps = spec.params["validation_steps_per_epoch"]
-    with torch.no_grad():
-        for batch in val.in_order(spec.val_batch_size(), steps and int(steps)):
-            inputs, labels, weights = _columns(spec, batch)
-            outputs = model(*inputs)
-            rows = len(labels[0])
-            sums["loss"] += float(_loss(spec, outputs, labels, weights)) * rows
-            for k, v in _metrics(spec, outputs, labels).items():
-                sums[k] = sums.get(k, 0.0) + v * rows
-            n += rows
-    return mean_across(rr._comm(), sums, n)

@@ -24,12 +24,6 @@ def frame(spark, n=240):
     return spark.createDataFrame(rows, ["features", "y", "y2", "w", "is_val"])
 
 
-def mse(output, label):
-    import torch
-
-    return torch.nn.functional.mse_loss(output.reshape(-1), label.reshape(-1))
-
-
 def replay(store, run_id, start, epochs, steps, batch, lr):
     """Plain float64 SGD on the parts each rank was given (the same assignment the fit
     made), the two ranks' gradients averaged per step, in order (shuffle=False)."""
@@ -64,7 +58,8 @@ def torch_estimator(spark):
     model = torch.nn.Linear(3, 1)
     start = [p.detach().numpy().copy() for p in model.parameters()]
     est = TorchEstimator(num_proc=2, store=store, model=model, run_id="lin",
-                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss=mse,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                         loss=torch.nn.functional.mse_loss,  # (N, 1) outputs, (N,) labels
                          feature_cols=["features"], label_cols=["y"], validation="is_val",
                          batch_size=8, epochs=3, shuffle=False, partitions_per_process=3,
                          verbose=0)
@@ -73,6 +68,14 @@ def torch_estimator(spark):
     want = replay(store, "lin", start, 3, 192 // 16, 8, 0.05)
     first = fitted.getHistory()
     resumed = est.setEpochs(5).fit(df).getHistory()
+    # two batches of 4 accumulated per step: the same steps as batches of 8
+    halves = est.copy().setRunId("halves").setBatchSize(4).setBackwardPassesPerStep(2)
+    got_halves = np.concatenate([p.detach().numpy().reshape(-1) for p in
+                                 halves.setEpochs(1).fit(df).getModel().parameters()])
+    want_halves = replay(store, "halves", start, 1, 192 // 16, 8, 0.05)
+    other = torch.nn.Linear(3, 2)  # run "lin"'s checkpoint is of another model
+    mismatch = refusal(est.copy().setModel(other).setOptimizer(
+        torch.optim.SGD(other.parameters(), lr=0.1)).setEpochs(6), df)
     out = fitted.transform(df)
     rows = out.select("features", "y", "y__output").collect()
     local = fitted.getModel()(torch.tensor(np.array([r["features"].toArray() for r in rows]),
@@ -80,7 +83,17 @@ def torch_estimator(spark):
     return {"history": first, "resumed": resumed, "replay_diff": float(np.abs(got - want).max()),
             "coef": got.tolist(), "columns": out.columns, "rows": len(rows),
             "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max()),
-            "checkpoint": sorted(os.listdir(store.get_run_path("lin")))}
+            "checkpoint": sorted(os.listdir(store.get_run_path("lin"))),
+            "halves_diff": float(np.abs(got_halves - want_halves).max()), "mismatch": mismatch}
+
+
+def refusal(est, df):
+    """The error a fit raises, as ``[class name, message]``."""
+    try:
+        est.fit(df)
+    except Exception as e:
+        return [type(e).__name__, str(e)]
+    return None
 
 
 def no_step(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights):
@@ -104,7 +117,7 @@ def torch_estimator_vector(spark):
         return ((output - label) ** 2).mean(dim=1)
 
     est = TorchEstimator(num_proc=2, store=Store.create(tempfile.mkdtemp(prefix="rr-est-")),
-                         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
+                         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
                          loss=weighted, feature_cols=["features"], label_cols=["y2"],
                          sample_weight_col="w", validation=0.25, batch_size=16, epochs=2,
                          random_seed=3, partitions_per_process=2, verbose=0)
@@ -118,13 +131,24 @@ def torch_estimator_vector(spark):
     out["custom_step_moved"] = max(float(np.abs(a - t.detach().numpy()).max()) for a, t in
                                    zip(start, frozen.getModel().parameters()))
     out["custom_step_loss"] = frozen.getHistory()["loss"]
-    for name, bad in (("missing", est.copy().setFeatureCols(["nope"])),
-                      ("too_few_rows", est.copy().setValidation(None))):
-        try:
-            bad.fit(df.limit(1) if name == "too_few_rows" else df)
-            out[name] = None
-        except Exception as e:
-            out[name] = [type(e).__name__, str(e)]
+    from pyspark.sql import functions as F
+
+    out["missing"] = refusal(est.copy().setFeatureCols(["nope"]), df)
+    out["too_few_rows"] = refusal(est.copy().setValidation(None), df.limit(1))
+    thirds = F.col("w") == 2.0
+    out["nulls"] = refusal(est, df.withColumn("y2", F.when(thirds, None).otherwise(F.col("y2"))))
+    out["lengths"] = refusal(est, df.withColumn("y2", F.when(thirds, F.array(F.col("y")))
+                                                .otherwise(F.col("y2"))))
+    # a null validation flag trains: 240 rows, a fifth flagged, a third of the rest null
+    flags = df.withColumn("is_val", F.when(thirds & ~F.col("is_val"), None)
+                          .otherwise(F.col("is_val")))
+    null_flags = est.copy().setValidation("is_val").setEpochs(1).setTrainStepsPerEpoch(1)
+    null_flags.setRunId("flags").fit(flags)
+    store = null_flags.getStore()
+    out["null_flag_rows"] = [sum(int(np.load(os.path.join(d, f))["w"].shape[0])
+                                 for f in os.listdir(d))
+                             for d in (store.get_train_data_path("flags"),
+                                       store.get_val_data_path("flags"))]
     return out
 
 

@@ -240,7 +240,7 @@ def estimators(spark):
 
 
 def estimator_example():
-    """examples/spark_estimator.py in this session (getOrCreate joins it), 8 epochs."""
+    """examples/spark_estimator.py in this session (getOrCreate joins it), 5 epochs."""
     import tempfile
     from pathlib import Path
 
@@ -248,7 +248,7 @@ def estimator_example():
     import spark_estimator
 
     with tempfile.TemporaryDirectory() as tmp:
-        return spark_estimator.main(["--num-proc", "2", "--epochs", "8", "--store", tmp])
+        return spark_estimator.main(["--num-proc", "2", "--epochs", "5", "--store", tmp])
 
 
 if __name__ == "__main__":

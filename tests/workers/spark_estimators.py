@@ -104,7 +104,8 @@ def no_step(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample
 
 def torch_estimator_vector(spark):
     """An array label (a vector output column), sample weights and a validation fraction;
-    then two refusals: a missing column and more ranks than rows."""
+    refusals (a missing column, more ranks than rows, nulls, ragged vectors); a custom
+    step and null validation flags."""
     import torch
 
     from ringreduce.spark.common.store import Store
@@ -125,12 +126,6 @@ def torch_estimator_vector(spark):
     first = fitted.transform(df).select("y2__output").first()[0]
     out = {"history": fitted.getHistory(), "output_type": type(first).__name__,
            "output_size": len(first)}
-    # Horovod's custom step: one that never steps leaves the weights where they started
-    start = [t.detach().numpy().copy() for t in model.parameters()]
-    frozen = est.copy().setTrainMinibatchFn(lambda: no_step).setEpochs(1).fit(df)
-    out["custom_step_moved"] = max(float(np.abs(a - t.detach().numpy()).max()) for a, t in
-                                   zip(start, frozen.getModel().parameters()))
-    out["custom_step_loss"] = frozen.getHistory()["loss"]
     from pyspark.sql import functions as F
 
     out["missing"] = refusal(est.copy().setFeatureCols(["nope"]), df)
@@ -139,12 +134,18 @@ def torch_estimator_vector(spark):
     out["nulls"] = refusal(est, df.withColumn("y2", F.when(thirds, None).otherwise(F.col("y2"))))
     out["lengths"] = refusal(est, df.withColumn("y2", F.when(thirds, F.array(F.col("y")))
                                                 .otherwise(F.col("y2"))))
-    # a null validation flag trains: 240 rows, a fifth flagged, a third of the rest null
+    # One more fit for two things. Horovod's custom step: one that never steps leaves the
+    # weights where they started. A null validation flag trains: of 240 rows a fifth are
+    # flagged, and a third of the rest have a null flag.
     flags = df.withColumn("is_val", F.when(thirds & ~F.col("is_val"), None)
                           .otherwise(F.col("is_val")))
-    null_flags = est.copy().setValidation("is_val").setEpochs(1).setTrainStepsPerEpoch(1)
-    null_flags.setRunId("flags").fit(flags)
-    store = null_flags.getStore()
+    start = [t.detach().numpy().copy() for t in model.parameters()]
+    frozen = (est.copy().setTrainMinibatchFn(lambda: no_step).setEpochs(1)
+              .setValidation("is_val").setRunId("flags").fit(flags))
+    out["custom_step_moved"] = max(float(np.abs(a - t.detach().numpy()).max()) for a, t in
+                                   zip(start, frozen.getModel().parameters()))
+    out["custom_step_loss"] = frozen.getHistory()["loss"]
+    store = est.getStore()
     out["null_flag_rows"] = [sum(int(np.load(os.path.join(d, f))["w"].shape[0])
                                  for f in os.listdir(d))
                              for d in (store.get_train_data_path("flags"),

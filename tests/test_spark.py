@@ -239,6 +239,8 @@ def test_torch_estimator_trains_resumes_and_transforms(cases):
     # the run's checkpoint is of another model: refused naming the run, on every rank
     assert got["mismatch"][0] == "InvalidInputError", got["mismatch"]
     assert "run_id 'lin' has a checkpoint" in got["mismatch"][1]
+    # saved and loaded, alone and in a PipelineModel: the same predictions, history, uid
+    assert got["saved"] == {"diff": 0.0, "class": "TorchModel", "uid": True, "history": True}
 
 
 def test_torch_estimator_vector_labels_weights_and_refusals(cases):
@@ -268,6 +270,7 @@ def test_keras_estimator_trains_resumes_and_transforms(cases):
     resumed = got["resumed"]
     assert all(resumed[k][:3] == hist[k] and len(resumed[k]) == 5 for k in hist), resumed
     assert got["rows"] == 240 and got["transform_diff"] < 1e-6
+    assert got["saved"] == {"diff": 0.0, "class": "KerasModel", "uid": True, "history": True}
 
 
 def test_estimator_example_trains(cases):

@@ -42,6 +42,7 @@ import numpy as np
 from pyspark.ml import Estimator as _SparkEstimator
 from pyspark.ml import Model as _SparkModel
 from pyspark.ml.param import Param, Params
+from pyspark.ml.util import MLReadable, MLWritable
 
 from ..checkpoint import atomic_write
 from ..exceptions import InvalidInputError
@@ -433,13 +434,33 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
 
 @with_params({"model": None, "feature_columns": None, "label_columns": None,
               "output_cols": None, "history": None, "run_id": None})
-class ModelBase(_ParamsMixin, _SparkModel):
+class ModelBase(_ParamsMixin, _SparkModel, MLWritable, MLReadable):
     """A trained model as a Spark ML ``Model``: ``transform(df)`` appends one prediction
-    column per label column. A framework subclass implements ``_predictor()``: a picklable
-    ``fn(list of feature arrays) -> list of output arrays`` (one per label column)."""
+    column per label column; ``write().save(path)`` and ``load(path)`` (``_persist.py``).
+    A framework subclass implements ``_predictor()``: a picklable ``fn(list of feature
+    arrays) -> list of output arrays`` (one per label column), and ``_model_to_bytes`` /
+    ``_model_from_bytes``."""
 
     def getHistory(self) -> dict:
         return self.getOrDefault("history")
+
+    def write(self) -> Any:
+        from ._persist import ModelWriter
+
+        return ModelWriter(self)
+
+    @classmethod
+    def read(cls) -> Any:
+        from ._persist import ModelReader
+
+        return ModelReader(cls)
+
+    def _model_to_bytes(self) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def _model_from_bytes(cls, data: bytes, params: dict) -> Any:
+        raise NotImplementedError
 
     def _output_names(self) -> list[str]:
         return self.getOrDefault("output_cols") or [

@@ -120,6 +120,13 @@ class KerasModel(ModelBase):
         return _Predictor(model_bytes(self.getOrDefault("model")),
                           self.getOrDefault("custom_objects") or {})
 
+    def _model_to_bytes(self) -> bytes:
+        return model_bytes(self.getOrDefault("model"))
+
+    @classmethod
+    def _model_from_bytes(cls, data: bytes, params: dict) -> keras.Model:
+        return load_model_bytes(data, params.get("custom_objects"))
+
 
 class _Predictor:
     """The model as ``.keras`` bytes, loaded once per process on first use."""

@@ -102,6 +102,24 @@ class TorchModel(ModelBase):
     def _predictor(self) -> Callable[[list[np.ndarray]], list[np.ndarray]]:
         return _Predictor(self.getOrDefault("model"), self.getOrDefault("input_shapes"))
 
+    def _model_to_bytes(self) -> bytes:
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self.getOrDefault("model"), buf)
+        return buf.getvalue()
+
+    @classmethod
+    def _model_from_bytes(cls, data: bytes, params: dict) -> Any:
+        import io
+
+        import torch
+
+        # the whole module, as torch.save wrote it: its class must be importable here
+        return torch.load(io.BytesIO(data), weights_only=False)
+
 
 class _Predictor:
     def __init__(self, model: Any, shapes: Any) -> None:

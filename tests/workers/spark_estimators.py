@@ -82,9 +82,30 @@ def torch_estimator(spark):
                                            dtype=torch.float32)).detach().numpy().reshape(-1)
     return {"history": first, "resumed": resumed, "replay_diff": float(np.abs(got - want).max()),
             "coef": got.tolist(), "columns": out.columns, "rows": len(rows),
+            "saved": saved_and_loaded(fitted, df, "y__output"),
             "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max()),
             "checkpoint": sorted(os.listdir(store.get_run_path("lin"))),
             "halves_diff": float(np.abs(got_halves - want_halves).max()), "mismatch": mismatch}
+
+
+def saved_and_loaded(fitted, df, column):
+    """Spark ML persistence: the model saved and loaded alone and in a PipelineModel;
+    the largest difference of their predictions from the fitted model's, and the class."""
+    from pyspark.ml import PipelineModel
+
+    where = tempfile.mkdtemp(prefix="rr-saved-")
+    fitted.write().overwrite().save(os.path.join(where, "model"))
+    alone = type(fitted).load(os.path.join(where, "model"))
+    PipelineModel([fitted]).write().save(os.path.join(where, "pipeline"))
+    piped = PipelineModel.load(os.path.join(where, "pipeline"))
+
+    def predictions(m):
+        return np.array([r[column] for r in m.transform(df).select(column).collect()])
+
+    want = predictions(fitted)
+    return {"diff": max(float(np.abs(predictions(m) - want).max()) for m in (alone, piped)),
+            "class": type(piped.stages[0]).__name__, "uid": alone.uid == fitted.uid,
+            "history": alone.getHistory() == fitted.getHistory()}
 
 
 def refusal(est, df):
@@ -179,5 +200,5 @@ def keras_estimator(spark):
     local = fitted.getModel().predict_on_batch(
         np.array([r["features"].toArray() for r in rows], np.float32)).reshape(-1)
     return {"history": first, "resumed": resumed, "replay_diff": float(np.abs(got - want).max()),
-            "rows": len(rows),
+            "rows": len(rows), "saved": saved_and_loaded(fitted, df, "y__output"),
             "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max())}

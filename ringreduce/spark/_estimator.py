@@ -6,10 +6,11 @@ that runs on every rank and the prediction of one batch:
 
 1. **Materialize** (driver): the feature, label, sample-weight columns are checked against
    the DataFrame's schema, split into training and validation rows (a fraction, by Spark's
-   ``randomSplit`` with the estimator's seed, or a boolean column), repartitioned into
-   ``num_proc * partitions_per_process`` partitions, and every partition is written by its
-   Spark task as one ``.npz`` file into the store (a column per array; ML vectors and array
-   columns as 2-D arrays). The tasks report their row counts.
+   ``randomSplit`` with the estimator's seed, or a boolean or numeric column whose nulls
+   mean training), repartitioned into ``num_proc * partitions_per_process`` partitions,
+   and every partition is written by its Spark task as one ``.npz`` file into the store (a
+   column per array; ML vectors and array columns as 2-D arrays). The tasks report their
+   row counts, nulls and vector lengths, which the driver checks across all parts.
 2. **Assign** (driver): partitions go to ranks largest first, each to the rank with the
    fewest rows so far, so the ranks' shares differ by at most one partition. A rank with no
    rows is refused before training starts.
@@ -215,7 +216,7 @@ def materialize(df: Any, store: Store, run_id: str, columns: list[Column], valid
                                                          seed=seed)
     else:
         raise InvalidInputError(f"{what}: validation={validation!r}: give a fraction in "
-                                "(0, 1) or the name of a boolean column")
+                                "(0, 1) or the name of a boolean or numeric column")
     out = Materialized(columns, _write(train_df, store.get_train_data_path(run_id), columns,
                                        parts, what))
     if val_df is not None:

@@ -22,7 +22,7 @@ from procs import PYTHON, WORKERS, base_env, run_procs
 
 pytest.importorskip("pyspark", reason="pyspark is not installed (the test extra has it)")
 
-pytestmark = [pytest.mark.timeout(300),
+pytestmark = [pytest.mark.timeout(660),
               pytest.mark.skipif(shutil.which("java") is None,
                                  reason="Spark needs a Java runtime (java not on PATH)")]
 
@@ -78,7 +78,9 @@ def cases(tmp_path_factory):
                 ns0=hosts.names[0], ns1=hosts.names[1], a0=hosts.addrs[0], a1=hosts.addrs[1],
                 sc=Path(pyspark.__file__).parent / "bin" / "spark-class", python=PYTHON,
                 driver=driver)]
-        job = run_procs([("spark driver", cmd, env)], 240, log_dir)
+        # ~115 s on a quiet 2-core VM (the estimators' fits are most of it); its slow state
+        # runs 2-3x longer
+        job = run_procs([("spark driver", cmd, env)], 600, log_dir)
     proc = job.procs[0]
     assert not job.timed_out, f"the Spark driver hit its timeout\n{job.describe()}"
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -258,7 +258,9 @@ class _PartitionWriter:
 
 # ------------------------------------------------------------------ 2. assign
 def assign(parts: Sequence[tuple[str, int]], num_proc: int, what: str) -> list[list[str]]:
-    """Each rank's part files: largest first, each to the rank with the fewest rows."""
+    """Each rank's part files: largest first, each to the rank with the fewest rows. A
+    rank without rows is refused (for validation too: its metrics' names come from the
+    batches it evaluates, and every rank must sum the same ones)."""
     shares: list[list[str]] = [[] for _ in range(num_proc)]
     rows = [0] * num_proc
     for path, n in sorted(parts, key=lambda p: -p[1]):
@@ -373,8 +375,10 @@ def _check_values(p: Mapping[str, Any], what: str) -> None:
         v = p.get(name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise InvalidInputError(f"{what}: {name}={v!r}: give a whole number >= 1")
-    if not isinstance(p["epochs"], int) or p["epochs"] < 0:
+    if not isinstance(p["epochs"], int) or isinstance(p["epochs"], bool) or p["epochs"] < 0:
         raise InvalidInputError(f"{what}: epochs={p['epochs']!r}: give a whole number >= 0")
+
+
 class EstimatorBase(_ParamsMixin, _SparkEstimator):
     """``fit(df)``: materialize, assign, train on ``num_proc`` ranks, wrap the result.
 

@@ -31,13 +31,19 @@ class ModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
+        from pyspark import cloudpickle
+
         model = self.instance
-        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession, paramMap={})
         params = {n: model.getOrDefault(n) for n in model._DEFAULTS if n != "model"}
-        payload = {"model": model._model_to_bytes(), "params": params}
+        # cloudpickle, as Spark ships them to fit: a lambda in custom_objects saves too.
+        # Everything is serialized before anything is written, and the metadata (which
+        # makes the directory a saved stage) last, so a failure leaves no half-saved model.
+        data = cloudpickle.dumps({"model": model._model_to_bytes(), "params": params},
+                                 protocol=4)
         target = os.path.join(_local_path(path), _PAYLOAD)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        atomic_write(target, lambda f: pickle.dump(payload, f, protocol=4))
+        atomic_write(target, lambda f: f.write(data))
+        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession, paramMap={})
 
 
 class ModelReader(MLReader):

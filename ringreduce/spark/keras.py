@@ -279,7 +279,8 @@ def _compiled(spec: TrainSpec, hvd: Any) -> keras.Model:
     opt = keras.optimizers.deserialize(pay["optimizer"], custom_objects=custom)
     dopt = hvd.DistributedOptimizer(
         opt, compression=p["gradient_compression"] or hvd.Compression.none,
-        backward_passes_per_step=int(p["backward_passes_per_step"]))
+        backward_passes_per_step=int(p["backward_passes_per_step"]),
+        average_aggregated_gradients=True)  # the mean of k batches, as TorchEstimator
     # XLA cannot compile ringreduce.tensorflow's collectives (Python calls)
     jit: Any = False if keras.backend.backend() == "tensorflow" else "auto"
     model.compile(optimizer=dopt, loss=_from_wire(pay["loss"], custom),

@@ -106,9 +106,11 @@ class TorchModel(ModelBase):
         import io
 
         import torch
+        from pyspark import cloudpickle
 
         buf = io.BytesIO()
-        torch.save(self.getOrDefault("model"), buf)
+        # by value where the class is the user's __main__'s (a notebook's, a script's)
+        torch.save(self.getOrDefault("model"), buf, pickle_module=cloudpickle)
         return buf.getvalue()
 
     @classmethod
@@ -117,8 +119,8 @@ class TorchModel(ModelBase):
 
         import torch
 
-        # the whole module, as torch.save wrote it: its class must be importable here
-        return torch.load(io.BytesIO(data), weights_only=False)
+        # the whole module, as torch.save wrote it, on the CPU (saved from a GPU or not)
+        return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
 
 
 class _Predictor:

@@ -190,9 +190,13 @@ def keras_estimator(spark):
                          optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
                          feature_cols=["features"], label_cols=["y"], validation="is_val",
                          batch_size=8, epochs=3, shuffle=False, partitions_per_process=3,
-                         verbose=0)
+                         verbose=0, custom_objects={"unused": lambda x: x})  # saves too
     fitted = est.fit(df)
     got = np.concatenate([np.ravel(w) for w in fitted.getModel().get_weights()])
+    halves = est.copy().setRunId("halves").setBatchSize(4).setBackwardPassesPerStep(2)
+    got_halves = np.concatenate([np.ravel(w) for w in
+                                 halves.setEpochs(1).fit(df).getModel().get_weights()])
+    want_halves = replay(store, "halves", start, 1, 192 // 16, 8, 0.05)
     want = replay(store, "lin", start, 3, 192 // 16, 8, 0.05)
     first = fitted.getHistory()
     resumed = est.setEpochs(5).fit(df).getHistory()
@@ -201,4 +205,5 @@ def keras_estimator(spark):
         np.array([r["features"].toArray() for r in rows], np.float32)).reshape(-1)
     return {"history": first, "resumed": resumed, "replay_diff": float(np.abs(got - want).max()),
             "rows": len(rows), "saved": saved_and_loaded(fitted, df, "y__output"),
+            "halves_diff": float(np.abs(got_halves - want_halves).max()),
             "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max())}

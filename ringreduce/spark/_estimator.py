@@ -342,11 +342,23 @@ def load_resume(comm: Any, spec: TrainSpec) -> Optional[dict]:
     return load_on_root(comm, spec.checkpoint, 0, read_pickled_dict, missing_ok=True)
 
 
-def save_epoch(comm: Any, spec: TrainSpec, state: dict) -> None:
-    """Rank 0 replaces the run's checkpoint (``state``: weights, epoch, history)."""
-    if comm.rank() == 0:
-        os.makedirs(os.path.dirname(spec.checkpoint), exist_ok=True)
-        atomic_write(spec.checkpoint, lambda f: pickle.dump(state, f, protocol=4))
+def end_epoch(comm: Any, spec: TrainSpec, epoch: int, row: Mapping[str, float],
+              history: dict, state: dict) -> None:
+    """An epoch's values into ``history`` (printed by rank 0 with ``verbose``), then rank 0
+    replaces the run's checkpoint: ``state`` (the framework's weights and optimizer) with
+    the history."""
+    from ..checkpoint import save_on_root
+
+    for k, v in row.items():
+        history.setdefault(k, []).append(v)
+    if comm.rank() != 0:
+        return
+    if spec.params["verbose"]:
+        print(f"epoch {epoch}: " + ", ".join(f"{k}={v:.6g}" for k, v in row.items()),
+              flush=True)
+    os.makedirs(os.path.dirname(spec.checkpoint), exist_ok=True)
+    save_on_root(comm, spec.checkpoint, 0,
+                 lambda f: pickle.dump({**state, "history": history}, f, protocol=4))
 
 
 def mean_across(comm: Any, sums: Mapping[str, float], count: float) -> dict[str, float]:
@@ -483,8 +495,8 @@ class ModelBase(_ParamsMixin, _SparkModel, MLWritable, MLReadable):
         predict = self._predictor()
         first = df.limit(1).collect()
         widths = [1] * len(self._output_names())
+        idx = [df.columns.index(c.name) for c in features]
         if first:  # a vector or a double per row: ask the model about one row
-            idx = [df.columns.index(c.name) for c in features]
             arrays = rows_to_arrays([[first[0][i] for i in idx]], features)
             widths = [int(np.asarray(o).size) for o in predict([arrays[c.name]
                                                                for c in features])]
@@ -492,7 +504,7 @@ class ModelBase(_ParamsMixin, _SparkModel, MLWritable, MLReadable):
         schema = StructType(df.schema.fields + [
             StructField(o, DoubleType() if w == 1 else VectorUDT(), True)
             for o, w in zip(outs, widths)])
-        fn = _Predict(predict, features, [df.columns.index(c.name) for c in features], widths)
+        fn = _Predict(predict, features, idx, widths)
         return df.sparkSession.createDataFrame(df.rdd.mapPartitions(fn), schema)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..exceptions import InvalidInputError
-from ._estimator import RankData, TrainSpec, load_resume, mean_across, save_epoch
+from ._estimator import RankData, TrainSpec, end_epoch, load_resume, mean_across
 from .torch import _tensors
 
 
@@ -44,13 +44,8 @@ def train(spec: TrainSpec) -> Any:
         row = _epoch(spec, model, dopt, data, epoch)
         if val is not None:
             row.update({f"val_{k}": v for k, v in _evaluate(spec, model, val).items()})
-        for k, v in row.items():
-            history.setdefault(k, []).append(v)
-        if p["verbose"] and rr.rank() == 0:
-            print(f"epoch {epoch}: " + ", ".join(f"{k}={v:.6g}" for k, v in row.items()),
-                  flush=True)
-        save_epoch(rr._comm(), spec, {"model": model.state_dict(),
-                                      "optimizer": opt.state_dict(), "history": history})
+        end_epoch(rr._comm(), spec, epoch, row, history,
+                  {"model": model.state_dict(), "optimizer": opt.state_dict()})
     if rr.rank() != 0:
         return None
     return {"weights": {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()},

@@ -38,9 +38,9 @@ from ._estimator import (
     ModelBase,
     RankData,
     TrainSpec,
+    end_epoch,
     load_resume,
     mean_across,
-    save_epoch,
     with_params,
 )
 
@@ -326,14 +326,9 @@ class _EpochEnd(keras.callbacks.Callback):
             logs.update({f"val_{k}": v for k, v in _evaluate(self.spec, self.model,
                                                              self.val).items()})
         row = {k: float(v) for k, v in logs.items() if np.ndim(v) == 0}
-        for k, v in row.items():
-            self.history.setdefault(k, []).append(v)
-        if self.spec.params["verbose"] and rr.rank() == 0:
-            print(f"epoch {epoch}: " + ", ".join(f"{k}={v:.6g}" for k, v in row.items()),
-                  flush=True)
         opt = self.model.optimizer
-        save_epoch(rr._comm(), self.spec, {
-            "model": self.model.get_weights(), "history": self.history,
+        end_epoch(rr._comm(), self.spec, epoch, row, self.history, {
+            "model": self.model.get_weights(),
             "optimizer": [_numpy(v) for v in opt.variables] if opt is not None else None})
 
 

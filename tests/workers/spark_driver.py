@@ -143,16 +143,21 @@ def environ_fn(_):
     return [os.environ.get(k) for k in ("RANK", "MASTER_PORT", "RINGREDUCE_SECRET")]
 
 
-def example(sc):
-    """examples/spark_train.py in this session (getOrCreate joins it), 3 epochs."""
-    import tempfile
+def example_module(name):
+    """An example script of examples/ as a module; its main joins this session."""
+    import importlib
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import spark_train
+    return importlib.import_module(name)
+
+
+def example(sc):
+    """examples/spark_train.py in this session (getOrCreate joins it), 3 epochs."""
+    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        accuracies = spark_train.main(["--num-proc", "2", "--epochs", "3",
+        accuracies = example_module("spark_train").main(["--num-proc", "2", "--epochs", "3",
                                        "--checkpoint-dir", tmp])
         return {"accuracies": accuracies, "files": sorted(os.listdir(tmp))}
 
@@ -242,13 +247,10 @@ def estimators(spark):
 def estimator_example():
     """examples/spark_estimator.py in this session (getOrCreate joins it), 5 epochs."""
     import tempfile
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import spark_estimator
 
     with tempfile.TemporaryDirectory() as tmp:
-        return spark_estimator.main(["--num-proc", "2", "--epochs", "5", "--store", tmp])
+        return example_module("spark_estimator").main(["--num-proc", "2", "--epochs", "5",
+                                                       "--store", tmp])
 
 
 if __name__ == "__main__":

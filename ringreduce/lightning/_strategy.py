@@ -1,0 +1,303 @@
+"""The Lightning strategy, built once per Lightning package (``lightning.pytorch`` or
+``pytorch_lightning``: each has its own ``Strategy`` and registry, so a class made for one
+is refused by the other's ``Trainer``).
+
+How a step runs (automatic optimization, ``accumulate_grad_batches=k``)::
+
+    batch 1..k-1: closure()                 forward, loss / k, backward: each gradient's
+                                            hook counts down (backward_passes_per_step=k)
+    batch k:      optimizer_step(closure)   the closure we pass down runs forward and
+                                            backward (the hooks start the allreduces),
+                                            then synchronize() waits for the averages;
+                  precision plugin          on_before_optimizer_step, gradient clipping
+                                            and unscaling see the averaged gradients
+                  optimizer.step()          inside skip_synchronize(): no second average
+
+Invariants: every rank runs the same number of ``optimizer_step`` calls per epoch (the
+``DistributedSampler`` Lightning puts in gives each rank ``ceil(len / size)`` samples);
+parameters and optimizer state leave ``setup`` equal on every rank (broadcast from rank 0);
+a closure that skips backward (``training_step`` returned None) still synchronizes, the
+ranks without a gradient contributing zeros, so no rank waits on another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from contextlib import ExitStack
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import torch
+
+import ringreduce as rr
+import ringreduce.torch as rrt
+from ringreduce.exceptions import InvalidInputError
+
+_OPS = {"mean": rr.Average, "avg": rr.Average, "average": rr.Average, "sum": rr.Sum,
+        "max": rr.Max, "min": rr.Min, "product": rr.Product, "prod": rr.Product}
+
+
+def ring_op(op: Any) -> int:
+    """ringreduce's op for Lightning's ``reduce_op`` (None, a string or ``ReduceOp``)."""
+    if op is None:
+        return rr.Average
+    key = op if isinstance(op, str) else getattr(op, "name", str(op))
+    found = _OPS.get(str(key).lower().rsplit(".", 1)[-1])
+    if found is None:
+        raise InvalidInputError(
+            f"rank {rr.rank()}: RingreduceStrategy.reduce: unsupported reduce_op {op!r}; use "
+            f"one of {sorted(_OPS)} or torch.distributed.ReduceOp.SUM/AVG/MAX/MIN/PRODUCT")
+    return found
+
+
+def _no_group(group: Any, what: str, world: Any = None) -> None:
+    if group is not None and group is not world:
+        raise InvalidInputError(
+            f"rank {rr.rank()}: RingreduceStrategy.{what}: process groups are torch.distributed's "
+            "and ringreduce does not use them; leave group unset (every rank takes part)")
+
+
+class _GatherFn(torch.autograd.Function):
+    """Stack every rank's tensor; the gradient of a rank's slice is the sum of the slice's
+    gradients on all ranks (torch.distributed.nn.all_gather's rule, which Lightning's
+    ``all_gather(sync_grads=True)`` uses under DDP)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return rrt.allgather(tensor.detach().unsqueeze(0).contiguous())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return rrt.allreduce(grad.contiguous(), op=rr.Sum)[rr.rank()]
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
+
+
+def _named(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+    """The module's named parameters that ``optimizer`` updates, in the module's order."""
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [(name, p) for name, p in module.named_parameters() if id(p) in mine]
+
+
+def _set_rank_zero(rank: int) -> None:
+    """Lightning reads the rank from RANK/SLURM_PROCID at import; mpirun sets neither."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = rank
+
+
+def _accumulation(trainer: Any) -> int:
+    for cb in trainer.callbacks:
+        if type(cb).__name__ == "GradientAccumulationScheduler":
+            raise InvalidInputError(
+                f"rank {rr.rank()}: RingreduceStrategy: GradientAccumulationScheduler changes "
+                "accumulate_grad_batches between epochs, and DistributedOptimizer's "
+                "backward_passes_per_step is fixed; use Trainer(accumulate_grad_batches=k)")
+    return int(trainer.accumulate_grad_batches)
+
+
+def _environment_class(pl: Any) -> type:
+    base = importlib.import_module(pl.__name__ + ".plugins.environments").ClusterEnvironment
+
+    class RingreduceEnvironment(base):
+        """Lightning's view of a ringreduce job: ranks come from ``ringreduce.init()``;
+        processes are started outside Lightning (mpirun, ringrun, Spark, Ray)."""
+
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True
+
+        @property
+        def main_address(self) -> str:
+            return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+        @property
+        def main_port(self) -> int:
+            return int(os.environ.get("MASTER_PORT", "0"))
+
+        @staticmethod
+        def detect() -> bool:
+            return rr.is_initialized()
+
+        def world_size(self) -> int:
+            return rr.size()
+
+        def set_world_size(self, size: int) -> None:
+            pass  # fixed by the launcher
+
+        def global_rank(self) -> int:
+            return rr.rank()
+
+        def set_global_rank(self, rank: int) -> None:
+            pass  # fixed by the launcher
+
+        def local_rank(self) -> int:
+            return rr.local_rank()
+
+        def node_rank(self) -> int:
+            return rr.cross_rank()
+
+    return RingreduceEnvironment
+
+
+class StrategyMethods:
+    """What RingreduceStrategy adds to Lightning's ParallelStrategy (in front of it)."""
+
+    @property
+    def root_device(self) -> torch.device:
+        kind = self.parallel_devices[0].type if self.parallel_devices else "cpu"
+        if kind == "cuda":  # one process per GPU, as Horovod: this host's rank picks it
+            return torch.device("cuda", rr.local_rank() % max(torch.cuda.device_count(), 1))
+        return torch.device(kind)
+
+    @property
+    def is_distributed(self) -> bool:  # Lightning then puts in a DistributedSampler
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": rr.size(), "rank": rr.rank()}
+
+    def model_to_device(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        self.model.to(self.root_device)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        rrt.broadcast_parameters(module.state_dict(), root_rank=0)
+        if trainer.state.fn != self._fitting:
+            return
+        passes = _accumulation(trainer)
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        if self._scale_lr:
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] *= rr.size()
+            for config in self.lr_scheduler_configs:
+                if hasattr(config.scheduler, "base_lrs"):
+                    config.scheduler.base_lrs = [lr * rr.size()
+                                                 for lr in config.scheduler.base_lrs]
+        for opt in optimizers:
+            rrt.broadcast_optimizer_state(opt, root_rank=0)
+        wrapped = [o if hasattr(o, "skip_synchronize") else rrt.DistributedOptimizer(
+            o, named_parameters=_named(module, o), backward_passes_per_step=passes,
+            **self._opt_kwargs) for o in optimizers]
+        self._exit_stack = ExitStack()
+        for opt in wrapped:  # synchronized by the closure (see optimizer_step)
+            self._exit_stack.enter_context(opt.skip_synchronize())
+        self.optimizers = wrapped
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        return super().optimizer_step(optimizer, _synchronizing(optimizer, closure), model,
+                                      **kwargs)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Allreduce ``tensor`` over every rank (a non-tensor comes back unchanged)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        _no_group(group, "reduce")
+        op = ring_op(reduce_op)
+        if op == rr.Average and not tensor.is_floating_point():
+            tensor = tensor.double()  # Lightning's DDP: a mean of ints is not rounded
+        return rrt.allreduce(tensor.contiguous(), op=op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None,
+                   sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked along a new first dimension of ``size()``."""
+        _no_group(group, "all_gather", _world_group())
+        if sync_grads:
+            return _GatherFn.apply(tensor)
+        return rrt.allgather(tensor.detach().unsqueeze(0).contiguous())
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        rr.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return rrt.broadcast_object(obj, root_rank=src)
+
+    def teardown(self) -> None:
+        if self._exit_stack is not None:
+            self._exit_stack.close()
+            self._exit_stack = None
+        super().teardown()
+
+
+def _world_group() -> Any:
+    dist = torch.distributed
+    return dist.group.WORLD if dist.is_available() else None
+
+
+def build(package: str) -> SimpleNamespace:
+    """RingreduceEnvironment, RingreduceStrategy and HorovodStrategy for one Lightning
+    package, registered in its ``StrategyRegistry`` as "ringreduce" and "horovod"."""
+    pl = importlib.import_module(package)
+    strategies = importlib.import_module(package + ".strategies")
+    trainer_fn = importlib.import_module(package + ".trainer.states").TrainerFn
+    env_cls = _environment_class(pl)
+    strategy_cls = _strategy_class(strategies.ParallelStrategy, env_cls, trainer_fn)
+
+    class HorovodStrategy(strategy_cls):
+        """``Trainer(strategy="horovod")`` of PyTorch Lightning 1.x: as RingreduceStrategy,
+        with each learning rate (and each scheduler's base rate) multiplied by the number
+        of ranks, as Lightning's Horovod strategy did."""
+
+        strategy_name = "horovod"
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("scale_lr", True)
+            super().__init__(*args, **kwargs)
+
+    for cls in (strategy_cls, HorovodStrategy):
+        strategies.StrategyRegistry.register(cls.strategy_name, cls, description=cls.__doc__,
+                                             override=True)
+    return SimpleNamespace(RingreduceEnvironment=env_cls, RingreduceStrategy=strategy_cls,
+                           HorovodStrategy=HorovodStrategy)
+
+
+def _strategy_class(parallel: type, env_cls: type, trainer_fn: Any) -> type:
+    class RingreduceStrategy(StrategyMethods, parallel):
+        """Data-parallel training over ringreduce: one process per device, started by
+        mpirun, ``ringrun``, Spark or Ray; gradients averaged by ringreduce's
+        ``DistributedOptimizer`` (see the module docstring for one step's order)."""
+
+        strategy_name = "ringreduce"
+
+        def __init__(self, accelerator: Any = None,
+                     parallel_devices: Optional[list] = None, checkpoint_io: Any = None,
+                     precision_plugin: Any = None, *, scale_lr: bool = False,
+                     compression: Any = rrt.Compression.none,
+                     gradient_predivide_factor: float = 1.0, op: int = rr.Average,
+                     sparse_as_dense: bool = False) -> None:
+            if not rr.is_initialized():
+                rr.init()
+            super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                             cluster_environment=env_cls(), checkpoint_io=checkpoint_io,
+                             precision_plugin=precision_plugin)
+            self._scale_lr = bool(scale_lr)
+            self._opt_kwargs = {"compression": compression, "op": op,
+                                "gradient_predivide_factor": gradient_predivide_factor,
+                                "sparse_as_dense": sparse_as_dense}
+            self._exit_stack: Optional[ExitStack] = None
+            self._fitting = trainer_fn.FITTING
+            _set_rank_zero(rr.rank())
+
+    return RingreduceStrategy
+
+
+def _synchronizing(optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+    """``closure``, then wait for the averaged gradients (before clipping and the step)."""
+    inner = _unwrap(optimizer)
+
+    def run() -> Any:
+        result = closure()
+        if hasattr(inner, "synchronize"):
+            inner.synchronize()
+        return result
+
+    return run

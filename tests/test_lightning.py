@@ -1,0 +1,72 @@
+"""ringreduce.lightning: PyTorch Lightning's Trainer on ringreduce, in real processes (one
+launch runs every case; Lightning's import costs ~3 CPU-seconds a process)."""
+
+from __future__ import annotations
+
+import pytest
+from procs import run_env_launch
+
+pytest.importorskip("lightning")
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Every case, then rank 1 exits inside ``fit``."""
+    job = run_env_launch(2, "lightning_worker.py", [tmp_path_factory.mktemp("ckpt")],
+                         timeout=240)
+    assert not job.timed_out, job.describe()
+    assert job.event(1, "fit-error") is None, job.describe()  # rank 1 exited 17, not raised
+    assert [p.returncode for p in job.procs] == [3, 17], job.describe()
+    logs = job.logs()
+    assert all(f"OK rank {r}" in logs.get(r, []) for r in range(2)), job.describe()
+    return job
+
+
+def test_trainer_fit_equals_one_process_on_the_union_of_batches(job):
+    for r in range(2):
+        eq = {e["case"]: e for e in job.events("equivalence")[r]}
+        assert set(eq) == {"plain", "accumulate-clip", "horovod-lr", "manual",
+                           "pytorch_lightning"}, eq
+        for case, e in eq.items():
+            # float64: the sum of two rank means against one mean of the union
+            assert e["diff"] <= 1e-12 and e["spread"] == 0, (case, e)
+            assert e["optimizer"] == "SGD" and e["distributed"], e  # DistributedOptimizer's SGD
+        # 48 rows, 2 ranks, batches of 4: 6 steps an epoch; accumulating 2: 3
+        assert [eq[c]["steps"] for c in ("plain", "accumulate-clip", "manual")] == [12, 6, 12]
+        # HorovodStrategy, also as "horovod" in pytorch_lightning's registry: lr x size
+        assert eq["plain"]["lr"] == 0.1 and eq["horovod-lr"]["lr"] == eq[
+            "pytorch_lightning"]["lr"] == pytest.approx(0.2)
+
+
+def test_logging_callbacks_and_checkpoints_agree_across_ranks(job):
+    cb = [job.event(r, "callbacks") for r in range(2)]
+    for r, c in enumerate(cb):
+        assert c["world"] == [2, r, r == 0], c
+        # sync_dist: the mean of the ranks' 0 and 1
+        assert c["rank_mean"] == 0.5, c
+        # all_gather stacks; sync_grads: d(sum of 3 x_r over ranks)/dx = 3 on each rank,
+        # summed over the 2 ranks as torch.distributed's all_gather gradient is
+        assert c["gathered"] == [[0.0, 0.0], [1.0, 2.0]] and c["gathered_grad"] == 6.0, c
+        assert c["validated"] == pytest.approx(c["tested"], abs=0), c
+    # EarlyStopping: only rank 0's metric stops improving (after epoch 1); the decision is
+    # shared, so both ranks stop at the same epoch instead of one waiting forever
+    assert cb[0]["epochs"] == cb[1]["epochs"] == 2, cb
+    assert cb[0]["val_loss"] == cb[1]["val_loss"], cb
+    assert cb[0]["best"] == cb[1]["best"] == "best.ckpt" and cb[0]["files"] == ["best.ckpt"]
+
+
+def test_refusals_name_the_rank_and_the_fix(job):
+    caught = job.event(0, "refusals")["caught"]
+    assert set(caught) == {"group", "op", "scheduler"}, caught
+    assert "rank 0: RingreduceStrategy.reduce: process groups" in caught["group"]
+    assert "'median'" in caught["op"]
+    assert "accumulate_grad_batches=k" in caught["scheduler"]
+
+
+def test_a_rank_dying_inside_fit_raises_on_the_others(job):
+    err = job.event(0, "fit-error")
+    assert err is not None, job.describe()
+    assert err["cls"] == "PeerLostError" and err["rr"], err
+    assert "rank 1" in err["msg"] and "has exited" in err["msg"], err
+    assert job.event(0, "fit-error-after")["seconds"] < 30

@@ -1,13 +1,16 @@
 """ringreduce.lightning: PyTorch Lightning's Trainer on ringreduce, in real processes (one
-launch runs every case; Lightning's import costs ~3 CPU-seconds a process)."""
+launch runs every case; Lightning's import costs ~3 CPU-seconds a process), and
+examples/lightning_train.py under real ``mpirun -np 2`` (three runs in one job)."""
 
 from __future__ import annotations
 
 import pytest
-from procs import run_env_launch
+from procs import ROOT, require_mpirun, run_env_launch
+from script_jobs import Script, final_accuracy, run_scripts
 
 pytest.importorskip("lightning")
 pytest.importorskip("torch")
+pytest.importorskip("sklearn")
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,38 @@ def test_a_rank_dying_inside_fit_raises_on_the_others(job):
     assert err["cls"] == "PeerLostError" and err["rr"], err
     assert "rank 1" in err["msg"] and "has exited" in err["msg"], err
     assert job.event(0, "fit-error-after")["seconds"] < 30
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    require_mpirun()
+    work = tmp_path_factory.mktemp("lightning-examples")
+    script = ROOT / "examples" / "lightning_train.py"
+    resumed, fresh = work / "resumed", work / "fresh"
+    return run_scripts(2, [
+        Script("first", script, ["--epochs", 6, "--checkpoint-dir", resumed], resumed),
+        Script("resume", script, ["--epochs", 10, "--checkpoint-dir", resumed, "--resume"],
+               resumed),
+        Script("fresh", script, ["--epochs", 10, "--checkpoint-dir", fresh], fresh),
+    ], work, {}, 300)
+
+
+@pytest.mark.timeout(360)
+def test_lightning_example_trains_and_resumes_exactly(examples):
+    fresh = examples.check("fresh")
+    acc = final_accuracy(fresh)
+    assert acc >= 0.95, fresh.output()
+    assert "epochs 10," in fresh.output()
+    # rank 0 alone wrote them: the best epoch (ModelCheckpoint's default) and last.ckpt
+    assert fresh.files() == ["epoch=9-step=230.ckpt", "last.ckpt"], fresh.files()
+    first, resumed = examples.check("first"), examples.check("resume")
+    assert "epochs 6," in first.output() and "epochs 10," in resumed.output()
+    # epochs 7-10 from last.ckpt (weights, momentum, the LR schedule, the sampler's
+    # epoch) land where ten epochs in one go do
+    assert final_accuracy(resumed) == acc, (resumed.output(), fresh.output())
+    import torch
+
+    weights = [torch.load(run.cwd / "last.ckpt", weights_only=False)["state_dict"]
+               for run in (resumed, fresh)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -37,6 +37,10 @@ def test_trainer_fit_equals_one_process_on_the_union_of_batches(job):
             assert e["optimizer"] == "SGD" and e["distributed"], e  # DistributedOptimizer's SGD
         # 48 rows, 2 ranks, batches of 4: 6 steps an epoch; accumulating 2: 3
         assert [eq[c]["steps"] for c in ("plain", "accumulate-clip", "manual")] == [12, 6, 12]
+        # float16 autocast, GradScaler at 1024: unscaled after the average (2.8e-4 measured;
+        # unscaling the local gradients before it would step on 1024x averages)
+        amp = job.event(r, "amp")
+        assert amp["diff"] < 5e-3 and amp["spread"] == 0 and amp["scale"] == 1024, amp
         # HorovodStrategy, also as "horovod" in pytorch_lightning's registry: lr x size
         assert eq["plain"]["lr"] == 0.1 and eq["horovod-lr"]["lr"] == eq[
             "pytorch_lightning"]["lr"] == pytest.approx(0.2)

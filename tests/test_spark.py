@@ -263,6 +263,27 @@ def test_torch_estimator_vector_labels_weights_and_refusals(cases):
     assert got["null_flag_rows"] == [192, 48]  # a null validation flag is a training row
 
 
+def test_lightning_estimator_trains_resumes_and_transforms(cases):
+    pytest.importorskip("lightning")
+    got = value(cases["lightning_estimator"])
+    # a Lightning Trainer per rank on the same shares and steps as TorchEstimator's: the
+    # replay's weights (float32); the history is what the module logged with sync_dist
+    assert got["replay_diff"] < 1e-5, got
+    loss, val = got["history"]["train_loss"], got["history"]["val_loss"]
+    assert len(loss) == len(val) == 3 and val[2] < val[0] / 50, got["history"]
+    # the same run_id with epochs=5 resumes from Lightning's checkpoint after epoch 2
+    resumed = got["resumed"]
+    assert resumed["val_loss"][:3] == val and len(resumed["val_loss"]) == 5, resumed
+    assert resumed["val_loss"][4] < val[2]
+    # the user's ModelCheckpoint wrote into the store's run directory
+    assert got["best"] == ["best.ckpt"], got["best"]
+    assert got["transform_diff"] < 1e-6
+    assert got["saved"] == {"diff": 0.0, "class": "TorchModel", "uid": True, "history": True}
+    assert got["plain"][0] == "InvalidInputError" and "ringreduce.spark.torch" in got["plain"][1]
+    assert got["mismatch"][0] == "InvalidInputError", got["mismatch"]
+    assert "run_id 'lit' has a checkpoint" in got["mismatch"][1]
+
+
 def test_keras_estimator_trains_resumes_and_transforms(cases):
     got = value(cases["keras_estimator"])
     assert got["replay_diff"] < 1e-5, got  # the same plain SGD replay as the torch case

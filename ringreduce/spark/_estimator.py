@@ -342,6 +342,14 @@ def load_resume(comm: Any, spec: TrainSpec) -> Optional[dict]:
     return load_on_root(comm, spec.checkpoint, 0, read_pickled_dict, missing_ok=True)
 
 
+def mismatched_checkpoint(what: str, spec: TrainSpec, err: BaseException,
+                          of: str = "model") -> InvalidInputError:
+    """The error for a run whose checkpoint does not fit ``of`` (raised on every rank)."""
+    return InvalidInputError(
+        f"{what}.fit: run_id {spec.run_id!r} has a checkpoint at {spec.checkpoint!r} from a "
+        f"different {of} ({err}); give a new run_id or remove that run's directory")
+
+
 def end_epoch(comm: Any, spec: TrainSpec, epoch: int, row: Mapping[str, float],
               history: dict, state: dict) -> None:
     """An epoch's values into ``history`` (printed by rank 0 with ``verbose``), then rank 0
@@ -400,6 +408,8 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
     run_id)``.
     """
 
+    _REQUIRED = ("model", "optimizer", "feature_cols", "label_cols", "store")
+
     def _fit(self, df: Any) -> Any:
         from . import run
 
@@ -418,12 +428,13 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
                 f"{what}: {', '.join(petastorm)}: not supported (Horovod applies them as a "
                 "Petastorm TransformSpec to pandas batches; there is no Petastorm here): "
                 "transform the DataFrame with Spark before fit")
-        for name in ("model", "optimizer", "feature_cols", "label_cols", "store"):
+        for name in self._REQUIRED:
             if not p[name]:
                 raise InvalidInputError(f"{what}: {name} is required")
         _check_values(p, what)
         if p["sample_weight_col"] and p["sample_weight_col"] in p["feature_cols"]:
             raise InvalidInputError(f"{what}: the sample weights cannot be a feature column")
+        payload = self._payload()  # refuses a bad model before any data is written
         store = p["store"]
         run_id = p["run_id"] or f"ringreduce_{uuid.uuid4().hex[:12]}"
         num_proc = p["num_proc"] or df.sparkSession.sparkContext.defaultParallelism
@@ -433,7 +444,7 @@ class EstimatorBase(_ParamsMixin, _SparkEstimator):
         data = materialize(df, store, run_id, columns, p["validation"],
                            num_proc * max(1, int(p["partitions_per_process"])),
                            p["random_seed"], what)
-        return TrainSpec(self._payload(), p, assign(data.train, num_proc, what),
+        return TrainSpec(payload, p, assign(data.train, num_proc, what),
                          assign(data.val, num_proc, f"{what} (validation rows)")
                          if data.val else [[]] * num_proc,
                          data.train_rows, data.val_rows, store.get_checkpoint_path(run_id),

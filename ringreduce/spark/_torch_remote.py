@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..exceptions import InvalidInputError
-from ._estimator import RankData, TrainSpec, end_epoch, load_resume, mean_across
+from ._estimator import (
+    RankData,
+    TrainSpec,
+    end_epoch,
+    load_resume,
+    mean_across,
+    mismatched_checkpoint,
+)
 from .torch import _tensors
 
 
@@ -70,10 +77,7 @@ def _resume(spec: TrainSpec, model: Any, opt: Any, saved: Any) -> dict:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise InvalidInputError(
-            f"TorchEstimator.fit: run_id {spec.run_id!r} has a checkpoint at "
-            f"{spec.checkpoint!r} from a different model or optimizer ({e}); give a new "
-            "run_id or remove that run's directory") from e
+        raise mismatched_checkpoint("TorchEstimator", spec, e, "model or optimizer") from e
     return saved["history"]
 
 

@@ -41,6 +41,7 @@ from ._estimator import (
     end_epoch,
     load_resume,
     mean_across,
+    mismatched_checkpoint,
     with_params,
 )
 
@@ -245,12 +246,7 @@ def _train(spec: TrainSpec) -> Any:
         try:
             model.set_weights(resume["model"])
         except ValueError as e:  # every rank has the same checkpoint: all raise alike
-            from ..exceptions import InvalidInputError
-
-            raise InvalidInputError(
-                f"KerasEstimator.fit: run_id {spec.run_id!r} has a checkpoint at "
-                f"{spec.checkpoint!r} from a different model ({e}); give a new run_id or "
-                "remove that run's directory") from e
+            raise mismatched_checkpoint("KerasEstimator", spec, e) from e
         _restore_optimizer(model.optimizer, resume.get("optimizer"))
         history = resume["history"]
     hvd.broadcast_global_variables(0, model)

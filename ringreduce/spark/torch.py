@@ -83,13 +83,7 @@ class TorchEstimator(EstimatorBase):
         return train
 
     def _make_model(self, weights: Any, history: dict, run_id: str) -> TorchModel:
-        import torch
-
-        model = copy.deepcopy(self.getOrDefault("model"))
-        model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
-        return TorchModel(model=model, feature_columns=self.getOrDefault("feature_cols"),
-                          label_columns=self.getOrDefault("label_cols"), history=history,
-                          run_id=run_id, input_shapes=self.getOrDefault("input_shapes"))
+        return fitted_model(self, weights, history, run_id)
 
 
 @with_params({"input_shapes": None})
@@ -121,6 +115,17 @@ class TorchModel(ModelBase):
 
         # the whole module, as torch.save wrote it, on the CPU (saved from a GPU or not)
         return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+
+
+def fitted_model(est: Any, weights: Any, history: dict, run_id: str) -> TorchModel:
+    """A copy of ``est``'s module with rank 0's trained ``weights``, as a TorchModel."""
+    import torch
+
+    model = copy.deepcopy(est.getOrDefault("model"))
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+    return TorchModel(model=model, feature_columns=est.getOrDefault("feature_cols"),
+                      label_columns=est.getOrDefault("label_cols"), history=history,
+                      run_id=run_id, input_shapes=est.getOrDefault("input_shapes"))
 
 
 class _Predictor:

@@ -5,7 +5,8 @@
 np=2 with Lightning's DistributedSampler ends with the weights of one process training on
 the union of the ranks' batches (SGD with momentum; accumulate_grad_batches=2 with gradient
 clipping, which must see the averaged gradients; HorovodStrategy's scaled learning rate;
-manual optimization; "horovod" through pytorch_lightning's registry). Then sync_dist
+manual optimization; "horovod" through pytorch_lightning's registry), and float16
+autocast with a GradScaler near it. Then sync_dist
 logging, an EarlyStopping decision taken on one rank only, ModelCheckpoint on rank 0,
 all_gather (with sync_grads), validate/test, and the refusals. Last, rank 1 exits inside
 fit and rank 0 must raise from fit within seconds. The env-var launch, since mpirun would
@@ -109,6 +110,21 @@ def equivalence(name: str, strategy: object, k: int = 1, clip: float | None = No
           distributed=hasattr(trainer.optimizers[0], "synchronize"))
 
 
+def amp_scaler() -> None:
+    """float16 autocast with a GradScaler (on the CPU): the scaler unscales the averaged
+    gradients; unscaling local ones first would step on 1024x gradients."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    model, scaler = Model().float(), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    trainer = pl.Trainer(strategy=rl.RingreduceStrategy(), max_epochs=2, **QUIET,
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer.fit(model, DataLoader(TensorDataset(X.float(), Y.float()), batch_size=B))
+    got = flat(model.net)
+    spread = (rrt.allreduce(got, op=rrt.Max) - rrt.allreduce(got, op=rrt.Min)).abs().max()
+    event("amp", diff=float((got.double() - reference(2, 1, None, LR)).abs().max()),
+          spread=float(spread), scale=float(scaler.get_scale()))
+
+
 class Logged(Model):
     """Logs a rank-dependent value with sync_dist, and a stop signal only rank 0 gives."""
 
@@ -203,6 +219,7 @@ def main() -> None:
     equivalence("horovod-lr", rl.HorovodStrategy())
     equivalence("manual", "ringreduce", manual=True)
     equivalence("pytorch_lightning", "horovod", package=ptl)
+    amp_scaler()
     callbacks(sys.argv[1])
     refusals()
     rrt.barrier()

@@ -241,6 +241,7 @@ def estimators(spark):
     case("torch_estimator", lambda: {"value": est.torch_estimator(spark)})
     case("torch_estimator_vector", lambda: {"value": est.torch_estimator_vector(spark)})
     case("keras_estimator", lambda: {"value": est.keras_estimator(spark)})
+    case("lightning_estimator", lambda: {"value": est.lightning_estimator(spark)})
     case("estimator_example", lambda: {"value": estimator_example()})
 
 

@@ -88,6 +88,83 @@ def torch_estimator(spark):
             "halves_diff": float(np.abs(got_halves - want_halves).max()), "mismatch": mismatch}
 
 
+def lit_module():
+    """A LightningModule: Linear(3, 1), SGD(0.05), mse; batches are dicts by column."""
+    import lightning.pytorch as pl
+    import torch
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def _loss(self, batch):
+            return torch.nn.functional.mse_loss(self(batch["features"]).reshape(-1),
+                                                batch["y"])
+
+        def training_step(self, batch, idx):
+            loss = self._loss(batch)
+            self.log("train_loss", loss, sync_dist=True, on_epoch=True, on_step=False)
+            return loss
+
+        def validation_step(self, batch, idx):
+            self.log("val_loss", self._loss(batch), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return Lit()
+
+
+def lightning_estimator(spark):
+    """The Lightning estimator: the replay (the same parts and steps as torch_estimator's),
+    a resume with a ModelCheckpoint, transform, save/load, refusals."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ringreduce.spark.common.store import Store
+    from ringreduce.spark.lightning import TorchEstimator
+
+    df = frame(spark)
+    store = Store.create(tempfile.mkdtemp(prefix="rr-lit-"))
+    model = lit_module()
+    start = [p.detach().numpy().copy() for p in model.parameters()]
+    est = TorchEstimator(num_proc=2, store=store, model=model, run_id="lit",
+                         feature_cols=["features"], label_cols=["y"], validation="is_val",
+                         batch_size=8, epochs=3, shuffle=False, partitions_per_process=3,
+                         verbose=0)
+    fitted = est.fit(df)
+    got = np.concatenate([p.detach().numpy().reshape(-1) for p in fitted.getModel().parameters()])
+    # now: a later fit of this run_id writes the run's data again (partitioned anew)
+    want = replay(store, "lit", start, 3, 192 // 16, 8, 0.05)
+    first = fitted.getHistory()
+    resumed = est.copy().setEpochs(5).setCallbacks(
+        [ModelCheckpoint(monitor="val_loss", filename="best")]).fit(df)
+    rows = fitted.transform(df).select("features", "y__output").collect()
+    local = fitted.getModel()(torch.tensor(np.array([r["features"].toArray() for r in rows]),
+                                           dtype=torch.float32)).detach().numpy().reshape(-1)
+    return {"replay_diff": float(np.abs(got - want).max()),
+            "history": first, "resumed": resumed.getHistory(),
+            "best": sorted(os.listdir(os.path.join(store.get_run_path("lit"), "lightning"))),
+            "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max()),
+            "saved": saved_and_loaded(fitted, df, "y__output"),
+            "plain": refusal(est.copy().setModel(torch.nn.Linear(3, 1)), df),
+            "mismatch": refusal(_other_lit(est), df)}
+
+
+def _other_lit(est):
+    """The estimator with a module of another shape, on run "lit" (which has a checkpoint)."""
+    import torch
+
+    other = lit_module()
+    other.lin = torch.nn.Linear(3, 2)
+    return est.copy().setModel(other).setEpochs(6)
+
+
 def saved_and_loaded(fitted, df, column):
     """Spark ML persistence: the model saved and loaded alone and in a PipelineModel;
     the largest difference of their predictions from the fitted model's, and the class."""

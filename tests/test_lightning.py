@@ -50,8 +50,11 @@ def test_logging_callbacks_and_checkpoints_agree_across_ranks(job):
     cb = [job.event(r, "callbacks") for r in range(2)]
     for r, c in enumerate(cb):
         assert c["world"] == [2, r, r == 0], c
-        # sync_dist: the mean of the ranks' 0 and 1
-        assert c["rank_mean"] == 0.5, c
+        # sync_dist, and a torchmetrics MeanMetric (synchronized through ringreduce, not
+        # torch.distributed): the mean of the ranks' 0 and 1
+        assert c["rank_mean"] == 0.5 and c["metric_mean"] == 0.5, c
+        # torchmetrics' dist_sync_fn: shapes that differ between the ranks
+        assert c["uneven"] == [[[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0]]], c
         # all_gather stacks; sync_grads: d(sum of 3 x_r over ranks)/dx = 3 on each rank,
         # summed over the 2 ranks as torch.distributed's all_gather gradient is
         assert c["gathered"] == [[0.0, 0.0], [1.0, 2.0]] and c["gathered_grad"] == 6.0, c

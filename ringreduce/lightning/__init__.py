@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 from types import SimpleNamespace
 
-from ._strategy import build
+from ._strategy import build, gather_all_tensors
 
 _BUILT: dict[str, SimpleNamespace] = {}
 
@@ -55,4 +55,5 @@ RingreduceEnvironment = _classes.RingreduceEnvironment
 RingreduceStrategy = _classes.RingreduceStrategy
 HorovodStrategy = _classes.HorovodStrategy
 
-__all__ = ["HorovodStrategy", "RingreduceEnvironment", "RingreduceStrategy", "for_package"]
+__all__ = ["HorovodStrategy", "RingreduceEnvironment", "RingreduceStrategy", "for_package",
+           "gather_all_tensors"]

@@ -72,6 +72,44 @@ class _GatherFn(torch.autograd.Function):
         return rrt.allreduce(grad.contiguous(), op=rr.Sum)[rr.rank()]
 
 
+def gather_all_tensors(result: torch.Tensor, group: Any = None) -> list:
+    """Every rank's ``result`` (shapes may differ in size, not in rank), in rank order:
+    torchmetrics' ``dist_sync_fn`` over ringreduce instead of ``torch.distributed``."""
+    _no_group(group, "gather_all_tensors", _world_group())
+    t = result.detach().contiguous()
+    t = t.reshape(1) if t.dim() == 0 else t
+    shape = torch.tensor(t.shape, dtype=torch.int64)
+    shapes = rrt.allgather(shape.unsqueeze(0)).tolist()  # raises if the ranks differ
+    flat = rrt.allgather(t.reshape(-1))
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    parts = torch.split(flat, sizes)
+    return [p.reshape(s if result.dim() else ()) for p, s in zip(parts, shapes)]
+
+
+def _sync_metrics(module: torch.nn.Module) -> int:
+    """Point the torchmetrics ``Metric``s in ``module`` (those left at torchmetrics'
+    defaults) at ringreduce: they would otherwise find no ``torch.distributed`` group and
+    compute on this rank's data alone, silently. Returns how many."""
+    import sys
+
+    if "torchmetrics" not in sys.modules:
+        return 0
+    from torchmetrics import Metric
+    from torchmetrics.utilities.distributed import gather_all_tensors as torch_gather
+
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Metric) and m.dist_sync_fn in (None, torch_gather):
+            m.dist_sync_fn = gather_all_tensors
+            m.distributed_available_fn = _several_ranks
+            count += 1
+    return count
+
+
+def _several_ranks() -> bool:
+    return rr.size() > 1
+
+
 def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
 
@@ -170,6 +208,7 @@ class StrategyMethods:
         super().setup(trainer)
         module = self.lightning_module
         rrt.broadcast_parameters(module.state_dict(), root_rank=0)
+        _sync_metrics(module)
         if trainer.state.fn != self._fitting:
             return
         passes = _accumulation(trainer)

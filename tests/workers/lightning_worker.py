@@ -126,9 +126,18 @@ def amp_scaler() -> None:
 
 
 class Logged(Model):
-    """Logs a rank-dependent value with sync_dist, and a stop signal only rank 0 gives."""
+    """Logs a rank-dependent value with sync_dist and through a torchmetrics metric, and a
+    stop signal only rank 0 gives."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.rank_metric = torchmetrics.MeanMetric()
 
     def training_step(self, batch: tuple, idx: int) -> torch.Tensor:
+        self.rank_metric.update(torch.tensor(float(self.global_rank)))
+        self.log("metric_mean", self.rank_metric, on_epoch=True, on_step=False)
         self.log("rank_mean", float(self.global_rank), sync_dist=True, on_epoch=True,
                  on_step=False)
         sign = 1.0 if self.global_rank == 0 else -1.0  # rank 0 stops improving, rank 1 not
@@ -148,6 +157,7 @@ class Logged(Model):
         x = torch.tensor(r + 1, requires_grad=True)
         self.all_gather(3 * x, sync_grads=True).sum().backward()
         self.gathered_grad = float(x.grad)
+        self.uneven = [t.tolist() for t in rl.gather_all_tensors(torch.full((2 - int(r), 2), r))]
 
 
 def callbacks(directory: str) -> None:
@@ -169,7 +179,8 @@ def callbacks(directory: str) -> None:
     event("callbacks", epochs=trainer.current_epoch, rank_mean=metrics["rank_mean"],
           val_loss=metrics["val_loss"], validated=validated, tested=tested,
           best=os.path.basename(ckpt.best_model_path), files=sorted(os.listdir(directory)),
-          gathered=model.gathered, gathered_grad=model.gathered_grad,
+          gathered=model.gathered, gathered_grad=model.gathered_grad, uneven=model.uneven,
+          metric_mean=metrics["metric_mean"],
           world=[trainer.world_size, trainer.global_rank, trainer.is_global_zero])
 
 

@@ -232,6 +232,9 @@ def test_torch_estimator_trains_resumes_and_transforms(cases):
     resumed = got["resumed"]
     assert resumed["loss"][:3] == loss and len(resumed["loss"]) == 5, resumed
     assert resumed["loss"][4] < loss[2]
+    # the same DataFrame object: its parts were not written again, so the resumed epochs
+    # ran on the same shares and the 5 epochs end where the replay's 5 do
+    assert got["reused"] and got["resumed_diff"] < 1e-5, got
     assert got["checkpoint"] == ["checkpoint.pkl"]
     # transform: every row, its columns kept, the prediction the driver's model gives
     assert got["rows"] == 240 and got["columns"][-1] == "y__output"

@@ -191,3 +191,24 @@ def test_torch_step_accumulates_and_labels_take_the_outputs_shape():
     # two batches of 2 accumulated = one step on all 4 rows; a leftover batch steps too
     assert torch.allclose(stepped(2, [slice(0, 2), slice(2, 4)]), stepped(1, [slice(0, 4)]))
     assert torch.allclose(stepped(2, [slice(0, 4)]), stepped(1, [slice(0, 4)]))
+
+
+def test_a_written_dataframe_is_reused_until_its_run_is_written_again(tmp_path):
+    from ringreduce.spark._estimator import Materialized, _remember, _written
+
+    class Frame:  # stands for a DataFrame: only its identity matters
+        pass
+
+    part = tmp_path / "part0.npz"
+    part.write_bytes(b"x")
+    token = str(tmp_path / "train.token")
+    first, other, key = Frame(), Frame(), ("k",)
+    written = Materialized([], [(str(part), 3)])
+    _remember(first, key, token, written)
+    assert _written(first, key, token) is written  # the same object, same key: reused
+    assert _written(first, ("other key",), token) is None and _written(other, key, token) is None
+    _remember(other, key, token, Materialized([], [(str(part), 3)]))  # the run's dir rewritten
+    assert _written(first, key, token) is None  # its token is no longer the file's
+    assert _written(other, key, token) is not None
+    part.unlink()
+    assert _written(other, key, token) is None  # its files are gone

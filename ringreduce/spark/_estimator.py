@@ -35,6 +35,7 @@ import os
 import pickle
 import shutil
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -186,6 +187,7 @@ class Materialized:
     columns: list[Column]
     train: list[tuple[str, int]]
     val: list[tuple[str, int]] = field(default_factory=list)
+    token: str = ""  # the content of the token file written with these parts
 
     @property
     def train_rows(self) -> int:
@@ -196,10 +198,48 @@ class Materialized:
         return sum(n for _, n in self.val)
 
 
+# Horovod's rule: a DataFrame already written for a run (the same object, with the same
+# columns, validation, partition count and seed) is not written again while this driver
+# runs, so a resumed fit trains on the same shares; a token file beside the data tells
+# whether another fit has written that run's directory since.
+_WRITTEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _written(df: Any, key: tuple, token_path: str) -> Optional[Materialized]:
+    try:
+        out = _WRITTEN.get(df, {}).get(key)
+    except TypeError:  # a DataFrame kind that takes no weak references: write it again
+        return None
+    if out is None or not os.path.exists(token_path):
+        return None
+    with open(token_path) as f:
+        if f.read() != out.token:
+            return None
+    paths = [p for p, _ in out.train + out.val]
+    return out if all(os.path.exists(p) for p in paths) else None
+
+
+def _remember(df: Any, key: tuple, token_path: str, out: Materialized) -> None:
+    out.token = uuid.uuid4().hex
+    atomic_write(token_path, lambda f: f.write(out.token.encode()))
+    try:
+        _WRITTEN.setdefault(df, {})[key] = out
+    except TypeError:
+        pass
+
+
 def materialize(df: Any, store: Store, run_id: str, columns: list[Column], validation: Any,
                 parts: int, seed: Optional[int], what: str) -> Materialized:
-    """Write the training (and validation) rows of ``df`` into the store."""
+    """Write the training (and validation) rows of ``df`` into the store (unless this
+    driver wrote them for this run already)."""
     names = [c.name for c in columns]
+    token_path = store.get_train_data_path(run_id).rstrip("/") + ".token"
+    key = (token_path, tuple(names), repr(validation), parts, seed)
+    done = _written(df, key, token_path)
+    if done is not None:
+        return done
+    if os.path.exists(token_path):
+        os.remove(token_path)  # the directory is about to change
     if validation is None:
         train_df, val_df = df.select(*names), None
     elif isinstance(validation, str):
@@ -225,6 +265,7 @@ def materialize(df: Any, store: Store, run_id: str, columns: list[Column], valid
             raise InvalidInputError(f"{what}: validation={validation!r} left no validation rows")
     if not out.train_rows:
         raise InvalidInputError(f"{what}: the DataFrame has no training rows")
+    _remember(df, key, token_path, out)
     return out
 
 

@@ -64,10 +64,15 @@ def torch_estimator(spark):
                          batch_size=8, epochs=3, shuffle=False, partitions_per_process=3,
                          verbose=0)
     fitted = est.fit(df)
-    got = np.concatenate([p.detach().numpy().reshape(-1) for p in fitted.getModel().parameters()])
+    got = weights(fitted)
     want = replay(store, "lin", start, 3, 192 // 16, 8, 0.05)
     first = fitted.getHistory()
-    resumed = est.setEpochs(5).fit(df).getHistory()
+    written = part_times(store, "lin")
+    resumed_model = est.setEpochs(5).fit(df)  # the same DataFrame: its parts are reused
+    resumed = resumed_model.getHistory()
+    resumed_diff = float(np.abs(weights(resumed_model) - replay(
+        store, "lin", start, 5, 192 // 16, 8, 0.05)).max())
+    reused = part_times(store, "lin") == written
     # two batches of 4 accumulated per step: the same steps as batches of 8
     halves = est.copy().setRunId("halves").setBatchSize(4).setBackwardPassesPerStep(2)
     got_halves = np.concatenate([p.detach().numpy().reshape(-1) for p in
@@ -85,7 +90,18 @@ def torch_estimator(spark):
             "saved": saved_and_loaded(fitted, df, "y__output"),
             "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max()),
             "checkpoint": sorted(os.listdir(store.get_run_path("lin"))),
-            "halves_diff": float(np.abs(got_halves - want_halves).max()), "mismatch": mismatch}
+            "halves_diff": float(np.abs(got_halves - want_halves).max()), "mismatch": mismatch,
+            "resumed_diff": resumed_diff, "reused": reused}
+
+
+def part_times(store, run_id):
+    """The run's training parts and the nanosecond they were written."""
+    path = store.get_train_data_path(run_id)
+    return {f: os.stat(os.path.join(path, f)).st_mtime_ns for f in sorted(os.listdir(path))}
+
+
+def weights(fitted):
+    return np.concatenate([p.detach().numpy().reshape(-1) for p in fitted.getModel().parameters()])
 
 
 def lit_module():
@@ -138,7 +154,7 @@ def lightning_estimator(spark):
                          batch_size=8, epochs=3, shuffle=False, partitions_per_process=3,
                          verbose=0)
     fitted = est.fit(df)
-    got = np.concatenate([p.detach().numpy().reshape(-1) for p in fitted.getModel().parameters()])
+    got = weights(fitted)
     # now: a later fit of this run_id writes the run's data again (partitioned anew)
     want = replay(store, "lit", start, 3, 192 // 16, 8, 0.05)
     first = fitted.getHistory()

@@ -46,6 +46,16 @@ def test_torch_step_checks_every_implementation_and_reports_the_targets():
     assert "'fallbacks': 0" in out, out
 
 
+def test_lightning_step_agrees_with_ddp_and_reports_every_implementation():
+    pytest.importorskip("lightning")
+    out = stdout(run_mpi(2, BENCH / "lightning_step.py",
+                         ["--width", "32", "--layers", "2", "--steps", "3", "--warmup", "1"],
+                         timeout=180))
+    assert "weights after 5 steps: max |diff| 0.00e+00" in out, out  # the same averages
+    for row in ("no-comm", "ringreduce", "ddp-gloo"):
+        assert any(line.split()[:1] == [row] for line in out.splitlines()), row
+
+
 def test_allreduce_sweep_with_the_shared_column_finds_no_wrong_result():
     out = stdout(run_mpi(2, BENCH / "allreduce.py",
                          ["--min-bytes", "4", "--max-bytes", "8M", "--factor", "64",

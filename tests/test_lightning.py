@@ -59,6 +59,7 @@ def test_logging_callbacks_and_checkpoints_agree_across_ranks(job):
         # summed over the 2 ranks as torch.distributed's all_gather gradient is
         assert c["gathered"] == [[0.0, 0.0], [1.0, 2.0]] and c["gathered_grad"] == 6.0, c
         assert c["validated"] == pytest.approx(c["tested"], abs=0), c
+        assert c["predicted"] == 24, c  # predict: each rank its half of the 48 rows
     # EarlyStopping: only rank 0's metric stops improving (after epoch 1); the decision is
     # shared, so both ranks stop at the same epoch instead of one waiting forever
     assert cb[0]["epochs"] == cb[1]["epochs"] == 2, cb

@@ -151,6 +151,9 @@ class Logged(Model):
     def test_step(self, batch: tuple, idx: int) -> None:
         self.validation_step(batch, idx)
 
+    def predict_step(self, batch: tuple, idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
     def on_train_end(self) -> None:
         r = float(self.global_rank)
         self.gathered = self.all_gather(torch.tensor([r, 2 * r])).tolist()
@@ -175,12 +178,13 @@ def callbacks(directory: str) -> None:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     validated = trainer.validate(model, data, verbose=False)[0]["val_loss"]
     tested = trainer.test(model, data, verbose=False)[0]["val_loss"]
+    predicted = trainer.predict(model, data)
     rrt.barrier()
     event("callbacks", epochs=trainer.current_epoch, rank_mean=metrics["rank_mean"],
           val_loss=metrics["val_loss"], validated=validated, tested=tested,
           best=os.path.basename(ckpt.best_model_path), files=sorted(os.listdir(directory)),
           gathered=model.gathered, gathered_grad=model.gathered_grad, uneven=model.uneven,
-          metric_mean=metrics["metric_mean"],
+          metric_mean=metrics["metric_mean"], predicted=sum(len(p) for p in predicted),
           world=[trainer.world_size, trainer.global_rank, trainer.is_global_zero])
 
 

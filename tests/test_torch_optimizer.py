@@ -87,6 +87,43 @@ def test_gradient_accumulation_matches_big_batch():
         assert torch.equal(out[0][k], out[1][k])
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_no_sync_accumulates_locally_then_averages_the_sum(passes):
+    """DDP's no_sync: four quarter batches, the first ones inside no_sync() (no allreduce:
+    nothing in flight after them), the rest completing backward_passes_per_step; the step
+    equals one pass over the whole batch."""
+    base, batches = make_net(), data(steps=3, batch=16)
+
+    def fn(rank):
+        model = copy.deepcopy(base)
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       backward_passes_per_step=passes)
+        quiet = []
+        for x, y in batches:
+            opt.zero_grad()
+            mine = slice(rank * 8, (rank + 1) * 8)
+            for q in range(4):
+                xs, ys = x[mine][2 * q:2 * q + 2], y[mine][2 * q:2 * q + 2]
+                loss = torch.nn.functional.mse_loss(model(xs), ys) / 4
+                if q < 4 - passes:
+                    with opt.no_sync():
+                        loss.backward()
+                    quiet.append(not opt._rr_inflight)
+                else:
+                    loss.backward()
+            opt.step()
+        return model.state_dict(), all(quiet)
+
+    out = run(2, fn)
+    plain = copy.deepcopy(base)
+    want = train(plain, torch.optim.SGD(plain.parameters(), lr=0.1), batches, 0, 1)
+    for k in want:
+        torch.testing.assert_close(out[0][0][k], want[k], rtol=1e-9, atol=1e-12)
+        assert torch.equal(out[0][0][k], out[1][0][k])
+    assert out[0][1] and out[1][1], "an allreduce started inside no_sync()"
+
+
 @pytest.mark.parametrize("compression, rtol", [("fp16", 2e-3), ("bf16", 1.6e-2)])
 def test_compression(compression, rtol):
     """Gradients travel as fp16/bf16 and come back in the parameter dtype, close to exact."""

@@ -211,6 +211,7 @@ class _DistributedMixin:
         self._rr_ref = weakref.ref(self)
         self._rr_synchronized = False
         self._rr_should_sync = True
+        self._rr_no_sync = False  # inside no_sync(): backward passes only accumulate
         self._rr_original: Callable[[], Any] = lambda: None
         self._rr_frozen: dict = {}  # parameter -> name, for those without requires_grad
         self._rr_named = named
@@ -330,6 +331,9 @@ class _DistributedMixin:
                 f"more than backward_passes_per_step={self._rr_passes} times before step() or "
                 "synchronize(); call step() after every backward pass, or pass a larger "
                 "backward_passes_per_step to accumulate gradients locally")
+        if self._rr_no_sync:  # a pass that does not count towards k (no_sync)
+            self._rr_partial.add(s)
+            return
         s.delay -= 1
         if s.delay > 0:
             self._rr_partial.add(s)
@@ -521,6 +525,18 @@ class _DistributedMixin:
             yield
         finally:
             self._rr_should_sync = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block only accumulate gradients locally (torch DDP's
+        ``no_sync``): the first pass outside it that completes ``backward_passes_per_step``
+        starts the allreduces of the accumulated sums, and ``synchronize()``/``step()``
+        sends what was accumulated in any case."""
+        self._rr_no_sync = True
+        try:
+            yield
+        finally:
+            self._rr_no_sync = False
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Synchronize the gradients (unless done already), then step the wrapped optimizer.

@@ -46,6 +46,17 @@ def test_trainer_fit_equals_one_process_on_the_union_of_batches(job):
             "pytorch_lightning"]["lr"] == pytest.approx(0.2)
 
 
+def test_fabric_loop_with_accumulation_and_clipping_equals_one_process(job):
+    for r in range(2):
+        f = job.event(r, "fabric")
+        # the user's loop: two batches per step, the first under no_backward_sync (nothing
+        # in flight after it), clip_gradients on the averages (clipping the local ones
+        # would be overwritten by the averages, unclipped), then step
+        assert f["diff"] <= 1e-12 and f["spread"] == 0 and f["quiet"], f
+        assert (f["mean"], f["total"], f["gathered"]) == (0.5, 1.0, [[0.0], [1.0]]), f
+        assert f["broadcast"] == {"from": 1} and f["world"] == [2, r] and f["saved"], f
+
+
 def test_logging_callbacks_and_checkpoints_agree_across_ranks(job):
     cb = [job.event(r, "callbacks") for r in range(2)]
     for r, c in enumerate(cb):

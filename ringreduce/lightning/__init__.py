@@ -14,6 +14,8 @@ checkpoints written by rank 0); ``HorovodStrategy`` (``strategy="horovod"``) is 
 Lightning 1.x's Horovod strategy, which also multiplied the learning rates by the number of
 ranks. The classes here are made for ``lightning.pytorch`` when it is installed (else for
 ``pytorch_lightning``); ``for_package("pytorch_lightning")`` gives the other package's.
+``RingreduceFabricStrategy`` (``Fabric(strategy="ringreduce")``) is the same for Lightning
+Fabric's loops.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def for_package(package: str) -> SimpleNamespace:
     -------
     SimpleNamespace
         ``RingreduceEnvironment``, ``RingreduceStrategy`` and ``HorovodStrategy``, registered
-        in that package's ``StrategyRegistry`` as "ringreduce" and "horovod".
+        in that package's ``StrategyRegistry`` as "ringreduce" and "horovod", and
+        ``RingreduceFabricStrategy``, registered in its Fabric's as "ringreduce".
     """
     if package not in _BUILT:
         _BUILT[package] = build(package)
@@ -54,6 +57,7 @@ for _other in ("pytorch_lightning", "lightning.pytorch"):
 RingreduceEnvironment = _classes.RingreduceEnvironment
 RingreduceStrategy = _classes.RingreduceStrategy
 HorovodStrategy = _classes.HorovodStrategy
+RingreduceFabricStrategy = _classes.RingreduceFabricStrategy
 
-__all__ = ["HorovodStrategy", "RingreduceEnvironment", "RingreduceStrategy", "for_package",
-           "gather_all_tensors"]
+__all__ = ["HorovodStrategy", "RingreduceEnvironment", "RingreduceFabricStrategy",
+           "RingreduceStrategy", "for_package", "gather_all_tensors"]

@@ -137,8 +137,9 @@ def _accumulation(trainer: Any) -> int:
     return int(trainer.accumulate_grad_batches)
 
 
-def _environment_class(pl: Any) -> type:
-    base = importlib.import_module(pl.__name__ + ".plugins.environments").ClusterEnvironment
+def _environment_class(package: str) -> type:
+    """RingreduceEnvironment on ``package``'s ClusterEnvironment (a Trainer's or Fabric's)."""
+    base = importlib.import_module(package + ".plugins.environments").ClusterEnvironment
 
     class RingreduceEnvironment(base):
         """Lightning's view of a ringreduce job: ranks come from ``ringreduce.init()``;
@@ -181,8 +182,9 @@ def _environment_class(pl: Any) -> type:
     return RingreduceEnvironment
 
 
-class StrategyMethods:
-    """What RingreduceStrategy adds to Lightning's ParallelStrategy (in front of it)."""
+class Collectives:
+    """What both of ringreduce's Lightning strategies (the Trainer's and Fabric's) answer
+    the same way: the device of a rank and the collectives Lightning asks for."""
 
     @property
     def root_device(self) -> torch.device:
@@ -192,49 +194,8 @@ class StrategyMethods:
         return torch.device(kind)
 
     @property
-    def is_distributed(self) -> bool:  # Lightning then puts in a DistributedSampler
-        return True
-
-    @property
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": rr.size(), "rank": rr.rank()}
-
-    def model_to_device(self) -> None:
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
-        self.model.to(self.root_device)
-
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
-        module = self.lightning_module
-        rrt.broadcast_parameters(module.state_dict(), root_rank=0)
-        _sync_metrics(module)
-        if trainer.state.fn != self._fitting:
-            return
-        passes = _accumulation(trainer)
-        optimizers = [_unwrap(o) for o in self.optimizers]
-        if self._scale_lr:
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] *= rr.size()
-            for config in self.lr_scheduler_configs:
-                if hasattr(config.scheduler, "base_lrs"):
-                    config.scheduler.base_lrs = [lr * rr.size()
-                                                 for lr in config.scheduler.base_lrs]
-        for opt in optimizers:
-            rrt.broadcast_optimizer_state(opt, root_rank=0)
-        wrapped = [o if hasattr(o, "skip_synchronize") else rrt.DistributedOptimizer(
-            o, named_parameters=_named(module, o), backward_passes_per_step=passes,
-            **self._opt_kwargs) for o in optimizers]
-        self._exit_stack = ExitStack()
-        for opt in wrapped:  # synchronized by the closure (see optimizer_step)
-            self._exit_stack.enter_context(opt.skip_synchronize())
-        self.optimizers = wrapped
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
-                       **kwargs: Any) -> Any:
-        return super().optimizer_step(optimizer, _synchronizing(optimizer, closure), model,
-                                      **kwargs)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Allreduce ``tensor`` over every rank (a non-tensor comes back unchanged)."""
@@ -260,11 +221,70 @@ class StrategyMethods:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return rrt.broadcast_object(obj, root_rank=src)
 
-    def teardown(self) -> None:
+    def _wrap(self, optimizer: Any, named: list, passes: int = 1) -> Any:
+        """``optimizer`` as a DistributedOptimizer (one already is stays), its state
+        broadcast from rank 0, held in skip_synchronize() until teardown."""
+        rrt.broadcast_optimizer_state(optimizer, root_rank=0)
+        if not hasattr(optimizer, "skip_synchronize"):
+            optimizer = rrt.DistributedOptimizer(optimizer, named_parameters=named,
+                                                 backward_passes_per_step=passes,
+                                                 **self._opt_kwargs)
+        if self._exit_stack is None:
+            self._exit_stack = ExitStack()
+        self._exit_stack.enter_context(optimizer.skip_synchronize())
+        return optimizer
+
+    def _release(self) -> None:
         if self._exit_stack is not None:
             self._exit_stack.close()
             self._exit_stack = None
+
+
+class StrategyMethods(Collectives):
+    """What RingreduceStrategy adds to Lightning's ParallelStrategy (in front of it)."""
+
+    @property
+    def is_distributed(self) -> bool:  # Lightning then puts in a DistributedSampler
+        return True
+
+    def model_to_device(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        self.model.to(self.root_device)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        rrt.broadcast_parameters(module.state_dict(), root_rank=0)
+        _sync_metrics(module)
+        if trainer.state.fn != self._fitting:
+            return
+        passes = _accumulation(trainer)
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        if self._scale_lr:
+            _scale_rates(optimizers, self.lr_scheduler_configs)
+        # synchronized by the closure (see optimizer_step)
+        self.optimizers = [self._wrap(o, _named(module, o), passes) for o in optimizers]
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        return super().optimizer_step(optimizer, _synchronizing(optimizer, closure), model,
+                                      **kwargs)
+
+    def teardown(self) -> None:
+        self._release()
         super().teardown()
+
+
+def _scale_rates(optimizers: list, scheduler_configs: list) -> None:
+    """Lightning 1.x's Horovod strategy: every rate, and each scheduler's base rates,
+    times the number of ranks."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] *= rr.size()
+    for config in scheduler_configs:
+        if hasattr(config.scheduler, "base_lrs"):
+            config.scheduler.base_lrs = [lr * rr.size() for lr in config.scheduler.base_lrs]
 
 
 def _world_group() -> Any:
@@ -274,11 +294,11 @@ def _world_group() -> Any:
 
 def build(package: str) -> SimpleNamespace:
     """RingreduceEnvironment, RingreduceStrategy and HorovodStrategy for one Lightning
-    package, registered in its ``StrategyRegistry`` as "ringreduce" and "horovod"."""
-    pl = importlib.import_module(package)
+    package, registered in its ``StrategyRegistry`` as "ringreduce" and "horovod", and
+    RingreduceFabricStrategy for its Fabric, registered there as "ringreduce"."""
     strategies = importlib.import_module(package + ".strategies")
     trainer_fn = importlib.import_module(package + ".trainer.states").TrainerFn
-    env_cls = _environment_class(pl)
+    env_cls = _environment_class(package)
     strategy_cls = _strategy_class(strategies.ParallelStrategy, env_cls, trainer_fn)
 
     class HorovodStrategy(strategy_cls):
@@ -295,8 +315,12 @@ def build(package: str) -> SimpleNamespace:
     for cls in (strategy_cls, HorovodStrategy):
         strategies.StrategyRegistry.register(cls.strategy_name, cls, description=cls.__doc__,
                                              override=True)
+    from ._fabric import build_fabric
+
+    fabric = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
     return SimpleNamespace(RingreduceEnvironment=env_cls, RingreduceStrategy=strategy_cls,
-                           HorovodStrategy=HorovodStrategy)
+                           HorovodStrategy=HorovodStrategy,
+                           RingreduceFabricStrategy=build_fabric(fabric[package]))
 
 
 def _strategy_class(parallel: type, env_cls: type, trainer_fn: Any) -> type:

@@ -6,7 +6,8 @@ np=2 with Lightning's DistributedSampler ends with the weights of one process tr
 the union of the ranks' batches (SGD with momentum; accumulate_grad_batches=2 with gradient
 clipping, which must see the averaged gradients; HorovodStrategy's scaled learning rate;
 manual optimization; "horovod" through pytorch_lightning's registry), and float16
-autocast with a GradScaler near it. Then sync_dist
+autocast with a GradScaler near it; Lightning Fabric's own loop with no_backward_sync and
+clip_gradients on it too. Then sync_dist
 logging, an EarlyStopping decision taken on one rank only, ModelCheckpoint on rank 0,
 all_gather (with sync_grads), validate/test, and the refusals. Last, rank 1 exits inside
 fit and rank 0 must raise from fit within seconds. The env-var launch, since mpirun would
@@ -125,6 +126,44 @@ def amp_scaler() -> None:
           spread=float(spread), scale=float(scaler.get_scale()))
 
 
+def fabric_loop(directory: str) -> None:
+    """Lightning Fabric: the user's own loop with accumulation (no_backward_sync) and
+    clip_gradients, against the reference; then Fabric's collectives and save."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(strategy="ringreduce", accelerator="cpu", devices=1)
+    fabric.launch()  # as Fabric asks; the processes are the launch's, nothing starts
+    net = network()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(X, Y), batch_size=B,
+                                                 shuffle=True))
+    quiet = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            with fabric.no_backward_sync(model, enabled=i % 2 == 0):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), y) / 2)
+            if i % 2 == 0:
+                quiet.append(not opt.optimizer._rr_inflight)
+                continue
+            fabric.clip_gradients(model, opt, max_norm=0.05)
+            opt.step()
+            opt.zero_grad()
+    got = flat(net)
+    spread = (rrt.allreduce(got, op=rrt.Max) - rrt.allreduce(got, op=rrt.Min)).abs().max()
+    path = os.path.join(directory + "-fabric", "state.ckpt")
+    fabric.save(path, {"model": model, "optimizer": opt})
+    fabric.barrier()
+    rank = float(fabric.global_rank)
+    event("fabric", diff=float((got - reference(2, 2, 0.05, LR)).abs().max()),
+          spread=float(spread), quiet=all(quiet), saved=os.path.exists(path),
+          mean=float(fabric.all_reduce(torch.tensor(rank))),
+          total=float(fabric.all_reduce(torch.tensor(rank), reduce_op="sum")),
+          gathered=fabric.all_gather(torch.tensor([rank])).tolist(),
+          broadcast=fabric.broadcast({"from": fabric.global_rank}, src=1),
+          world=[fabric.world_size, fabric.global_rank])
+
+
 class Logged(Model):
     """Logs a rank-dependent value with sync_dist and through a torchmetrics metric, and a
     stop signal only rank 0 gives."""
@@ -235,6 +274,7 @@ def main() -> None:
     equivalence("manual", "ringreduce", manual=True)
     equivalence("pytorch_lightning", "horovod", package=ptl)
     amp_scaler()
+    fabric_loop(sys.argv[1])
     callbacks(sys.argv[1])
     refusals()
     rrt.barrier()

@@ -1,5 +1,6 @@
-"""What Horovod's Spark ML estimators share, written once for ``ringreduce.spark.torch`` and
-``ringreduce.spark.keras`` (Horovod's ``horovod.spark.common``).
+"""What Horovod's Spark ML estimators share, written once for ``ringreduce.spark.torch``,
+``ringreduce.spark.lightning`` and ``ringreduce.spark.keras`` (Horovod's
+``horovod.spark.common``).
 
 A ``fit(df)`` runs in four steps; the framework layers supply only the training function
 that runs on every rank and the prediction of one batch:
@@ -10,7 +11,8 @@ that runs on every rank and the prediction of one batch:
    mean training), repartitioned into ``num_proc * partitions_per_process`` partitions,
    and every partition is written by its Spark task as one ``.npz`` file into the store (a
    column per array; ML vectors and array columns as 2-D arrays). The tasks report their
-   row counts, nulls and vector lengths, which the driver checks across all parts.
+   row counts, nulls and vector lengths, which the driver checks across all parts. A
+   DataFrame this driver already wrote for the run is not written again (``_WRITTEN``).
 2. **Assign** (driver): partitions go to ranks largest first, each to the rank with the
    fewest rows so far, so the ranks' shares differ by at most one partition. A rank with no
    rows is refused before training starts.

@@ -15,9 +15,9 @@ How a step runs (automatic optimization, ``accumulate_grad_batches=k``)::
 
 Invariants: every rank runs the same number of ``optimizer_step`` calls per epoch (the
 ``DistributedSampler`` Lightning puts in gives each rank ``ceil(len / size)`` samples);
-parameters and optimizer state leave ``setup`` equal on every rank (broadcast from rank 0);
-a closure that skips backward (``training_step`` returned None) still synchronizes, the
-ranks without a gradient contributing zeros, so no rank waits on another.
+parameters and optimizer state leave ``setup`` equal on every rank (broadcast from rank 0).
+(A ``training_step`` that returns None is refused by Lightning itself in distributed
+training, on the rank that does it; the others then raise ``PeerLostError`` naming it.)
 """
 
 from __future__ import annotations

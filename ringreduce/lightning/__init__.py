@@ -46,7 +46,10 @@ def for_package(package: str) -> SimpleNamespace:
 def _default_package() -> str:
     if importlib.util.find_spec("lightning") is not None:
         return "lightning.pytorch"
-    return "pytorch_lightning"
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        return "pytorch_lightning"
+    raise ImportError("ringreduce.lightning needs PyTorch Lightning: pip install "
+                      "'ringreduce[lightning]' (or lightning / pytorch_lightning >= 2.6)")
 
 
 _classes = for_package(_default_package())

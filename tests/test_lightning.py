@@ -41,6 +41,11 @@ def test_trainer_fit_equals_one_process_on_the_union_of_batches(job):
         # unscaling the local gradients before it would step on 1024x averages)
         amp = job.event(r, "amp")
         assert amp["diff"] < 5e-3 and amp["spread"] == 0 and amp["scale"] == 1024, amp
+        # manual optimization: accumulation over two manual_backward passes with
+        # self.clip_gradients (on the averages), and two optimizers whose first loss
+        # reaches the second's parameters (dropped by its zero_grad)
+        manual = job.event(r, "manual-patterns")
+        assert manual["accumulation"] <= 1e-12 and manual["two_optimizers"] <= 1e-12, manual
         # HorovodStrategy, also as "horovod" in pytorch_lightning's registry: lr x size
         assert eq["plain"]["lr"] == 0.1 and eq["horovod-lr"]["lr"] == eq[
             "pytorch_lightning"]["lr"] == pytest.approx(0.2)
@@ -55,6 +60,10 @@ def test_fabric_loop_with_accumulation_and_clipping_equals_one_process(job):
         assert f["diff"] <= 1e-12 and f["spread"] == 0 and f["quiet"], f
         assert (f["mean"], f["total"], f["gathered"]) == (0.5, 1.0, [[0.0], [1.0]]), f
         assert f["broadcast"] == {"from": 1} and f["world"] == [2, r] and f["saved"], f
+    # clip_gradients, then zero_grad() without a step, twice: each clip on that pass's
+    # averages (the same on both ranks; each rank's own rows would give another norm)
+    norms = [job.event(r, "fabric")["norms"] for r in range(2)]
+    assert norms[0] == norms[1] and norms[0][0] != norms[0][1], norms
 
 
 def test_logging_callbacks_and_checkpoints_agree_across_ranks(job):

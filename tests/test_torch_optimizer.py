@@ -10,6 +10,7 @@ torch_opt_helpers.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -122,6 +123,35 @@ def test_no_sync_accumulates_locally_then_averages_the_sum(passes):
         torch.testing.assert_close(out[0][0][k], want[k], rtol=1e-9, atol=1e-12)
         assert torch.equal(out[0][0][k], out[1][0][k])
     assert out[0][1] and out[1][1], "an allreduce started inside no_sync()"
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_zero_grad_drops_gradients_only_accumulated_locally(passes):
+    """A pass inside no_sync() (or short of backward_passes_per_step) then zero_grad(): the
+    local gradients are dropped and the count starts again, as DDP and one process do."""
+    base, batches = make_net(), data(steps=2, batch=8)
+
+    def fn(rank):
+        model = copy.deepcopy(base)
+        opt = rrt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       backward_passes_per_step=passes)
+        mine = slice(rank * 4, (rank + 1) * 4)
+        (x0, y0), (x, y) = batches
+        with opt.no_sync() if passes == 1 else contextlib.nullcontext():
+            torch.nn.functional.mse_loss(model(x0[mine]), y0[mine]).backward()
+        opt.zero_grad()  # discards that pass
+        for _ in range(passes):
+            (torch.nn.functional.mse_loss(model(x[mine]), y[mine]) / passes).backward()
+        opt.step()
+        return model.state_dict()
+
+    out = run(2, fn)
+    plain = copy.deepcopy(base)
+    want = train(plain, torch.optim.SGD(plain.parameters(), lr=0.1), batches[1:], 0, 1)
+    for k in want:
+        torch.testing.assert_close(out[0][k], want[k], rtol=1e-9, atol=1e-12)
+        assert torch.equal(out[0][k], out[1][k])
 
 
 @pytest.mark.parametrize("compression, rtol", [("fp16", 2e-3), ("bf16", 1.6e-2)])

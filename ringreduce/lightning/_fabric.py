@@ -12,8 +12,9 @@ Fabric leaves the loop to the user, so the strategy only answers Fabric's calls:
     fabric.clip_gradients(...)       waits for the averages first (synchronize())
     optimizer.step()                 waits for the averages unless clipping did, steps
 
-Invariant: an optimizer is synchronized exactly once between two steps, before anything
-reads its gradients (clipping, unscaling, the step).
+Invariant: an optimizer is synchronized once after the backward passes that precede its
+step and before anything reads their gradients (clipping, unscaling, the step); a clip
+repeated after more backward passes synchronizes again (``synchronize_pending``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ._strategy import (
     _set_rank_zero,
     _sync_metrics,
     _unwrap,
+    synchronize_pending,
 )
 
 
@@ -66,25 +68,18 @@ class FabricMethods(Collectives):
         self._wrapped.append(wrapped)
         return wrapped
 
-    def _synchronize(self, optimizer: Any) -> None:
-        inner = _unwrap(optimizer)
-        if hasattr(inner, "synchronize") and id(inner) not in self._synced:
-            inner.synchronize()
-            self._synced.add(id(inner))
-
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self._synchronize(optimizer)
-        self._synced.discard(id(_unwrap(optimizer)))
+        synchronize_pending(optimizer)
         return super().optimizer_step(optimizer, **kwargs)
 
     def clip_gradients_norm(self, module: torch.nn.Module, optimizer: Any, *args: Any,
                             **kwargs: Any) -> torch.Tensor:
-        self._synchronize(optimizer)
+        synchronize_pending(optimizer)
         return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
 
     def clip_gradients_value(self, module: torch.nn.Module, optimizer: Any,
                              clip_val: Any) -> None:
-        self._synchronize(optimizer)
+        synchronize_pending(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -145,7 +140,6 @@ def build_fabric(package: str) -> type:
                                 "sparse_as_dense": sparse_as_dense}
             self._exit_stack: Optional[ExitStack] = None
             self._wrapped: list = []
-            self._synced: set = set()
             self._backward_sync_control = _BackwardSync(self._wrapped)
             _set_rank_zero(rr.rank())
 

@@ -265,6 +265,22 @@ class StrategyMethods(Collectives):
             _scale_rates(optimizers, self.lr_scheduler_configs)
         # synchronized by the closure (see optimizer_step)
         self.optimizers = [self._wrap(o, _named(module, o), passes) for o in optimizers]
+        _clip_after_synchronize(self.precision_plugin)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        """Manual optimization: Lightning cannot tell which ``manual_backward`` passes
+        precede a step (accumulation, a GAN's losses reaching both models), so every pass
+        only accumulates (``no_sync()``) and ``opt.step()`` averages what it holds."""
+        module = self.lightning_module
+        if module is None or module.automatic_optimization:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with ExitStack() as stack:
+            for opt in self.optimizers:
+                inner = _unwrap(opt)
+                if hasattr(inner, "no_sync"):
+                    stack.enter_context(inner.no_sync())
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
                        **kwargs: Any) -> Any:
@@ -353,14 +369,35 @@ def _strategy_class(parallel: type, env_cls: type, trainer_fn: Any) -> type:
     return RingreduceStrategy
 
 
+def synchronize_pending(optimizer: Any) -> None:
+    """Wait for ``optimizer``'s averaged gradients unless that is done since the last
+    backward pass (a clip then the step synchronize once)."""
+    inner = _unwrap(optimizer)
+    if getattr(inner, "_rr_pending", lambda: False)():
+        inner.synchronize()
+
+
 def _synchronizing(optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
     """``closure``, then wait for the averaged gradients (before clipping and the step)."""
-    inner = _unwrap(optimizer)
 
     def run() -> Any:
         result = closure()
-        if hasattr(inner, "synchronize"):
-            inner.synchronize()
+        synchronize_pending(optimizer)
         return result
 
     return run
+
+
+def _clip_after_synchronize(plugin: Any) -> None:
+    """Make the precision plugin's clip_gradients wait for the averages first: a manual
+    ``self.clip_gradients(opt, ...)`` before ``opt.step()`` clips what is stepped on."""
+    if getattr(plugin, "_rr_clips_averages", False):
+        return
+    clip = plugin.clip_gradients
+
+    def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        synchronize_pending(optimizer)
+        return clip(optimizer, *args, **kwargs)
+
+    plugin.clip_gradients = clip_gradients
+    plugin._rr_clips_averages = True

@@ -33,6 +33,7 @@ def train(spec: TrainSpec) -> Any:
     hvd.init()
     p, model = spec.params, spec.payload["model"]
     pl = importlib.import_module(spec.payload["package"])
+    _log_to_this_task()
     if p["random_seed"] is not None:
         pl.seed_everything(int(p["random_seed"]), verbose=False)
     saved = load_resume(rr._comm(), spec)
@@ -46,6 +47,19 @@ def train(spec: TrainSpec) -> Any:
     if rr.rank() != 0:
         return None
     return {"weights": weights, "history": history}
+
+
+def _log_to_this_task() -> None:
+    """Lightning's loggers keep the stderr of the task that imported Lightning; a Spark
+    Python worker is reused, and that task's relayed stream is closed by now."""
+    import logging
+    import sys
+
+    for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning",
+                 "lightning_fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.setStream(sys.stderr)
 
 
 def _trainer_args(spec: TrainSpec, pl: Any, history: dict, tmp: str) -> dict:
@@ -67,11 +81,13 @@ def _trainer_args(spec: TrainSpec, pl: Any, history: dict, tmp: str) -> dict:
     if p["terminate_on_nan"]:
         callbacks.append(_nan_stop_class(pl)())
     gpu = bool(p["use_gpu"]) and torch.cuda.is_available() and p["num_gpus"] != 0
+    # _EpochEnd is a Checkpoint callback (run after the module's on_train_epoch_end), so
+    # checkpointing is on; with it there, Lightning adds no ModelCheckpoint of its own
     args = {"strategy": strategy, "accelerator": "gpu" if gpu else "cpu", "devices": 1,
             "max_epochs": int(p["epochs"]), "logger": p["logger"] or False,
             "log_every_n_steps": int(p["log_every_n_steps"]), "num_sanity_val_steps": 0,
             "enable_progress_bar": False, "enable_model_summary": False,
-            "use_distributed_sampler": False, "enable_checkpointing": bool(checkpoints),
+            "use_distributed_sampler": False, "enable_checkpointing": True,
             "callbacks": callbacks, "profiler": p["profiler"]}
     return {**args, **(p["trainer_args"] or {})}
 
@@ -92,8 +108,8 @@ def _resume_file(spec: TrainSpec, model: Any, saved: Optional[dict], tmp: str
 
     import torch
 
-    data = saved["lightning"]
     try:
+        data = saved["lightning"]  # a TorchEstimator's checkpoint has none
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         model.load_state_dict(state["state_dict"])
     except (RuntimeError, KeyError, ValueError) as e:
@@ -110,7 +126,8 @@ def _best_weights(trainer: Any, model: Any) -> dict:
     import torch
 
     state = model.state_dict()
-    best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+    users = [cb for cb in trainer.callbacks if hasattr(cb, "best_model_path")]
+    best = users[0].best_model_path if users else ""
     if best and os.path.exists(best):
         state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
     return {k: v.detach().cpu().numpy() for k, v in state.items()}
@@ -162,8 +179,10 @@ def _loaders(spec: TrainSpec, epoch: Callable[[], int]) -> tuple:
 
 
 def _epoch_end_class(pl: Any) -> type:
-    class _EpochEnd(pl.Callback):
-        """The epoch's metrics into the history; rank 0 replaces the run's checkpoint."""
+    class _EpochEnd(pl.callbacks.Checkpoint):
+        """The epoch's metrics into the history; rank 0 replaces the run's checkpoint.
+        A Checkpoint callback, so Lightning runs it after the module's own
+        on_train_epoch_end (whose logged values belong to this epoch's row)."""
 
         def __init__(self, spec: TrainSpec, history: dict, path: str) -> None:
             self.spec, self.history, self.path = spec, history, path

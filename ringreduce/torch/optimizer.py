@@ -574,15 +574,26 @@ class _DistributedMixin:
             original.__dict__["param_groups"] = self.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset gradients; raises if called between backward() and step()."""
-        busy = [s.name for s in self._rr_inflight] + [s.name for s in self._rr_partial]
+        """Reset gradients; raises while an allreduce of one is in flight (between the
+        backward() that started it and step()). Gradients only accumulated locally
+        (``no_sync()``, or fewer than ``backward_passes_per_step`` passes) are dropped and
+        their count starts again, as in one process."""
+        busy = [s.name for s in self._rr_inflight]
         if busy:
             raise InvalidInputError(
                 f"DistributedOptimizer: zero_grad() was called after backward() but before "
                 f"step() or synchronize(), while the gradients of "
                 f"{_brief(busy)} are being averaged across ranks; "
                 "call zero_grad() before backward() or after step()")
+        for slot in self._rr_partial:
+            slot.delay = self._rr_passes
+        self._rr_partial.clear()
         super().zero_grad(set_to_none=set_to_none)
+
+    def _rr_pending(self) -> bool:
+        """Whether a synchronize() is due: gradients in flight or accumulated, or none
+        since the last step."""
+        return bool(self._rr_inflight or self._rr_partial) or not self._rr_synchronized
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group; its parameters are named ``param.<group>.<index>``."""

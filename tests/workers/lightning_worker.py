@@ -111,6 +111,81 @@ def equivalence(name: str, strategy: object, k: int = 1, clip: float | None = No
           distributed=hasattr(trainer.optimizers[0], "synchronize"))
 
 
+class ManualAccumulation(Model):
+    """Lightning's manual accumulation and clipping: manual_backward every batch, then
+    clip_gradients and step every second one."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, batch: tuple, idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(torch.nn.functional.mse_loss(self.net(x), y) / 2)
+        if idx % 2:
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A GAN's shape without toggle_optimizer: g's loss flows through d's parameters too,
+    whose gradients d's zero_grad() then drops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g, self.d = two_nets()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple, idx: int) -> None:
+        g_opt, d_opt = self.optimizers()
+        x = batch[0]
+        g_opt.zero_grad()
+        self.manual_backward(-self.d(self.g(x)).mean())
+        g_opt.step()
+        d_opt.zero_grad()
+        self.manual_backward(self.d(self.g(x).detach()).mean() - self.d(x).mean())
+        d_opt.step()
+
+    def configure_optimizers(self) -> list:
+        return [torch.optim.SGD(self.g.parameters(), lr=LR),
+                torch.optim.SGD(self.d.parameters(), lr=LR)]
+
+
+def two_nets() -> tuple:
+    torch.manual_seed(7)
+    return torch.nn.Linear(5, 5), torch.nn.Linear(5, 1)
+
+
+def two_nets_reference() -> torch.Tensor:
+    """TwoOptimizers in one process on the union of the ranks' batches (1 epoch)."""
+    g, d = two_nets()
+    g_opt, d_opt = torch.optim.SGD(g.parameters(), lr=LR), torch.optim.SGD(d.parameters(), lr=LR)
+    perm = torch.randperm(len(X), generator=torch.Generator().manual_seed(0))
+    for i in range(len(X) // (2 * B)):
+        x = X[perm[2 * B * i:2 * B * (i + 1)]]
+        g_opt.zero_grad()
+        (-d(g(x)).mean()).backward()
+        g_opt.step()
+        d_opt.zero_grad()
+        (d(g(x).detach()).mean() - d(x).mean()).backward()
+        d_opt.step()
+    return torch.cat([flat(g), flat(d)])
+
+
+def manual_patterns() -> None:
+    accumulating = ManualAccumulation()
+    pl.Trainer(strategy="ringreduce", max_epochs=2, **QUIET).fit(
+        accumulating, DataLoader(TensorDataset(X, Y), batch_size=B))
+    two = TwoOptimizers()
+    pl.Trainer(strategy="ringreduce", max_epochs=1, **QUIET).fit(
+        two, DataLoader(TensorDataset(X, Y), batch_size=B))
+    event("manual-patterns",
+          accumulation=float((flat(accumulating.net) - reference(2, 2, 0.05, LR)).abs().max()),
+          two_optimizers=float((torch.cat([flat(two.g), flat(two.d)])
+                                - two_nets_reference()).abs().max()))
+
+
 def amp_scaler() -> None:
     """float16 autocast with a GradScaler (on the CPU): the scaler unscales the averaged
     gradients; unscaling local ones first would step on 1024x gradients."""
@@ -151,6 +226,12 @@ def fabric_loop(directory: str) -> None:
             opt.zero_grad()
     got = flat(net)
     spread = (rrt.allreduce(got, op=rrt.Max) - rrt.allreduce(got, op=rrt.Min)).abs().max()
+    norms = []  # a skipped step (clip, then zero_grad without step()), twice: each clip
+    for r in range(2):  # sees that pass's averages (local norms would differ by rank)
+        rows = slice((2 * r + fabric.global_rank) * B, (2 * r + fabric.global_rank + 1) * B)
+        fabric.backward(torch.nn.functional.mse_loss(model(X[rows]), Y[rows]))
+        norms.append(float(fabric.clip_gradients(model, opt, max_norm=1e9)))
+        opt.zero_grad()
     path = os.path.join(directory + "-fabric", "state.ckpt")
     fabric.save(path, {"model": model, "optimizer": opt})
     fabric.barrier()
@@ -161,7 +242,7 @@ def fabric_loop(directory: str) -> None:
           total=float(fabric.all_reduce(torch.tensor(rank), reduce_op="sum")),
           gathered=fabric.all_gather(torch.tensor([rank])).tolist(),
           broadcast=fabric.broadcast({"from": fabric.global_rank}, src=1),
-          world=[fabric.world_size, fabric.global_rank])
+          world=[fabric.world_size, fabric.global_rank], norms=norms)
 
 
 class Logged(Model):
@@ -273,6 +354,7 @@ def main() -> None:
     equivalence("horovod-lr", rl.HorovodStrategy())
     equivalence("manual", "ringreduce", manual=True)
     equivalence("pytorch_lightning", "horovod", package=ptl)
+    manual_patterns()
     amp_scaler()
     fabric_loop(sys.argv[1])
     callbacks(sys.argv[1])

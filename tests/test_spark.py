@@ -86,6 +86,8 @@ def cases(tmp_path_factory):
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     out = {c["case"]: c for c in lines}
     assert proc.returncode == 0 and "zero" in out, job.describe()
+    # e.g. Lightning's log handler bound to an earlier task's (closed) relayed stderr
+    out["logging_errors"] = (proc.stdout + proc.stderr).count("--- Logging error ---")
     out["hosts"] = hosts and hosts.names
     return out
 
@@ -285,6 +287,12 @@ def test_lightning_estimator_trains_resumes_and_transforms(cases):
     assert got["plain"][0] == "InvalidInputError" and "ringreduce.spark.torch" in got["plain"][1]
     assert got["mismatch"][0] == "InvalidInputError", got["mismatch"]
     assert "run_id 'lit' has a checkpoint" in got["mismatch"][1]
+    assert got["foreign"][0] == "InvalidInputError", got["foreign"]  # a TorchEstimator's
+    assert "run_id 'foreign' has a checkpoint" in got["foreign"][1]
+    # what the module logs in its own on_train_epoch_end is that epoch's, resumed or not
+    assert got["history"]["epoch_end"] == [0.0, 1.0, 2.0], got["history"]
+    assert got["resumed"]["epoch_end"] == [0.0, 1.0, 2.0, 3.0, 4.0], got["resumed"]
+    assert cases["logging_errors"] == 0  # Lightning logs to the task's stream
 
 
 def test_keras_estimator_trains_resumes_and_transforms(cases):

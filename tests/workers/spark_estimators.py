@@ -130,6 +130,9 @@ def lit_module():
         def validation_step(self, batch, idx):
             self.log("val_loss", self._loss(batch), sync_dist=True)
 
+        def on_train_epoch_end(self):  # the module's hook runs after the callbacks' own
+            self.log("epoch_end", float(self.current_epoch), sync_dist=True)
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
@@ -169,7 +172,19 @@ def lightning_estimator(spark):
             "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max()),
             "saved": saved_and_loaded(fitted, df, "y__output"),
             "plain": refusal(est.copy().setModel(torch.nn.Linear(3, 1)), df),
-            "mismatch": refusal(_other_lit(est), df)}
+            "mismatch": refusal(_other_lit(est), df),
+            "foreign": refusal(_foreign_run(est, store), df)}
+
+
+def _foreign_run(est, store):
+    """The estimator on a run whose checkpoint is a TorchEstimator's (no Lightning one)."""
+    import pickle
+
+    path = store.get_checkpoint_path("foreign")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump({"model": {}, "optimizer": {}, "history": {"loss": [1.0]}}, f)
+    return est.copy().setRunId("foreign")
 
 
 def _other_lit(est):

@@ -59,7 +59,7 @@ def _log_to_this_task() -> None:
                  "lightning_fabric"):
         for handler in logging.getLogger(name).handlers:
             if type(handler) is logging.StreamHandler:
-                handler.setStream(sys.stderr)
+                handler.stream = sys.stderr  # not setStream(): it flushes the closed one
 
 
 def _trainer_args(spec: TrainSpec, pl: Any, history: dict, tmp: str) -> dict:

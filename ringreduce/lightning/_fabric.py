@@ -34,9 +34,9 @@ from ._strategy import (
     Collectives,
     _environment_class,
     _named,
-    _set_rank_zero,
     _sync_metrics,
     _unwrap,
+    started,
     synchronize_pending,
 )
 
@@ -130,18 +130,13 @@ def build_fabric(package: str) -> type:
                      compression: Any = rrt.Compression.none,
                      gradient_predivide_factor: float = 1.0, op: int = rr.Average,
                      sparse_as_dense: bool = False) -> None:
-            if not rr.is_initialized():
-                rr.init()
             super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                             cluster_environment=env_cls(), checkpoint_io=checkpoint_io,
-                             precision=precision)
-            self._opt_kwargs = {"compression": compression, "op": op,
-                                "gradient_predivide_factor": gradient_predivide_factor,
-                                "sparse_as_dense": sparse_as_dense}
-            self._exit_stack: Optional[ExitStack] = None
+                             cluster_environment=started(env_cls),
+                             checkpoint_io=checkpoint_io, precision=precision)
+            self._options(compression=compression, op=op, sparse_as_dense=sparse_as_dense,
+                          gradient_predivide_factor=gradient_predivide_factor)
             self._wrapped: list = []
             self._backward_sync_control = _BackwardSync(self._wrapped)
-            _set_rank_zero(rr.rank())
 
     strategies.STRATEGY_REGISTRY.register("ringreduce", RingreduceFabricStrategy,
                                           description=RingreduceFabricStrategy.__doc__,

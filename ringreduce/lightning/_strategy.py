@@ -120,6 +120,14 @@ def _named(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
     return [(name, p) for name, p in module.named_parameters() if id(p) in mine]
 
 
+def started(env_cls: type) -> Any:
+    """``ringreduce.init()`` unless done (as Lightning 1.x's Horovod strategy did), then a
+    RingreduceEnvironment."""
+    if not rr.is_initialized():
+        rr.init()
+    return env_cls()
+
+
 def _set_rank_zero(rank: int) -> None:
     """Lightning reads the rank from RANK/SLURM_PROCID at import; mpirun sets neither."""
     from lightning_utilities.core.rank_zero import rank_zero_only
@@ -220,6 +228,12 @@ class Collectives:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return rrt.broadcast_object(obj, root_rank=src)
+
+    def _options(self, **optimizer_options: Any) -> None:
+        """The DistributedOptimizer options; the rank Lightning prints from."""
+        self._opt_kwargs = optimizer_options
+        self._exit_stack: Optional[ExitStack] = None
+        _set_rank_zero(rr.rank())
 
     def _wrap(self, optimizer: Any, named: list, passes: int = 1) -> Any:
         """``optimizer`` as a DistributedOptimizer (one already is stays), its state
@@ -353,18 +367,13 @@ def _strategy_class(parallel: type, env_cls: type, trainer_fn: Any) -> type:
                      compression: Any = rrt.Compression.none,
                      gradient_predivide_factor: float = 1.0, op: int = rr.Average,
                      sparse_as_dense: bool = False) -> None:
-            if not rr.is_initialized():
-                rr.init()
             super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                             cluster_environment=env_cls(), checkpoint_io=checkpoint_io,
-                             precision_plugin=precision_plugin)
+                             cluster_environment=started(env_cls),
+                             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
             self._scale_lr = bool(scale_lr)
-            self._opt_kwargs = {"compression": compression, "op": op,
-                                "gradient_predivide_factor": gradient_predivide_factor,
-                                "sparse_as_dense": sparse_as_dense}
-            self._exit_stack: Optional[ExitStack] = None
             self._fitting = trainer_fn.FITTING
-            _set_rank_zero(rr.rank())
+            self._options(compression=compression, op=op, sparse_as_dense=sparse_as_dense,
+                          gradient_predivide_factor=gradient_predivide_factor)
 
     return RingreduceStrategy
 

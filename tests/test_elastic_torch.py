@@ -196,13 +196,14 @@ def test_reset_drops_an_interrupted_step(monkeypatch):
             model = torch.nn.Linear(3, 2)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                            backward_passes_per_step=2)
-            model(torch.ones(1, 3)).sum().backward()  # one of two passes: partial
+            for _ in range(2):  # both passes: the allreduces are in flight
+                model(torch.ones(1, 3)).sum().backward()
             with pytest.raises(hvd.InvalidInputError, match="zero_grad"):
                 opt.zero_grad()
             ringreduce.elastic.reset()
             opt.zero_grad()  # nothing in flight any more
             grads_gone = all(p.grad is None for p in model.parameters())
-            for _ in range(2):
+            for _ in range(2):  # a whole step again: the pass count started over
                 model(torch.ones(1, 3)).sum().backward()
             opt.step()
             return grads_gone, model.weight.grad.clone()

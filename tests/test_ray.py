@@ -55,7 +55,10 @@ def _run_driver(script: str, last_case: str) -> dict:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     proc = job.procs[0]
     assert not job.timed_out, f"the Ray driver hit its timeout\n{job.describe()}"
-    lines = [json.loads(s) for s in proc.stdout.splitlines() if s.startswith('{"case"')]
+    # a case's line may follow, on the same line, what Ray's own threads printed without a
+    # newline (a worker's death, as the 'dying' case provokes)
+    lines = [json.loads(s[s.index('{"case"'):]) for s in proc.stdout.splitlines()
+             if '{"case"' in s]
     cases = {line["case"]: line for line in lines}
     assert proc.returncode == 0 and last_case in cases, job.describe()
     return {"cases": cases, "survivors": job.survivors, "leftovers": leftovers}

@@ -44,11 +44,6 @@ from ._strategy import (
 class FabricMethods(Collectives):
     """What RingreduceFabricStrategy adds to Fabric's ParallelStrategy (in front of it)."""
 
-    def module_to_device(self, module: torch.nn.Module) -> None:
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
-        module.to(self.root_device)
-
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list,
                                     scheduler: Any = None) -> tuple:
         module = self.setup_module(module)

@@ -205,6 +205,11 @@ class Collectives:
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": rr.size(), "rank": rr.rank()}
 
+    def module_to_device(self, module: torch.nn.Module) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        module.to(self.root_device)
+
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Allreduce ``tensor`` over every rank (a non-tensor comes back unchanged)."""
         if not isinstance(tensor, torch.Tensor):
@@ -262,9 +267,7 @@ class StrategyMethods(Collectives):
         return True
 
     def model_to_device(self) -> None:
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
-        self.model.to(self.root_device)
+        self.module_to_device(self.model)
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)

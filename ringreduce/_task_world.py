@@ -74,10 +74,12 @@ def rank_order(workers: Sequence[Worker]) -> list[int]:
 
 
 def world_env(workers: Sequence[Worker], index: int, secret: str,
-              extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+              extra: Optional[Mapping[str, str]] = None,
+              order: Optional[Sequence[int]] = None) -> dict[str, str]:
     """The launch variables of worker ``index`` (its rank, its host's ranks, rank 0's
-    address and port), then ``extra``."""
-    order = rank_order(workers)
+    address and port), then ``extra``. ``order`` (indices of ``workers`` in rank order)
+    is ``rank_order(workers)`` unless the other system fixed the ranks already."""
+    order = rank_order(workers) if order is None else order
     me, root = workers[index], workers[order[0]]
     here = [i for i in order if workers[i].host == me.host]
     return {"RANK": str(order.index(index)), "WORLD_SIZE": str(len(workers)),

@@ -264,6 +264,71 @@ def test_no_ray_process_outlives_the_elastic_driver(elastic):
     assert elastic["survivors"] == []
 
 
+# ------------------------------------------------------------ Ray Train
+@pytest.fixture(scope="module")
+def train():
+    """The Ray Train cases (tests/workers/ray_train_driver.py): RingreduceTrainer."""
+    return _run_driver("ray_train_driver.py", "refusals")
+
+
+REFERENCE_STEPS = 8  # the driver's full-batch gradient descent (its ``reference()``)
+
+
+def test_ray_train_trains_as_one_process_would(train):
+    got = ok(train, "trains")
+    assert got["error"] is None
+    ranks = got["ranks"]
+    assert [(r["rank"], r["world_rank"], r["local"], r["size"]) for r in ranks] == \
+        [(0, 0, [0, 2], 2), (1, 1, [1, 2], 2)]
+    # averaged equal shards are the full batch: the reference, on both ranks and stored
+    for weights in (ranks[0]["weights"], ranks[1]["weights"], got["stored"]["weights"]):
+        assert weights == pytest.approx(got["reference"], rel=1e-12)
+    assert got["stored"]["step"] == REFERENCE_STEPS - 1
+
+
+def test_ray_train_config_and_driver_settings_reach_the_workers(train):
+    envs = [r["env"] for r in ok(train, "trains")["ranks"]]
+    # HorovodConfig(timeout_s=20, env=...), and the driver's HOROVOD_* variable
+    assert envs == [{"RINGREDUCE_CONNECT_TIMEOUT_SECONDS": "20.0",
+                     "HOROVOD_FUSION_THRESHOLD": "1048576", "RR_MARK": "7"}] * 2
+
+
+def test_ray_train_dataset_shards_cover_the_rows_once(train):
+    shards = [r["shards"] for r in ok(train, "trains")["ranks"]]
+    assert all(s["mine"] > 0 for s in shards)
+    assert sum(s["mine"] for s in shards) == sum(range(64))
+    assert [s["total"] for s in shards] == [sum(range(64))] * 2
+
+
+def test_ray_train_restarts_from_its_checkpoint_after_a_rank_dies(train):
+    got = ok(train, "recovers")
+    assert got["error"] is None
+    first = [r for r in got["ranks"] if r["start"] == 0]
+    again = [r for r in got["ranks"] if r["start"] > 0]
+    # rank 1 exited at step 4: rank 0's allreduce named it, within seconds
+    assert [r["rank"] for r in first] == [0]
+    assert first[0]["error"] == "PeerLostError"
+    assert "rank 1" in first[0]["message"] and "exited" in first[0]["message"]
+    # Ray Train started a new group, which resumed from a checkpoint of the first one
+    assert [r["rank"] for r in again] == [0, 1]
+    assert len({r["start"] for r in again}) == 1 and again[0]["start"] <= 4
+    assert {r["pid"] for r in again}.isdisjoint({first[0]["pid"]})
+    for weights in (again[0]["weights"], again[1]["weights"], got["stored"]["weights"]):
+        assert weights == pytest.approx(got["reference"], rel=1e-12)
+
+
+def test_ray_train_arguments_refused(train):
+    got = ok(train, "refusals")
+    assert "RingreduceConfig: nics=" in got["two_nics"] and "one interface" in got["two_nics"]
+    assert got["one_nic"] == "lo"
+    assert got["both"] == "RingreduceTrainer: give ringreduce_config or horovod_config, not both"
+    assert "got BackendConfig" in got["foreign"] and "HorovodConfig" in got["foreign"]
+
+
+def test_no_ray_process_outlives_the_train_driver(train):
+    assert train["survivors"] == [] and train["leftovers"] == []
+
+
 # -------------------------------------------------------------- without Ray
 @pytest.mark.parametrize("kwargs, needle", [
     ({}, "say how many ranks"),

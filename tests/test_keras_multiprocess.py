@@ -90,6 +90,13 @@ def test_keras_fit_equals_one_process_and_callbacks_work(job, backend):
     # counts from start_epoch: 0.08 * 0.5 ** (epoch - 1) = 0.08, then 0.04
     schedule = job.event(0, "schedule")["lrs"]
     assert schedule == pytest.approx([0.08, 0.08, 0.08, 0.08, 0.04, 0.04]), schedule
+    # BestModelCheckpoint(mode="max") on rank 0 only: its file holds the weights of the
+    # epoch whose mean loss was highest; without a filepath, fit is refused on every rank
+    # (both ranks read it: one host; their weights are equal)
+    best = [{k: job.event(r, "best")[k] for k in ("worst", "kept", "files")} for r in range(2)]
+    assert best == [{**best[0], "files": ["best.weights.h5"], "kept": 0.0}] * 2, best
+    for r in range(2):
+        assert "BestModelCheckpoint: no filepath" in job.event(r, "best-no-path")["error"]
     loaded = job.event(0, "loaded")
     assert loaded["same"] and loaded["distributed"] == "_DistributedKerasMixin"
     assert loaded["backend"] == backend

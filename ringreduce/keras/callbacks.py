@@ -21,8 +21,9 @@ from ringreduce.checkpoint import atomic_save_path
 
 from .saving import model_suffix
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "MetricAverageCallback", "ModelCheckpoint"]
+__all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
+           "ModelCheckpoint"]
 
 
 def _translate_errors(model: Any) -> None:
@@ -303,3 +304,39 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             object.__delattr__(model, "save")
             object.__delattr__(model, "save_weights")
 
+
+
+class BestModelCheckpoint(ModelCheckpoint):
+    """Horovod's ``BestModelCheckpoint``: a ``ModelCheckpoint`` that keeps only the best
+    model by ``monitor`` (``save_best_only=True``), written by ``root_rank``, atomically.
+
+    ``filepath`` may stay None where ``KerasEstimator`` is given the callback as its
+    ``checkpoint_callback``: the estimator points it at a file of its own and returns the
+    model found best. Elsewhere give a path (``.keras``, or ``.weights.h5`` with
+    ``save_weights_only=True``). Put ``MetricAverageCallback`` before it, so that the
+    monitored value is the mean over the ranks.
+
+    Raises
+    ------
+    InvalidInputError
+        ``model.fit`` with no ``filepath`` set.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq: Union[str, int] = "epoch", filepath: Optional[str] = None,
+                 save_weights_only: bool = False, root_rank: int = 0, **kwargs: Any) -> None:
+        # Keras checks the suffix at construction: a placeholder until the path is known
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(placeholder if filepath is None else filepath, monitor=monitor,
+                         verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq,
+                         root_rank=root_rank, **kwargs)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.filepath is None:
+            raise _rr.InvalidInputError(
+                "BestModelCheckpoint: no filepath: give BestModelCheckpoint(filepath=...) "
+                "(only KerasEstimator's checkpoint_callback chooses the file itself)")
+        super().on_train_begin(logs)

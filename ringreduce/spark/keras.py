@@ -25,8 +25,10 @@ checkpoint, then the user's ``callbacks``. Tested on the TensorFlow backend (Hor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import keras
@@ -257,14 +259,41 @@ def _train(spec: TrainSpec) -> Any:
         val = RankData(spec.val[rr.rank()]) if spec.val_rows else None
         callbacks = [hvd.callbacks.MetricAverageCallback(), _EpochEnd(spec, val, history),
                      *(p["callbacks"] or [])]
-        if p["checkpoint_callback"] is not None and rr.rank() == 0:
-            callbacks.append(p["checkpoint_callback"])
-        model.fit(_batches(spec, model, data, start, epochs, steps), steps_per_epoch=steps,
-                  initial_epoch=start, epochs=epochs, verbose=0, shuffle=False,
-                  callbacks=callbacks)
+        with _checkpoint_callback(p["checkpoint_callback"], rr.rank()) as best:
+            model.fit(_batches(spec, model, data, start, epochs, steps), steps_per_epoch=steps,
+                      initial_epoch=start, epochs=epochs, verbose=0, shuffle=False,
+                      callbacks=callbacks + ([best.callback] if best else []))
+            if best and best.path is not None and os.path.exists(best.path):
+                model.load_weights(best.path)  # the model returned is the one found best
     if rr.rank() != 0:
         return None
     return {"weights": model.get_weights(), "history": history}
+
+
+class _Best:
+    """Rank 0's ``checkpoint_callback`` and the one file its best model is in (None when
+    its path has ``{epoch}``-style fields or it keeps more than the best)."""
+
+    def __init__(self, callback: Any, path: Optional[str]) -> None:
+        self.callback, self.path = callback, path
+
+
+@contextlib.contextmanager
+def _checkpoint_callback(callback: Any, rank: int) -> Iterator[Optional[_Best]]:
+    """Horovod's rule: ``checkpoint_callback`` runs on rank 0, and a ``ModelCheckpoint``
+    with ``save_best_only`` gives the fit's model. One without a ``filepath``
+    (``BestModelCheckpoint()``) writes into a directory of this task, removed after."""
+    if callback is None or rank != 0:
+        yield None
+        return
+    best_only = getattr(callback, "save_best_only", False)
+    with tempfile.TemporaryDirectory(prefix="rr-best-") as d:
+        if best_only and getattr(callback, "filepath", "") is None:
+            weights = getattr(callback, "save_weights_only", False)
+            callback.filepath = os.path.join(d, "best.weights.h5" if weights else "best.keras")
+        path = getattr(callback, "filepath", None)
+        one_file = best_only and isinstance(path, str) and "{" not in path
+        yield _Best(callback, path if one_file else None)
 
 
 def _compiled(spec: TrainSpec, hvd: Any) -> keras.Model:

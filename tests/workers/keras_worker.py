@@ -194,12 +194,14 @@ class Record(keras.callbacks.Callback):
         super().__init__()
         self.lrs: list = []
         self.logs: list = []
+        self.weights: list = []
 
     def on_train_batch_begin(self, batch: int, logs: dict = None) -> None:
         self.lrs.append(float(self.model.optimizer.learning_rate))
 
     def on_epoch_end(self, epoch: int, logs: dict = None) -> None:
         self.logs.append(dict(logs or {}))
+        self.weights.append(weights(self.model))
 
 
 def callbacks_and_checkpoints(directory: str) -> None:
@@ -236,11 +238,27 @@ def callbacks_and_checkpoints(directory: str) -> None:
     back = keras.models.load_model(h5, compile=False)
     event("h5", magic=magic.hex(), same=bool(np.array_equal(weights(back), weights(model))))
     schedule = Record()
+    # BestModelCheckpoint with mode="max" keeps the epoch of the highest mean loss
+    best = os.path.join(directory + "-best", "best.weights.h5")
     model.fit(xs, ys, batch_size=4, epochs=3, shuffle=False, verbose=0,
               callbacks=[rr.callbacks.LearningRateScheduleCallback(
                   initial_lr=0.08, multiplier=0.5, start_epoch=1),  # 0.5 ** (epoch - 1)
-                  schedule])
+                  rr.callbacks.MetricAverageCallback(), schedule,
+                  rr.callbacks.BestModelCheckpoint(monitor="loss", mode="max", filepath=best,
+                                                   save_weights_only=True)])
     event("schedule", lrs=schedule.lrs)
+    rr.barrier()
+    worst = int(np.argmax([logs["loss"] for logs in schedule.logs]))
+    kept = None
+    if os.path.exists(best):
+        model.load_weights(best)
+        kept = float(np.abs(weights(model) - schedule.weights[worst]).max())
+    event("best", worst=worst, kept=kept, files=sorted(os.listdir(os.path.dirname(best)))
+          if os.path.isdir(os.path.dirname(best)) else None)
+    try:
+        model.fit(xs, ys, epochs=1, verbose=0, callbacks=[rr.callbacks.BestModelCheckpoint()])
+    except rr.InvalidInputError as e:
+        event("best-no-path", error=str(e))
 
 
 def sync_batch_norm() -> None:

@@ -301,10 +301,17 @@ def keras_estimator(spark):
                          verbose=0, custom_objects={"unused": lambda x: x})  # saves too
     fitted = est.fit(df)
     got = np.concatenate([np.ravel(w) for w in fitted.getModel().get_weights()])
-    halves = est.copy().setRunId("halves").setBatchSize(4).setBackwardPassesPerStep(2)
-    got_halves = np.concatenate([np.ravel(w) for w in
-                                 halves.setEpochs(1).fit(df).getModel().get_weights()])
-    want_halves = replay(store, "halves", start, 1, 192 // 16, 8, 0.05)
+    # mode="max" keeps the worst epoch (the first: the loss falls) as "best": the model
+    # returned must be that file's, not the last epoch's
+    from ringreduce.keras.callbacks import BestModelCheckpoint
+
+    halves = est.copy().setRunId("halves").setBatchSize(4).setBackwardPassesPerStep(2) \
+        .setCheckpointCallback(BestModelCheckpoint(monitor="val_loss", mode="max"))
+    halves_fit = halves.setEpochs(2).fit(df)
+    got_halves = np.concatenate([np.ravel(w) for w in halves_fit.getModel().get_weights()])
+    worst = int(np.argmax(halves_fit.getHistory()["val_loss"]))
+    want_halves = replay(store, "halves", start, worst + 1, 192 // 16, 8, 0.05)
+    last_halves = replay(store, "halves", start, 2, 192 // 16, 8, 0.05)
     want = replay(store, "lin", start, 3, 192 // 16, 8, 0.05)
     first = fitted.getHistory()
     resumed = est.setEpochs(5).fit(df).getHistory()
@@ -314,4 +321,6 @@ def keras_estimator(spark):
     return {"history": first, "resumed": resumed, "replay_diff": float(np.abs(got - want).max()),
             "rows": len(rows), "saved": saved_and_loaded(fitted, df, "y__output"),
             "halves_diff": float(np.abs(got_halves - want_halves).max()),
+            "halves_worst": worst,
+            "halves_last_diff": float(np.abs(got_halves - last_halves).max()),
             "transform_diff": float(np.abs(local - [r["y__output"] for r in rows]).max())}

@@ -23,6 +23,7 @@ def test_torch_worker(tmp_path, launch):
     for r in range(2):
         msg = job.event(r, "missing-error")["msg"]
         assert f"on rank {r}" in msg and "rank 0 reports: no checkpoint at" in msg, msg
+        assert job.event(r, "compiled")["diff"] <= 1e-12  # torch.compile(model) trains alike
 
 
 def test_dataloader_workers_forked_after_init():

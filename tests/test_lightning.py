@@ -89,7 +89,10 @@ def test_logging_callbacks_and_checkpoints_agree_across_ranks(job):
 
 def test_refusals_name_the_rank_and_the_fix(job):
     caught = job.event(0, "refusals")["caught"]
-    assert set(caught) == {"group", "op", "scheduler"}, caught
+    assert set(caught) == {"group", "op", "scheduler", "devices", "fabric_devices"}, caught
+    for what, name in (("devices", "RingreduceStrategy"),
+                       ("fabric_devices", "RingreduceFabricStrategy")):
+        assert f"rank 0: {name}: devices=3, but this host runs 2 ringreduce" in caught[what]
     assert "rank 0: RingreduceStrategy.reduce: process groups" in caught["group"]
     assert "'median'" in caught["op"]
     assert "accumulate_grad_batches=k" in caught["scheduler"]

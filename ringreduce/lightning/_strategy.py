@@ -205,6 +205,18 @@ class Collectives:
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": rr.size(), "rank": rr.rank()}
 
+    def setup_environment(self) -> None:
+        """Refuse ``devices=N`` that asks Lightning for processes it will not start."""
+        count = len(self.parallel_devices or [])
+        if count > 1 and count != rr.local_size():
+            raise InvalidInputError(
+                f"rank {rr.rank()}: {type(self).__name__}: devices={count}, but this host "
+                f"runs {rr.local_size()} ringreduce process(es): Lightning starts no "
+                "processes for this strategy. Start one per device with the launcher "
+                "(mpirun -np N, ringrun -np N, Spark, Ray) and keep devices=1 (or the "
+                "number of processes on each host)")
+        super().setup_environment()
+
     def module_to_device(self, module: torch.nn.Module) -> None:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)

@@ -309,6 +309,7 @@ def callbacks(directory: str) -> None:
 
 
 def refusals() -> None:
+    from lightning.fabric import Fabric
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     strategy, caught = rl.RingreduceStrategy(), {}
@@ -319,6 +320,11 @@ def refusals() -> None:
             strategy=rl.RingreduceStrategy(), max_epochs=1, **QUIET,
             callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})]).fit(
                 Model(), DataLoader(TensorDataset(X, Y), batch_size=B)),
+        "devices": lambda: pl.Trainer(strategy="ringreduce", max_epochs=1,
+                                      **{**QUIET, "devices": 3}).fit(
+            Model(), DataLoader(TensorDataset(X, Y), batch_size=B)),
+        "fabric_devices": lambda: Fabric(strategy="ringreduce", accelerator="cpu",
+                                         devices=3).launch(),
     }.items():
         try:
             call()

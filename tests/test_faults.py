@@ -315,6 +315,22 @@ def test_peer_shutdown_is_noticed(transport, tmp_path):
     check_survivors_noticed(job, 3)
 
 
+@pytest.mark.parametrize("victim", [0, 1])
+def test_shutdown_is_prompt_while_a_peer_is_frozen(victim, tmp_path):
+    """A rank leaves (rr.shutdown()) while its engine waits for a stopped peer (rank 0,
+    the coordinator, or a worker): the wait is interrupted after shutdown's 2 s grace,
+    not at the peer's heartbeat timeout (60 s here, past the test's own timeout)."""
+    job = run_env_launch(3, FAULT, ["--scenario", "frozen-leave", "--victim", victim,
+                                    "--sync-dir", tmp_path],
+                         env={"RINGREDUCE_PEER_TIMEOUT_SECONDS": "60"}, timeout=30)
+    assert not job.timed_out, job.describe()
+    left = job.events("left")
+    assert sorted(left) == sorted({0, 1, 2} - {victim}), job.describe()
+    for r, (e, *_) in left.items():
+        assert 1.5 < e["seconds"] < 6, (r, e)
+        assert len(e["errors"]) == 1 and "this rank is shutting down" in e["errors"][0], (r, e)
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_python_exception_on_one_rank_ends_mpirun_job(transport, tmp_path):
     """The commonest failure of all: an uncaught exception on one rank under mpirun."""

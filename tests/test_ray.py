@@ -40,7 +40,7 @@ def elastic():
     return _run_driver("ray_elastic_driver.py", "own_discovery")
 
 
-def _run_driver(script: str, last_case: str) -> dict:
+def _run_driver(script: str, last_case: str, timeout: float = DRIVER_TIMEOUT) -> dict:
     """Run one Ray driver script to its end; its cases' lines by name, and what outlived it."""
     ray_tmp = tempfile.mkdtemp(prefix="rr-ray-", dir="/tmp")  # short: Ray's sockets go there
     log_dir = Path(ray_tmp) / "logs"
@@ -49,7 +49,7 @@ def _run_driver(script: str, last_case: str) -> dict:
         env = {"RR_RAY_TMP": ray_tmp, "RR_MARKS": str(Path(ray_tmp) / "marks"),
                "RAY_USAGE_STATS_ENABLED": "0"}
         job = run_procs([("ray driver", [PYTHON, str(WORKERS / script)],
-                          base_env(env, log_dir))], DRIVER_TIMEOUT, log_dir)
+                          base_env(env, log_dir))], timeout, log_dir)
         leftovers = _processes_mentioning(ray_tmp)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -267,8 +267,9 @@ def test_no_ray_process_outlives_the_elastic_driver(elastic):
 # ------------------------------------------------------------ Ray Train
 @pytest.fixture(scope="module")
 def train():
-    """The Ray Train cases (tests/workers/ray_train_driver.py): RingreduceTrainer."""
-    return _run_driver("ray_train_driver.py", "refusals")
+    """The Ray Train cases (tests/workers/ray_train_driver.py): RingreduceTrainer; ~75 s
+    on 2 cores (Ray Train starts a controller and a worker group per fit)."""
+    return _run_driver("ray_train_driver.py", "refusals", timeout=220)
 
 
 REFERENCE_STEPS = 8  # the driver's full-batch gradient descent (its ``reference()``)
@@ -315,6 +316,23 @@ def test_ray_train_restarts_from_its_checkpoint_after_a_rank_dies(train):
     assert {r["pid"] for r in again}.isdisjoint({first[0]["pid"]})
     for weights in (again[0]["weights"], again[1]["weights"], got["stored"]["weights"]):
         assert weights == pytest.approx(got["reference"], rel=1e-12)
+
+
+def test_ray_train_a_raising_rank_is_named_on_the_others(train):
+    got = ok(train, "raises")
+    ranks = {r["rank"]: r for r in got["ranks"]}
+    assert ranks[1]["error"] == "ValueError"
+    # rank 1 left the world as its function raised: rank 0's wait ended naming it
+    assert ranks[0]["error"] == "PeerLostError", ranks
+    assert "rank 1 on host" in ranks[0]["message"] and "shut down" in ranks[0]["message"]
+    assert got["fit"] == "WorkerGroupError" and got["names_value_error"], got
+
+
+def test_ray_train_a_frozen_rank_does_not_hang_the_fit(train):
+    # rank 0 stopped (SIGSTOP), rank 1 raised: leaving the world gives up on rank 0
+    # after on_shutdown's 10 s; Ray Train then stops the group and fit raises
+    got = ok(train, "frozen")
+    assert got["fit"] == "WorkerGroupError" and got["seconds"] < 60, got
 
 
 def test_ray_train_arguments_refused(train):

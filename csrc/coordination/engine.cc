@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "collectives/collective_util.h"
 #include "collectives/op_header.h"
@@ -375,6 +377,7 @@ void Engine::shutdown() {
   stop_.store(true);
   wake_engine();             // a parked thread does not hear notify()
   batch_.signal()->close();  // a thread holding a batch back sleeps on it
+  interrupt_after_grace();
   if (thread_.joinable()) thread_.join();
   waker_->disarm();  // a device may finish work later: it must not touch this engine
   token_.retire();   // after a driving caller gives it back; fail_all needs it
@@ -383,6 +386,22 @@ void Engine::shutdown() {
            cat("rank ", rank_, ": ringreduce was shut down before this collective completed"));
   ctx_->set_phase_observer(nullptr);
   if (timeline_) timeline_->stop();
+}
+
+// A round in flight normally ends within milliseconds, and shutdown() lets it. One
+// that waits for a frozen peer (SIGSTOP, a swapping host) would only end at the
+// peer's heartbeat timeout (RINGREDUCE_PEER_TIMEOUT_SECONDS, minutes): after the
+// grace the Context interrupts its waits, so leaving the job stays prompt.
+void Engine::interrupt_after_grace() {
+  constexpr auto kGrace = std::chrono::seconds(2);
+  const auto until = std::chrono::steady_clock::now() + kGrace;
+  while (thread_.joinable() && !loop_exited_.load() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (thread_.joinable() && !loop_exited_.load()) {
+    log(LogLevel::kWarning, rank_, "shutdown: the engine still waits for a peer after ",
+        kGrace.count(), " s (frozen?); interrupting the wait");
+    ctx_->interrupt();
+  }
 }
 
 void Engine::start_timeline(const std::string& path) {
@@ -438,6 +457,7 @@ void Engine::loop() {
     fail_engine(Error(ErrorKind::kInternal, cat("rank ", rank_, ": engine thread: ", e.what())));
   }
   token_.give_back();  // held at every exit: shutdown() retires it
+  loop_exited_.store(true);
 }
 
 // The driver (engine thread or caller) runs one round and what it decided.

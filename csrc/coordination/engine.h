@@ -153,6 +153,7 @@ class Engine : private DriveToken::Driver {
   void drive_rounds(HandleState& h);
   void hand_back(bool caller_waits);
   void wake_engine();
+  void interrupt_after_grace();  // shutdown(): see engine.cc
   template <class F>
   void untokened(F&& f);
   void reclaim_token();
@@ -244,6 +245,7 @@ class Engine : private DriveToken::Driver {
   std::string fail_message_;
   std::atomic<bool> has_work_{false};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> loop_exited_{false};   // the thread left loop(): shutdown() may join
   std::atomic<bool> polling_{false};       // the thread may be asleep in poll()
   std::atomic<bool> dead_{false};          // failed_, readable without mu_
   std::atomic<bool> gpu_seen_{false};      // a GPU tensor was submitted: no caller drives

@@ -78,6 +78,7 @@ Context::Context(ContextOptions options)
   progress_.rank = opt_.rank;
   progress_.spin_seconds = opt_.spin_us * 1e-6;
   progress_.timeout_seconds = opt_.timeout_s;
+  progress_.leaving = &leaving_;
   if (opt_.size > 1) {
     listener_ = listen_tcp(opt_.bind_addr, 0, &port_);
     addr_ = advertised_address();

@@ -117,6 +117,9 @@ class Context {
   // After a transport failure the streams are out of step: refuse further use,
   // and tell every peer so that none of them waits for this rank.
   void mark_broken(const std::string& why);
+  // This rank is shutting down (any thread): waits in progress() end with an error,
+  // within one liveness check (100 ms), also the waits of this context's group views.
+  void interrupt() { leaving_.store(true); }
   void check_usable() const;
 
   // Ranks of one host may share memory: an allowed transport does
@@ -180,6 +183,7 @@ class Context {
 
   ContextOptions opt_;
   ProgressSettings progress_;
+  std::atomic<bool> leaving_{false};  // interrupt(); progress_.leaving points here
   std::vector<PeerInfo> peers_;
   std::vector<std::unique_ptr<Link>> links_;
   std::vector<const Transport*> allowed_;  // RINGREDUCE_TRANSPORT's entries, in table order

@@ -152,6 +152,9 @@ void drive(const ProgressSettings& st, ProgressTask& task, const Describe& what)
       if (now - last_check > std::chrono::milliseconds(100)) {
         for (const auto& p : io) p.link->check_alive();
         if (st.heartbeat) st.heartbeat->check();
+        if (st.leaving && st.leaving->load(std::memory_order_relaxed))
+          throw_error(ErrorKind::kInternal, "this rank is shutting down; stopped waiting to ",
+                      describe_pending(io));
         last_check = now;
       }
       if (now - last_progress > std::chrono::duration<double>(st.timeout_seconds))

@@ -8,6 +8,7 @@
 // into an error naming that peer and the operation instead of a hang.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -41,6 +42,9 @@ struct ProgressSettings {
   double timeout_seconds = 1800;         // RINGREDUCE_TIMEOUT_SECONDS
   Doorbell* doorbell = nullptr;          // this rank's, when it has shm links
   const Heartbeat* heartbeat = nullptr;  // checked between waits: a frozen peer fails
+  // Set by Context::interrupt (this rank is shutting down): waits end with an error
+  // instead of lasting until a frozen peer's heartbeat times out.
+  const std::atomic<bool>* leaving = nullptr;
 };
 
 // A link direction that is still waiting for bytes to move.

@@ -27,21 +27,26 @@ protocol shared with Spark and ``RayExecutor``):
      new secret, and the settings the ``RingreduceConfig`` captured on the driver when it
      was made (the driver's ``RINGREDUCE_*`` / ``HOROVOD_*``, ``timeout_s``, ``nics``,
      ``env``). The user's ``init()`` in the training function joins that world.
-  3. A worker that fails or dies: its function left the world (``shutdown()`` at exit of
-     the actor, or its death), so its peers' collectives raise ``PeerLostError`` within
-     seconds and Ray Train sees the group fail. With ``FailureConfig(max_failures=k)``
-     Ray Train starts a new group and ``on_start`` runs again: a new port and secret,
-     the training function resumes from ``ray.train.get_checkpoint()``.
-  4. ``on_shutdown`` makes every worker leave (``ringreduce.shutdown()``).
+  3. A worker whose training function raises leaves the world at once (the config's
+     ``train_func_context``), and a dead one is gone with its process, so its peers'
+     collectives raise ``PeerLostError`` naming it within a second and Ray Train sees
+     the group fail. With ``FailureConfig(max_failures=k)`` Ray Train starts a new group
+     (new processes) and ``on_start`` runs again: a new port and secret; the training
+     function resumes from ``ray.train.get_checkpoint()``.
+  4. ``on_shutdown`` makes every worker leave (``ringreduce.shutdown()``), waiting at
+     most ``_LEAVE_TIMEOUT`` for a worker that does not answer (a frozen one).
 Invariant: ranks come from Ray Train's one ordering of the group, and each group gets its
 own secret, so a worker of a failed group can never join the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 try:
@@ -60,6 +65,9 @@ from .. import _task_world as tw
 from ..exceptions import InvalidInputError
 
 __all__ = ["HorovodConfig", "HorovodTrainer", "RingreduceConfig", "RingreduceTrainer"]
+
+logger = logging.getLogger(__name__)
+_LEAVE_TIMEOUT = 10.0  # seconds on_shutdown waits for the workers to leave the world
 
 
 @dataclasses.dataclass
@@ -114,8 +122,8 @@ class RingreduceConfig(BackendConfig):
         return _RingreduceBackend
 
     @property
-    def framework(self) -> str:
-        return "ringreduce"
+    def train_func_context(self) -> Callable[[], Any]:
+        return functools.partial(_training, self.worker_env)
 
     def to_dict(self) -> dict[str, Any]:
         return {"timeout_s": self.timeout_s, "nics": self.nics, "verbose": self.verbose}
@@ -139,13 +147,46 @@ class _RingreduceBackend(Backend):
                 print(f"ringreduce: rank {i} on host {w.host} at {w.address}", flush=True)
 
     def on_shutdown(self, worker_group: Any, backend_config: RingreduceConfig) -> None:
-        worker_group.execute(_leave)
+        """Every worker leaves; one that does not answer within ``_LEAVE_TIMEOUT`` (a
+        frozen process) is left to Ray Train, which kills the group next."""
+        import ray
+
+        try:
+            _get(worker_group.execute_async(_leave), timeout=_LEAVE_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("ringreduce: a Ray Train worker did not leave the world within "
+                           "%g s (frozen?); Ray Train stops the group", _LEAVE_TIMEOUT)
 
 
-def _get(refs: list) -> list:
+def _get(refs: list, timeout: Optional[float] = None) -> list:
     import ray
 
-    return ray.get(refs)
+    return ray.get(refs, timeout=timeout)
+
+
+@contextlib.contextmanager
+def _training(settings: Mapping[str, str]) -> Iterator[None]:
+    """Around the training function in each worker (step 3 of the module's protocol): a
+    function that raises leaves the world at once, so its peers' collectives raise
+    ``PeerLostError`` naming its rank instead of waiting for Ray Train to stop the group.
+    In Ray Train's local mode (``num_workers=0``, no launch variables) the settings apply
+    while it runs, and a world it started is left at its end."""
+    import ringreduce as rr
+
+    launched = "RINGREDUCE_SECRET" in os.environ
+    saved = None if launched else tw.set_environ(settings)
+    ours = launched or not rr.is_initialized()  # not a world the user's driver had open
+    try:
+        yield
+    except BaseException:
+        if ours:
+            rr.shutdown()
+        raise
+    finally:
+        if saved is not None:
+            if ours:
+                rr.shutdown()
+            tw.restore_environ(saved)
 
 
 def _describe() -> tw.Worker:
@@ -155,8 +196,9 @@ def _describe() -> tw.Worker:
 
 
 def _join(env: Mapping[str, str]) -> None:
-    """Leave a world this process was in (a worker kept from a failed group) and keep the
-    new launch variables for the training function's ``init()``."""
+    """Leave a world this process was in (Ray Train starts new processes for a new
+    group today; this keeps that safe if it ever reuses one) and keep the new launch
+    variables for the training function's ``init()``."""
     from .. import shutdown
 
     shutdown()

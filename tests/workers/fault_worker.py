@@ -44,7 +44,11 @@ Other scenarios (all ranks take part, nobody dies):
 
 * ``mismatch``: rank r allreduces ``--sizes[r]`` elements, expects MismatchError
   on every rank, then a correct allreduce must work;
-* ``join``: init() and a barrier; logs ``joined`` or ``raised``.
+* ``join``: init() and a barrier; logs ``joined`` or ``raised``;
+* ``frozen-leave``: the victim stops itself (SIGSTOP); each survivor's thread waits
+  in an allreduce that needs it while its main thread calls rr.shutdown() 1 s later
+  (``left``: how long that took, and the waiting call's error); once all have left
+  (files in ``--sync-dir``) they SIGKILL the victim so that the job ends.
 """
 
 from __future__ import annotations
@@ -302,6 +306,33 @@ def join() -> None:
         error_event("raised", err)
 
 
+def frozen_leave(args: argparse.Namespace) -> None:
+    pids = rr.allgather_object(os.getpid())
+    if rr.rank() == args.victim:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    errors: list = []
+
+    def call() -> None:
+        try:
+            rr.allreduce(np.ones(1 << 16, np.float32), name="frozen")
+        except rr.RingReduceError as err:
+            errors.append(str(err))
+
+    waiting = threading.Thread(target=call)
+    waiting.start()
+    time.sleep(1.0)
+    began = time.monotonic()
+    rr.shutdown()
+    took = time.monotonic() - began
+    waiting.join(10)
+    event("left", seconds=took, errors=errors)
+    (Path(args.sync_dir) / f"left-{len(pids)}-{pids.index(os.getpid())}").touch()
+    # the victim dies only once every survivor has left: its death is no one's reason
+    if wait_for_files(args, f"left-{len(pids)}-*", len(pids) - 1, 20):
+        os.kill(pids[args.victim], signal.SIGKILL)
+
+
 def main(args: argparse.Namespace) -> None:
     watch_job()
     if args.scenario == "join":
@@ -314,6 +345,8 @@ def main(args: argparse.Namespace) -> None:
         (Path(args.sync_dir) / f"ready-{rank}").touch()
     if args.scenario == "mismatch":
         mismatch(args)
+    elif args.scenario == "frozen-leave":
+        frozen_leave(args)
     elif args.scenario == "engine-idle":
         engine_idle(args)
     elif args.scenario == "held":
@@ -330,7 +363,7 @@ def main(args: argparse.Namespace) -> None:
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--scenario", required=True,
-                   choices=[*KILLS, "leave", "raise", "mismatch", "join"])
+                   choices=[*KILLS, "leave", "raise", "mismatch", "join", "frozen-leave"])
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--delay", type=float, default=0.5, help="seconds before the victim acts")
     p.add_argument("--sync-dir", default=".")

@@ -259,10 +259,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def main() -> int:
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
-             _temp_dir=os.environ.get("RR_RAY_TMP"), configure_logging=False)
-    for body in CASES:
+def run_cases(cases: list) -> None:
+    """Each case in order, one JSON line each; a case that raises reports its error and
+    the next one still runs (also for the other Ray drivers)."""
+    for body in cases:
         began = time.monotonic()
         try:
             out = {"value": body()}
@@ -270,6 +270,12 @@ def main() -> int:
             out = {**failure(e), "traceback": traceback.format_exc()}
         line = {"case": body.__name__, "seconds": round(time.monotonic() - began, 2), **out}
         print(json.dumps(line, default=str), flush=True)
+
+
+def main() -> int:
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
+             _temp_dir=os.environ.get("RR_RAY_TMP"), configure_logging=False)
+    run_cases(CASES)
     if State.executor is not None:
         State.executor.shutdown()
     ray.shutdown()

@@ -11,16 +11,15 @@ they reached a given point, so each change lands in the middle of training.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
+from ray_driver import run_cases
 
 from ringreduce.ray import ElasticRayExecutor, RayExecutor
 
@@ -213,15 +212,7 @@ def main() -> int:
         "num_cpus": 2, "include_dashboard": False, "object_store_memory": 80 * 2**20,
         **({"temp_dir": tmp} if tmp else {})})
     ray.init(address=Cluster_.cluster.address, configure_logging=False)
-    for body in CASES:
-        began = time.monotonic()
-        try:
-            out = {"value": body()}
-        except Exception as e:
-            out = {"error": type(e).__name__, "message": str(e),
-                   "traceback": traceback.format_exc()}
-        line = {"case": body.__name__, "seconds": round(time.monotonic() - began, 2), **out}
-        print(json.dumps(line, default=str), flush=True)
+    run_cases(CASES)
     ray.shutdown()
     Cluster_.cluster.shutdown()
     return 0

@@ -14,12 +14,12 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
 import ray
 from ray.train import BackendConfig, FailureConfig, RunConfig, ScalingConfig
+from ray_driver import run_cases
 
 from ringreduce.exceptions import InvalidInputError
 from ringreduce.ray.train import HorovodConfig, HorovodTrainer, RingreduceConfig, RingreduceTrainer
@@ -93,6 +93,31 @@ def regression(config: dict) -> None:
         (marks / f"{config['case']}.{rank}.{start}.json").write_text(json.dumps(seen))
 
 
+def failing(config: dict) -> None:
+    """Rank 1 raises in its second step. ``freeze``: rank 0 stops itself (SIGSTOP) first,
+    so it can answer nothing when Ray Train stops the group."""
+    import signal
+
+    import ringreduce as rr
+
+    rr.init()
+    marks, rank = Path(config["marks"]), rr.rank()
+    seen: dict = {"rank": rank}
+    try:
+        for step in range(3):
+            if step == 1 and rank == 0 and config.get("freeze"):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if step == 1 and rank == 1:
+                time.sleep(0.3)
+                raise ValueError("rank 1 gives up at step 1")
+            rr.allreduce(np.ones(4), name=f"step.{step}")
+    except Exception as e:
+        seen.update(error=type(e).__name__, message=str(e))
+        raise
+    finally:
+        (marks / f"{config['case']}.{rank}.json").write_text(json.dumps(seen))
+
+
 def _resume(model) -> int:
     """Load the last checkpoint Ray Train hands this attempt; the step to start at."""
     import ray.train
@@ -137,10 +162,6 @@ def shard_sum() -> dict:
 
 
 # ------------------------------------------------------------------------ cases
-def failure(e: BaseException) -> dict:
-    return {"error": type(e).__name__, "message": str(e)}
-
-
 def marks(prefix: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(MARKS.glob(prefix + ".*.json"))]
 
@@ -181,6 +202,34 @@ def recovers():
 
 
 @case
+def raises():
+    """No restarts: rank 0 learns of rank 1's error from ringreduce, and fit raises it."""
+    try:
+        RingreduceTrainer(failing, train_loop_config={"marks": str(MARKS), "case": "raises"},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=str(STORAGE), name="raises")).fit()
+    except Exception as e:
+        return {"ranks": marks("raises"), "fit": type(e).__name__,
+                "names_value_error": "rank 1 gives up at step 1" in str(e)}
+    return {"ranks": marks("raises"), "fit": None}
+
+
+@case
+def frozen():
+    """Rank 0 frozen, rank 1 raising: Ray Train's stop of the group must not wait on
+    rank 0 for good (on_shutdown's timeout); fit ends with the error."""
+    began = time.monotonic()
+    try:
+        RingreduceTrainer(failing, train_loop_config={"marks": str(MARKS), "case": "frozen",
+                                                      "freeze": True},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=str(STORAGE), name="frozen")).fit()
+    except Exception as e:
+        return {"fit": type(e).__name__, "seconds": time.monotonic() - began}
+    return {"fit": None}
+
+
+@case
 def refusals():
     def refused(make) -> str:
         try:
@@ -205,14 +254,7 @@ def main() -> int:
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
              _temp_dir=os.environ.get("RR_RAY_TMP"), configure_logging=False)
-    for body in CASES:
-        began = time.monotonic()
-        try:
-            out = {"value": body()}
-        except Exception as e:
-            out = {**failure(e), "traceback": traceback.format_exc()}
-        line = {"case": body.__name__, "seconds": round(time.monotonic() - began, 2), **out}
-        print(json.dumps(line, default=str), flush=True)
+    run_cases(CASES)
     ray.shutdown()
     return 0
 

@@ -343,6 +343,11 @@ def test_ray_train_arguments_refused(train):
     assert "got BackendConfig" in got["foreign"] and "HorovodConfig" in got["foreign"]
 
 
+def test_ray_train_example_trains(train):
+    """examples/ray_train.py: HorovodTrainer on the digits, 4 epochs."""
+    assert ok(train, "example")["accuracy"] > 0.9
+
+
 def test_no_ray_process_outlives_the_train_driver(train):
     assert train["survivors"] == [] and train["leftovers"] == []
 

@@ -28,6 +28,7 @@ CASES = []
 MARKS = Path(os.environ.get("RR_MARKS", tempfile.mkdtemp()))
 STORAGE = Path(os.environ.get("RR_RAY_TMP", tempfile.mkdtemp())) / "results"
 STEPS, LR, ROWS = 8, 0.1, 16
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def case(body):
@@ -230,6 +231,17 @@ def frozen():
 
 
 @case
+def example():
+    """examples/ray_train.py on this cluster, 4 epochs; its module is found by the workers
+    through the PYTHONPATH main() gave the cluster."""
+    import importlib
+
+    sys.path.insert(0, str(EXAMPLES))
+    module = importlib.import_module("ray_train")
+    return {"accuracy": module.main(["--epochs", "4", "--storage", str(STORAGE)])}
+
+
+@case
 def refusals():
     def refused(make) -> str:
         try:
@@ -252,6 +264,8 @@ def main() -> int:
     # default: 0.5 s keeps a report per step cheap, and still gives rank 0 (which finds its
     # peer gone in ~0.1 s) time to record its error before Ray Train stops the group.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES),
+                                                             os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
              _temp_dir=os.environ.get("RR_RAY_TMP"), configure_logging=False)
     run_cases(CASES)

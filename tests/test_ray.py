@@ -330,7 +330,7 @@ def test_ray_train_a_raising_rank_is_named_on_the_others(train):
 
 def test_ray_train_a_frozen_rank_does_not_hang_the_fit(train):
     # rank 0 stopped (SIGSTOP), rank 1 raised: leaving the world gives up on rank 0
-    # after on_shutdown's 10 s; Ray Train then stops the group and fit raises
+    # after on_shutdown's 5 s; Ray Train then stops the group and fit raises
     got = ok(train, "frozen")
     assert got["fit"] == "WorkerGroupError" and got["seconds"] < 60, got
 

@@ -610,14 +610,14 @@ class Communicator(GpuCalls, CompositeCalls):
         if is_reported(err):
             return
         mark_reported(err)
-        why = name_rank(err, self.rank())
+        why = name_rank(err, self._who())
         for name in names:
             self._engine.reject(kind, self._name(name), why)
 
     def _refuse(self, kind: str, name: Optional[str], err: Exception) -> None:
         if not is_reported(err):  # once: a second report would skip an unnamed call's name
             mark_reported(err)
-            self._engine.reject(kind, self._name(name), name_rank(err, self.rank()))
+            self._engine.reject(kind, self._name(name), name_rank(err, self._who()))
 
     @staticmethod
     def _name(name: Optional[str]) -> str:
@@ -628,9 +628,16 @@ class Communicator(GpuCalls, CompositeCalls):
 
     def _check_root(self, root_rank: int, what: str) -> int:
         if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < self.size():
-            raise InvalidInputError(f"{what}: root_rank must be an int in [0, {self.size()}), "
-                                    f"got {root_rank!r}")
+            raise InvalidInputError(f"{what}: root_rank must be an int in [0, {self.size()})"
+                                    f"{self._root_scope()}, got {root_rank!r}")
         return int(root_rank)
+
+    def _who(self) -> str:
+        """This rank as its errors name it (``rank <who>: ...``)."""
+        return str(self.rank())
+
+    def _root_scope(self) -> str:
+        return ""
 
 
 class ProcessSetCommunicator(Communicator):
@@ -660,6 +667,13 @@ class ProcessSetCommunicator(Communicator):
     def rank(self) -> int:
         """This process's rank within the set."""
         return self._rank
+
+    def _who(self) -> str:
+        # errors name the job's rank, as the engine's do, and the set's for its root ranks
+        return f"{self._members[self._rank]} (rank {self._rank} of process set {self._members})"
+
+    def _root_scope(self) -> str:
+        return " (a rank of the process set, as in Horovod)"
 
     def size(self) -> int:
         """Number of ranks in the set."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from .exceptions import InvalidInputError, RingReduceError
 
@@ -38,9 +38,10 @@ def mark_reported(err: BaseException) -> None:
     setattr(err, _MARK, True)
 
 
-def name_rank(err: BaseException, rank: int) -> str:
+def name_rank(err: BaseException, rank: Union[int, str]) -> str:
     """Start ``err``'s message with ``rank <rank>: `` (as the engine's own errors do), unless
-    it names a rank already; return the message."""
+    it names a rank already; return the message. ``rank`` may be a label (a process set
+    member: its job rank and its rank in the set)."""
     if err.args and isinstance(err.args[0], str) and not err.args[0].startswith("rank "):
         err.args = (f"rank {rank}: {err.args[0]}",) + err.args[1:]
     return str(err)

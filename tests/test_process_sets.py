@@ -129,6 +129,24 @@ def test_overlapping_sets_run_concurrently_and_non_members_are_refused():
                 np.testing.assert_array_equal(out[("b", i)], value(1, 1000) + value(2, 1000))
 
 
+def test_a_members_refusal_names_its_job_rank_and_its_set_rank():
+    def fn(c, sets):
+        if rr.rank() == 0:
+            return None
+        try:  # global rank 2, the set's rank 1, gives a root outside the set
+            rr.broadcast(np.ones(3), root_rank=5 if rr.rank() == 2 else 1, name="y",
+                         process_set=sets[0])
+        except rr.RingReduceError as e:
+            return f"{type(e).__name__}: {e}"
+        return "completed"
+
+    _, one, two = threaded(3, fn, sets=[[1, 2]])
+    who = "rank 2 (rank 1 of process set [1, 2]): broadcast 'y': root_rank must be an int in " \
+          "[0, 2) (a rank of the process set, as in Horovod), got 5"
+    assert two == f"InvalidInputError: {who}"
+    assert one.startswith("MismatchError: rank 1: ") and f"refused this call locally: {who}" in one
+
+
 def test_dynamic_sets_add_remove_and_disagreement():
     def body(c, _):
         with pytest.raises(rr.InvalidInputError, match="dynamic process sets"):

@@ -5,6 +5,8 @@ themselves run on a real Spark in tests/test_spark.py."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -119,6 +121,33 @@ def test_keras_estimator_refuses_and_ships_keras_objects():
     assert back[1] == "mae"
     again = sk.load_model_bytes(sk.model_bytes(model))
     assert all((a.numpy() == b.numpy()).all() for a, b in zip(again.weights, model.weights))
+
+
+def test_keras_checkpoint_callback_gives_only_a_best_file_this_fit_wrote(tmp_path):
+    pytest.importorskip("keras")
+    from ringreduce.keras.callbacks import BestModelCheckpoint
+    from ringreduce.spark import keras as sk
+
+    old = tmp_path / "best.keras"
+    old.write_bytes(b"an earlier run's")
+    mine = BestModelCheckpoint(filepath=str(old), initial_value_threshold=0.0)
+    with sk._checkpoint_callback(mine, 0) as best:
+        assert best.callback is mine and best.path == str(old)
+        assert not best.written()  # never beaten: the earlier run's file is not this fit's
+        replacement = tmp_path / "new"
+        replacement.write_bytes(b"this fit's")
+        replacement.replace(old)  # as ModelCheckpoint writes it: another file renamed
+        assert best.written()
+    with sk._checkpoint_callback(BestModelCheckpoint(), 0) as best:  # no path: a temporary
+        assert best.path.endswith("best.keras") and best.callback.filepath == best.path
+    gone = best.path
+    assert not os.path.exists(os.path.dirname(gone))
+    for other in (BestModelCheckpoint(filepath=str(old), save_freq=4),  # batch logs: no val_
+                  BestModelCheckpoint(filepath=str(tmp_path / "e{epoch}.keras"))):
+        with sk._checkpoint_callback(other, 0) as best:
+            assert best.path is None and best.callback is other
+    with sk._checkpoint_callback(mine, 1) as best:  # rank 0's only
+        assert best is None
 
 
 def test_fit_arguments_are_checked_by_name():

@@ -391,15 +391,16 @@ void Engine::shutdown() {
 // A round in flight normally ends within milliseconds, and shutdown() lets it. One
 // that waits for a frozen peer (SIGSTOP, a swapping host) would only end at the
 // peer's heartbeat timeout (RINGREDUCE_PEER_TIMEOUT_SECONDS, minutes): after the
-// grace the Context interrupts its waits, so leaving the job stays prompt.
+// grace the Context interrupts its waits that have moved nothing for a second (a
+// large transfer still moving finishes), so leaving the job stays prompt.
 void Engine::interrupt_after_grace() {
   constexpr auto kGrace = std::chrono::seconds(2);
   const auto until = std::chrono::steady_clock::now() + kGrace;
   while (thread_.joinable() && !loop_exited_.load() && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   if (thread_.joinable() && !loop_exited_.load()) {
-    log(LogLevel::kWarning, rank_, "shutdown: the engine still waits for a peer after ",
-        kGrace.count(), " s (frozen?); interrupting the wait");
+    log(LogLevel::kInfo, rank_, "shutdown: a round is still in flight after ", kGrace.count(),
+        " s; a wait that stops moving is given up");
     ctx_->interrupt();
   }
 }

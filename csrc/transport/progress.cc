@@ -152,7 +152,10 @@ void drive(const ProgressSettings& st, ProgressTask& task, const Describe& what)
       if (now - last_check > std::chrono::milliseconds(100)) {
         for (const auto& p : io) p.link->check_alive();
         if (st.heartbeat) st.heartbeat->check();
-        if (st.leaving && st.leaving->load(std::memory_order_relaxed))
+        // A slow but moving transfer (a large message on a busy link) is let finish:
+        // only a wait that has moved nothing for a second is given up.
+        if (st.leaving && st.leaving->load(std::memory_order_relaxed) &&
+            now - last_progress > std::chrono::seconds(1))
           throw_error(ErrorKind::kInternal, "this rank is shutting down; stopped waiting to ",
                       describe_pending(io));
         last_check = now;

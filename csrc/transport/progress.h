@@ -42,8 +42,9 @@ struct ProgressSettings {
   double timeout_seconds = 1800;         // RINGREDUCE_TIMEOUT_SECONDS
   Doorbell* doorbell = nullptr;          // this rank's, when it has shm links
   const Heartbeat* heartbeat = nullptr;  // checked between waits: a frozen peer fails
-  // Set by Context::interrupt (this rank is shutting down): waits end with an error
-  // instead of lasting until a frozen peer's heartbeat times out.
+  // Set by Context::interrupt (this rank is shutting down): a wait that has moved
+  // nothing for a second ends with an error instead of lasting until a frozen peer's
+  // heartbeat times out.
   const std::atomic<bool>* leaving = nullptr;
 };
 

@@ -206,15 +206,16 @@ class Collectives:
         return {"num_replicas": rr.size(), "rank": rr.rank()}
 
     def setup_environment(self) -> None:
-        """Refuse ``devices=N`` that asks Lightning for processes it will not start."""
+        """Refuse ``devices=N`` in a process that no launcher started: DDP would start N
+        processes there, this strategy starts none. (Under a launcher each rank takes the
+        device of its local rank, whatever ``devices`` lists, as Horovod's did.)"""
         count = len(self.parallel_devices or [])
-        if count > 1 and count != rr.local_size():
+        if count > 1 and rr.size() == 1:
             raise InvalidInputError(
-                f"rank {rr.rank()}: {type(self).__name__}: devices={count}, but this host "
-                f"runs {rr.local_size()} ringreduce process(es): Lightning starts no "
-                "processes for this strategy. Start one per device with the launcher "
-                "(mpirun -np N, ringrun -np N, Spark, Ray) and keep devices=1 (or the "
-                "number of processes on each host)")
+                f"rank {rr.rank()}: {type(self).__name__}: devices={count} in a job of one "
+                "process: Lightning starts no processes for this strategy. Start one per "
+                "device with a launcher (mpirun -np N, ringrun -np N, Spark, Ray), or "
+                "keep devices=1 to train alone")
         super().setup_environment()
 
     def module_to_device(self, module: torch.nn.Module) -> None:

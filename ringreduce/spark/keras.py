@@ -263,7 +263,7 @@ def _train(spec: TrainSpec) -> Any:
             model.fit(_batches(spec, model, data, start, epochs, steps), steps_per_epoch=steps,
                       initial_epoch=start, epochs=epochs, verbose=0, shuffle=False,
                       callbacks=callbacks + ([best.callback] if best else []))
-            if best and best.path is not None and os.path.exists(best.path):
+            if best and best.written():
                 model.load_weights(best.path)  # the model returned is the one found best
     if rr.rank() != 0:
         return None
@@ -272,10 +272,27 @@ def _train(spec: TrainSpec) -> Any:
 
 class _Best:
     """Rank 0's ``checkpoint_callback`` and the one file its best model is in (None when
-    its path has ``{epoch}``-style fields or it keeps more than the best)."""
+    its path has ``{epoch}``-style fields, it keeps more than the best, or it saves every
+    ``save_freq`` batches, whose logs hold no validation values)."""
 
     def __init__(self, callback: Any, path: Optional[str]) -> None:
         self.callback, self.path = callback, path
+        self._before = self._stamp()
+
+    def _stamp(self) -> Optional[tuple]:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def written(self) -> bool:
+        """Whether this fit wrote the file (a file of an earlier run, never beaten by
+        ``initial_value_threshold``, is not this fit's model)."""
+        now = self._stamp()
+        return now is not None and now != self._before
 
 
 @contextlib.contextmanager
@@ -292,7 +309,8 @@ def _checkpoint_callback(callback: Any, rank: int) -> Iterator[Optional[_Best]]:
             weights = getattr(callback, "save_weights_only", False)
             callback.filepath = os.path.join(d, "best.weights.h5" if weights else "best.keras")
         path = getattr(callback, "filepath", None)
-        one_file = best_only and isinstance(path, str) and "{" not in path
+        one_file = best_only and isinstance(path, str) and "{" not in path \
+            and getattr(callback, "save_freq", "epoch") == "epoch"
         yield _Best(callback, path if one_file else None)
 
 

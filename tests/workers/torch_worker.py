@@ -55,7 +55,7 @@ def compiled() -> None:
         return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
                                    torch.nn.Linear(16, 2)).double()
 
-    finals = []
+    finals, hooked = [], []
     for compile_it in (False, True):
         model = make()
         opt = rr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -66,13 +66,20 @@ def compiled() -> None:
             x, y = torch.randn(8, 6, generator=g).double(), torch.randn(8, 2, generator=g).double()
             opt.zero_grad()
             torch.nn.functional.mse_loss(forward(x), y).backward()
+            # the hooks started every gradient's allreduce during backward (without them
+            # step() would still average, unoverlapped: the parameters alone cannot tell)
+            hooked.append(len(opt._rr_inflight))
             opt.step()
         finals.append(flat(model))
     check_same_everywhere(finals[1], "compiled model's parameters")
     diff = float((finals[0] - finals[1]).abs().max())
     if diff > 1e-12:
         raise AssertionError(f"rank {rr.rank()}: the compiled model ended {diff} from eager")
-    event("compiled", diff=diff)
+    params = len(list(model.parameters()))
+    if hooked != [params] * 6:
+        raise AssertionError(f"rank {rr.rank()}: allreduces started by the hooks per step: "
+                             f"{hooked}, not {params} (eager then compiled)")
+    event("compiled", diff=diff, hooked=hooked)
 
 
 def checkpoints(model: torch.nn.Module, directory: str) -> None:

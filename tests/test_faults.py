@@ -317,9 +317,10 @@ def test_peer_shutdown_is_noticed(transport, tmp_path):
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_shutdown_is_prompt_while_a_peer_is_frozen(victim, tmp_path):
-    """A rank leaves (rr.shutdown()) while its engine waits for a stopped peer (rank 0,
-    the coordinator, or a worker): the wait is interrupted after shutdown's 2 s grace,
-    not at the peer's heartbeat timeout (60 s here, past the test's own timeout)."""
+    """A rank leaves (rr.shutdown()) while its call waits for a stopped peer (rank 0, the
+    coordinator, or a worker): a wait inside a round is given up after shutdown's 2 s
+    grace (one between rounds ends at once), not at the peer's heartbeat timeout (60 s
+    here, past the test's own timeout)."""
     job = run_env_launch(3, FAULT, ["--scenario", "frozen-leave", "--victim", victim,
                                     "--sync-dir", tmp_path],
                          env={"RINGREDUCE_PEER_TIMEOUT_SECONDS": "60"}, timeout=30)
@@ -327,10 +328,11 @@ def test_shutdown_is_prompt_while_a_peer_is_frozen(victim, tmp_path):
     left = job.events("left")
     assert sorted(left) == sorted({0, 1, 2} - {victim}), job.describe()
     for r, (e, *_) in left.items():
-        assert 1.5 < e["seconds"] < 6, (r, e)
-        # its own wait given up (not a peer's last words relayed)
+        assert e["seconds"] < 6, (r, e)
+        # its own shutdown ended the call (not a peer's last words relayed)
         assert len(e["errors"]) == 1 and e["errors"][0].startswith(f"rank {r}: "), (r, e)
-        assert "this rank is shutting down; stopped waiting to" in e["errors"][0], (r, e)
+        assert ("this rank is shutting down; stopped waiting to" in e["errors"][0]
+                or "shut down before this collective completed" in e["errors"][0]), (r, e)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -23,22 +23,16 @@ class Worker:
         """This actor as a worker (its node's IP address, a free port) and its GPU ids."""
         import ray
 
-        return tw.describe(ray.util.get_node_ip_address()), [str(g) for g in ray.get_gpu_ids()]
+        return this_worker(), [str(g) for g in ray.get_gpu_ids()]
 
     def join(self, env: Mapping[str, str]) -> None:
-        """Leave the previous world, if any, and keep ``env`` (the next world's launch) in
-        ``os.environ`` for good: the user's ``init()`` reads it there."""
-        from .. import shutdown
-
-        shutdown()
-        os.environ.update(env)
+        """Leave the previous world, if any, and keep ``env`` (the next world's launch)."""
+        join_world(env)
         self.ok = True
 
     def leave(self) -> None:
         """Leave the world (``ringreduce.shutdown()``), before the actor is killed."""
-        from .. import shutdown
-
-        shutdown()
+        leave_world()
 
     def healthy(self) -> bool:
         """False when this rank's last call failed (answered after any call in flight)."""
@@ -74,3 +68,27 @@ class Worker:
         if not record["ok"]:
             tw.reraise(record, f"{what}: rank {os.environ.get('RANK')}")
         return record["value"]
+
+
+# ---------------------------------------------- also Ray Train's workers (train.py)
+def this_worker() -> tw.Worker:
+    """This Ray process as a worker: its node's IP address, a port free there."""
+    import ray
+
+    return tw.describe(ray.util.get_node_ip_address())
+
+
+def join_world(env: Mapping[str, str]) -> None:
+    """Leave the previous world, if any, and keep ``env`` (the next world's launch) in
+    ``os.environ`` for good: the user's ``init()`` reads it there."""
+    from .. import shutdown
+
+    shutdown()
+    os.environ.update(env)
+
+
+def leave_world() -> None:
+    """Leave the world (``ringreduce.shutdown()``)."""
+    from .. import shutdown
+
+    shutdown()

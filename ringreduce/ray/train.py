@@ -50,6 +50,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 try:
+    import ray
     from ray.train.backend import Backend, BackendConfig
     from ray.train.v2._internal.constants import is_v2_enabled
 except ImportError as _e:  # pragma: no cover - depends on the installation
@@ -63,6 +64,7 @@ else:  # Ray Train's first API (RAY_TRAIN_V2_ENABLED=0)
 
 from .. import _task_world as tw
 from ..exceptions import InvalidInputError
+from ._worker import join_world, leave_world, this_worker
 
 __all__ = ["HorovodConfig", "HorovodTrainer", "RingreduceConfig", "RingreduceTrainer"]
 
@@ -137,13 +139,14 @@ class _RingreduceBackend(Backend):
     share_cuda_visible_devices: bool = True  # a host's ranks see each other's GPUs
 
     def on_start(self, worker_group: Any, backend_config: RingreduceConfig) -> None:
-        workers = worker_group.execute(_describe)
+        workers = worker_group.execute(this_worker)
         order = list(range(len(workers)))
         secret = tw.new_secret()
         refs = [worker_group.execute_single_async(
-                    i, _join, tw.world_env(workers, i, secret, backend_config.worker_env, order))
+                    i, join_world,
+                    tw.world_env(workers, i, secret, backend_config.worker_env, order))
                 for i in order]
-        _get(refs)
+        ray.get(refs)
         if backend_config.verbose >= 2:
             for i, w in enumerate(workers):
                 print(f"ringreduce: rank {i} on host {w.host} at {w.address}", flush=True)
@@ -151,19 +154,11 @@ class _RingreduceBackend(Backend):
     def on_shutdown(self, worker_group: Any, backend_config: RingreduceConfig) -> None:
         """Every worker leaves; one that does not answer within ``_LEAVE_TIMEOUT`` (a
         frozen process) is left to Ray Train, which kills the group next."""
-        import ray
-
         try:
-            _get(worker_group.execute_async(_leave), timeout=_LEAVE_TIMEOUT)
+            ray.get(worker_group.execute_async(leave_world), timeout=_LEAVE_TIMEOUT)
         except ray.exceptions.GetTimeoutError:
             logger.warning("ringreduce: a Ray Train worker did not leave the world within "
                            "%g s (frozen?); Ray Train stops the group", _LEAVE_TIMEOUT)
-
-
-def _get(refs: list, timeout: Optional[float] = None) -> list:
-    import ray
-
-    return ray.get(refs, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -189,28 +184,6 @@ def _training(settings: Mapping[str, str]) -> Iterator[None]:
             if ours:
                 rr.shutdown()
             tw.restore_environ(saved)
-
-
-def _describe() -> tw.Worker:
-    import ray
-
-    return tw.describe(ray.util.get_node_ip_address())
-
-
-def _join(env: Mapping[str, str]) -> None:
-    """Leave a world this process was in (Ray Train starts new processes for a new
-    group today; this keeps that safe if it ever reuses one) and keep the new launch
-    variables for the training function's ``init()``."""
-    from .. import shutdown
-
-    shutdown()
-    os.environ.update(env)
-
-
-def _leave() -> None:
-    from .. import shutdown
-
-    shutdown()
 
 
 class RingreduceTrainer(DataParallelTrainer):

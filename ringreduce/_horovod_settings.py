@@ -7,7 +7,7 @@ table says what each Horovod variable becomes:
 * a variable with a ringreduce equivalent sets that ``RINGREDUCE_*`` variable, converted
   (Horovod's units and spellings: ``HOROVOD_LOG_LEVEL=TRACE``, booleans as ``1``/``true``),
   unless the user set the ringreduce variable too (an explicit ``RINGREDUCE_*`` wins);
-* a variable without one (the autotuner, NCCL streams, MPI threading, ...) changes nothing
+* a variable without one (NCCL streams, MPI threading, ...) changes nothing
   and is named in one warning on rank 0, so nobody believes a knob works that does not;
 * anything else starting with ``HOROVOD_`` (the rank variables Horovod's launchers set) is
   left alone.
@@ -131,11 +131,19 @@ SETTINGS: tuple[Setting, ...] = (
             _longest),
     Setting("HOROVOD_GLOO_IFACE", "RINGREDUCE_IFACE", _text),
     Setting("HOROVOD_DYNAMIC_PROCESS_SETS", "RINGREDUCE_DYNAMIC_PROCESS_SETS", _flag),
+    Setting("HOROVOD_AUTOTUNE", "RINGREDUCE_AUTOTUNE", _flag),
+    Setting("HOROVOD_AUTOTUNE_LOG", "RINGREDUCE_AUTOTUNE_LOG", _text),
+    Setting("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "RINGREDUCE_AUTOTUNE_WARMUP_SAMPLES", _number(int)),
+    Setting("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "RINGREDUCE_AUTOTUNE_STEPS_PER_SAMPLE",
+            _number(int)),
+    Setting("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "RINGREDUCE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+            _number(int)),
+    Setting("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+            "RINGREDUCE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _number(float)),
 )
 
 # Horovod knobs ringreduce has no counterpart for, and why that is safe to say.
 NO_EFFECT: dict[str, str] = {
-    "HOROVOD_AUTOTUNE": "no autotuner: the defaults were measured (README, Settings)",
     "HOROVOD_HIERARCHICAL_ALLGATHER": "allgather always runs the flat ring",
     "HOROVOD_TIMELINE_MARK_CYCLES": "the timeline has no cycle marks",
     "HOROVOD_NUM_NCCL_STREAMS": "the GPU backend uses one NCCL stream per device",
@@ -150,7 +158,6 @@ NO_EFFECT: dict[str, str] = {
     "HOROVOD_BATCH_D2D_MEMCOPIES": "GPU fusion buffers are packed by one kernel per response",
     "HOROVOD_ENABLE_XLA_OPS": "no XLA ops: collectives are host ops in XLA programs",
 }
-_NO_EFFECT_PREFIXES = ("HOROVOD_AUTOTUNE_",)
 
 
 def translate(environ: Mapping[str, str]) -> dict[str, str]:
@@ -188,7 +195,7 @@ def no_effect(environ: Mapping[str, str]) -> list[str]:
     return sorted(
         k
         for k, v in environ.items()
-        if v.strip() not in _FALSE and (k in NO_EFFECT or k.startswith(_NO_EFFECT_PREFIXES))
+        if v.strip() not in _FALSE and k in NO_EFFECT
     )
 
 
@@ -228,7 +235,7 @@ def warn_no_effect(environ: Mapping[str, str], rank: int) -> None:
     if rank != 0 or not names or level == "error":
         return
     _warned.update(names)
-    why = "; ".join(f"{n} ({NO_EFFECT.get(n, NO_EFFECT['HOROVOD_AUTOTUNE'])})" for n in names)
+    why = "; ".join(f"{n} ({NO_EFFECT[n]})" for n in names)
     print(
         f"[ringreduce WARNING rank 0] Horovod settings without effect in ringreduce: {why}",
         file=sys.stderr,

@@ -4,7 +4,7 @@
 (``--fusion-threshold-mb 32`` is ``HOROVOD_FUSION_THRESHOLD=33554432``); this module does the
 same and converts them with the one table in ``_horovod_settings``, so a flag, a YAML
 ``--config-file`` entry and an exported Horovod variable mean the same thing. Flags for
-things ringreduce does not have (the autotuner, NCCL streams, MPI threading) are accepted and
+things ringreduce does not have (NCCL streams, MPI threading) are accepted and
 named in one line, as the variables are; flags that would need another launcher
 (``--mpi``, ``--mpi-args``, ``--binding-args``, ``--jsrun``) are usage errors that say what
 to run instead. Explicit flags beat the config file, as in Horovod.
@@ -62,13 +62,14 @@ _CONFIG_KEYS = {
     ("logging", "level"): "log_level",
 }
 _NO_EFFECT_KEYS = {("logging", "with_timestamp"), ("library_options", "ccl_bgt_affinity")}
-_AUTOTUNE_FLAGS = (
-    "log_file",
-    "warmup_samples",
-    "steps_per_sample",
-    "bayes_opt_max_samples",
-    "gaussian_process_noise",
-)
+# --autotune-<name>: (type, Horovod variable), as horovodrun passes them on
+_AUTOTUNE_FLAGS: dict[str, tuple[type, str]] = {
+    "log_file": (str, "HOROVOD_AUTOTUNE_LOG"),
+    "warmup_samples": (int, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
+    "steps_per_sample": (int, "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
+    "bayes_opt_max_samples": (int, "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
+    "gaussian_process_noise": (float, "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,9 +145,12 @@ def _add_tuning(g: Any) -> None:
         help="shm inside hosts, ring across (default: where it wins)",
     )
     g.add_argument("--hierarchical-allgather", action=flag, help="no effect")
-    g.add_argument("--autotune", action=flag, help="no effect (no autotuner)")
-    for name in _AUTOTUNE_FLAGS:
-        g.add_argument(f"--autotune-{name.replace('_', '-')}", help=argparse.SUPPRESS)
+    g.add_argument("--autotune", action=flag,
+                   help="tune the fusion threshold, cycle time, batching gap and hierarchical "
+                   "allreduce while training (README, Autotune)")
+    for name, (kind, var) in _AUTOTUNE_FLAGS.items():
+        g.add_argument(f"--autotune-{name.replace('_', '-')}", type=kind,
+                       help=f"the autotuner's {var}")
     g.add_argument("--timeline-filename", help="rank 0 writes a Chrome trace there")
     g.add_argument("--timeline-mark-cycles", action=flag, help="no effect")
     g.add_argument("--stall-check", action=flag, help="--no-stall-check: no stall warnings")
@@ -261,9 +265,9 @@ def _horovod_vars(a: argparse.Namespace) -> dict[str, str]:
             out[var] = str(conv(value) if conv else value)
     if a.stall_check is False:
         out["HOROVOD_STALL_CHECK_DISABLE"] = "1"
-    for name in _AUTOTUNE_FLAGS:
+    for name, (_, var) in _AUTOTUNE_FLAGS.items():
         if getattr(a, f"autotune_{name}") is not None:
-            out[f"HOROVOD_AUTOTUNE_{name.upper()}"] = str(getattr(a, f"autotune_{name}"))
+            out[var] = str(getattr(a, f"autotune_{name}"))
     return out
 
 

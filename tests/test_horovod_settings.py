@@ -130,11 +130,8 @@ def test_knobs_without_effect_are_named_once_on_rank_0(capsys, monkeypatch):
         "HOROVOD_MPI_THREADS_DISABLE": "0",
         "HOROVOD_RANK": "1",
     }
-    assert hs.no_effect(env) == [
-        "HOROVOD_AUTOTUNE",
-        "HOROVOD_AUTOTUNE_LOG",
-        "HOROVOD_NUM_NCCL_STREAMS",
-    ]
+    assert hs.no_effect(env) == ["HOROVOD_NUM_NCCL_STREAMS"]  # the autotuner is real
+    assert hs.translate(env) == {"RINGREDUCE_AUTOTUNE": "1", "RINGREDUCE_AUTOTUNE_LOG": "x.csv"}
     hs.warn_no_effect(env, rank=1)
     hs.warn_no_effect({**env, "RINGREDUCE_LOG_LEVEL": "ERROR"}, rank=0)
     assert capsys.readouterr().err == ""
@@ -235,6 +232,12 @@ def test_horovodrun_flags_become_every_ranks_settings(capsys):
         "eth1",
         "--tcp",
         "--autotune",
+        "--autotune-log-file",
+        "at.csv",
+        "--autotune-steps-per-sample",
+        "4",
+        "--autotune-gaussian-process-noise",
+        "0.5",
         "--num-nccl-streams",
         "2",
         "-x",
@@ -256,11 +259,12 @@ def test_horovodrun_flags_become_every_ranks_settings(capsys):
         "RINGREDUCE_CONNECT_TIMEOUT_SECONDS": "120.0",
         "RINGREDUCE_IFACE": "eth1",
         "NCCL_IB_DISABLE": "1",
+        "RINGREDUCE_AUTOTUNE": "1",
+        "RINGREDUCE_AUTOTUNE_LOG": "at.csv",
+        "RINGREDUCE_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+        "RINGREDUCE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5",
     }
-    assert (
-        "--autotune, --num-nccl-streams, --timeline-mark-cycles: no effect"
-        in capsys.readouterr().err
-    )
+    assert "--num-nccl-streams, --timeline-mark-cycles: no effect" in capsys.readouterr().err
     argv = launcher._ssh_argv(a.ssh_command, a.ssh_port, "far", "true")
     assert argv[:3] == ["ssh", "-p", "2222"] and argv[-4:] == ["-i", "/k/id", "far", "true"]
 
@@ -282,6 +286,8 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path):
         "RINGREDUCE_TIMELINE": "tl.json",
         "RINGREDUCE_STALL_CHECK_SECONDS": "0",
         "RINGREDUCE_LOG_LEVEL": "error",
+        "RINGREDUCE_AUTOTUNE": "0",
+        "RINGREDUCE_AUTOTUNE_WARMUP_SAMPLES": "5",
     }
     cfg.write_text("params:\n  fusion_threshold: 16\n")
     with pytest.raises(rr.InvalidInputError, match="unknown setting params.fusion_threshold"):
@@ -384,7 +390,8 @@ def test_a_horovodrun_command_line_runs_under_ringrun(tmp_path):
         assert settings["RINGREDUCE_CACHE_CAPACITY"] == "64"  # exported, not a flag
     for line in proc.stdout.splitlines():  # horovodrun's -prefix-timestamp
         assert re.match(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[\d\]: ", line), line
-    assert "ringrun: --autotune: no effect" in proc.stderr
+    assert "no effect" not in proc.stderr  # --autotune tunes
+    assert all(settings["RINGREDUCE_AUTOTUNE"] == "1" for settings, _ in got.values())
     assert "ringrun: rank 1 started on localhost (pid" in proc.stderr
     events = json.loads((tmp_path / "tl.json").read_text())
     assert any(e.get("name") == "NEGOTIATE_ALLREDUCE" for e in events)
@@ -399,7 +406,7 @@ def test_horovod_variables_through_mpirun_take_effect(tmp_path):
     log_dir = Path(tempfile.mkdtemp(prefix="rr-hvdenv-"))
     genv = {
         "HOROVOD_TIMELINE": str(tmp_path / "tl.json"),
-        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_NUM_NCCL_STREAMS": "2",
         "HOROVOD_STALL_CHECK_TIME_SECONDS": "0.5",
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "1",
     }
@@ -421,7 +428,7 @@ def test_horovod_variables_through_mpirun_take_effect(tmp_path):
     assert m and float(m.group(1)) < 5, job.describe()
     assert "lonely" in m.group(2), job.describe()
     assert proc.stderr.count("Horovod settings without effect") == 1, job.describe()
-    assert "HOROVOD_AUTOTUNE (no autotuner" in proc.stderr
+    assert "HOROVOD_NUM_NCCL_STREAMS (the GPU backend" in proc.stderr
     assert any(
         e.get("name") == "NEGOTIATE_ALLREDUCE"
         for e in json.loads((tmp_path / "tl.json").read_text())

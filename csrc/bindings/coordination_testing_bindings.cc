@@ -3,6 +3,8 @@
 #include <pybind11/stl.h>
 
 #include "bindings/engine_bindings.h"
+#include "coordination/autotuner.h"
+#include "coordination/bayes_opt.h"
 #include "coordination/fusion.h"
 #include "coordination/negotiator.h"
 #include "coordination/response_cache.h"
@@ -58,6 +60,73 @@ std::vector<py::dict> response_dicts(const std::vector<Response>& rs) {
   return out;
 }
 
+py::dict tunables_dict(const Tunables& t) {
+  py::dict d;
+  d["fusion_mb"] = t.fusion_mb;
+  d["cycle_ms"] = t.cycle_ms;
+  d["batch_us"] = t.batch_us;
+  d["hierarchical"] = t.hierarchical;
+  d["active"] = t.active;
+  d["trials"] = t.trials;
+  return d;
+}
+
+Tunables tunables_from(const py::dict& d) {
+  Tunables t;
+  for (auto [key, field] : {std::pair<const char*, double*>{"fusion_mb", &t.fusion_mb},
+                            {"cycle_ms", &t.cycle_ms},
+                            {"batch_us", &t.batch_us},
+                            {"hierarchical", &t.hierarchical},
+                            {"active", &t.active},
+                            {"trials", &t.trials}})
+    if (d.contains(key)) *field = d[key].cast<double>();
+  return t;
+}
+
+// Options as autotune_options_from_env() makes them, overridden by `d`.
+AutotuneOptions autotune_options_from(const py::dict& d) {
+  AutotuneOptions o;
+  o.enabled = true;
+  if (d.contains("log_path")) o.log_path = d["log_path"].cast<std::string>();
+  if (d.contains("warmup_samples")) o.warmup_samples = d["warmup_samples"].cast<int>();
+  if (d.contains("steps_per_sample")) o.steps_per_sample = d["steps_per_sample"].cast<int>();
+  if (d.contains("bayes_opt_max_samples"))
+    o.bayes_opt_max_samples = d["bayes_opt_max_samples"].cast<int>();
+  if (d.contains("gp_noise")) o.gp_noise = d["gp_noise"].cast<double>();
+  o.fixed_fusion = d.contains("fixed_fusion") && d["fixed_fusion"].cast<bool>();
+  o.fixed_cycle = d.contains("fixed_cycle") && d["fixed_cycle"].cast<bool>();
+  o.fixed_batch = d.contains("fixed_batch") && d["fixed_batch"].cast<bool>();
+  return o;
+}
+
+void bind_autotune_testing(py::module_& m) {
+  py::class_<BayesOpt>(m, "BayesOpt")
+      .def(py::init<int, double, uint64_t>(), py::arg("dims"), py::arg("noise"),
+           py::arg("seed") = 0x5eed)
+      .def("add", &BayesOpt::add)
+      .def("next", &BayesOpt::next)
+      .def("predict", &BayesOpt::predict)
+      .def_property_readonly("samples", &BayesOpt::samples);
+  py::class_<Autotuner>(m, "Autotuner")
+      .def(
+          py::init([](const py::dict& options, const py::dict& start, bool hierarchical, int rank) {
+            return std::make_unique<Autotuner>(autotune_options_from(options), tunables_from(start),
+                                               hierarchical, rank);
+          }),
+          py::arg("options"), py::arg("start"), py::arg("hierarchical") = false,
+          py::arg("rank") = 0)
+      .def("observe",
+           [](Autotuner& a, const std::vector<py::dict>& tensors, double now) {
+             std::vector<RequestMeta> ms;
+             for (const auto& d : tensors) ms.push_back(request_meta_from(d));
+             return a.observe(ms, now);
+           })
+      .def("decide", [](Autotuner& a) { return tunables_dict(a.decide()); })
+      .def("adopt", [](Autotuner& a, const py::dict& d) { a.adopt(tunables_from(d)); })
+      .def_property_readonly("current",
+                             [](const Autotuner& a) { return tunables_dict(a.current()); });
+}
+
 }  // namespace
 
 void bind_coordination_testing(py::module_& parent) {
@@ -93,6 +162,7 @@ void bind_coordination_testing(py::module_& parent) {
            [](const ResponseCache& c, const py::dict& d) { return c.lookup(request_meta_from(d)); })
       .def("lru_order", &ResponseCache::lru_order)
       .def_property_readonly("slots", &ResponseCache::slots);
+  bind_autotune_testing(m);
 }
 
 }  // namespace rr

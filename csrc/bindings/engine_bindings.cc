@@ -504,6 +504,12 @@ void bind_engine_class(py::module_& m) {
              d["paired"] = s.paired;
              d["device_holds"] = s.device_holds;
              d["gpu_device"] = s.gpu_device;
+             d["autotuning"] = s.autotuning;
+             d["autotune_trials"] = s.autotune_trials;
+             d["fusion_threshold"] = s.fusion_threshold;
+             d["cycle_time_ms"] = s.cycle_time_ms;
+             d["batch_us"] = s.batch_us;
+             d["hierarchical"] = s.hierarchical;
              return d;
            })
       .def("create_shared",

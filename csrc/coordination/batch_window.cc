@@ -23,18 +23,23 @@ constexpr int64_t kWatchNs = 20000;
 BatchWindow::BatchWindow(double gap_s, double max_s)
     : gap_ns_(static_cast<int64_t>(gap_s * 1e9)), max_ns_(static_cast<int64_t>(max_s * 1e9)) {}
 
+void BatchWindow::set_gap(double gap_s) {
+  gap_ns_.store(static_cast<int64_t>(gap_s * 1e9), std::memory_order_relaxed);
+}
+
 void BatchWindow::submitted(bool first) {
-  if (gap_ns_ <= 0) return;
+  if (gap_ns_.load(std::memory_order_relaxed) <= 0) return;
   const int64_t t = now_ns();
   if (first) first_ns_.store(t, std::memory_order_relaxed);
   last_ns_.store(t, std::memory_order_relaxed);
 }
 
 bool BatchWindow::hold(int64_t max_sleep_ns) {
-  if (gap_ns_ <= 0 || signal_->waiting() || signal_->closed()) return false;
+  const int64_t gap_ns = gap_ns_.load(std::memory_order_relaxed);
+  if (gap_ns <= 0 || signal_->waiting() || signal_->closed()) return false;
   const int64_t last = last_ns_.load(std::memory_order_relaxed);
   const int64_t first = first_ns_.load(std::memory_order_relaxed);
-  const int64_t until = std::min(last + gap_ns_, first + max_ns_);
+  const int64_t until = std::min(last + gap_ns, first + max_ns_);
   int64_t t = now_ns();
   if (t >= until) return false;
   if (last == first) {  // one submit so far: perhaps a blocking call

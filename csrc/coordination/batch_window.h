@@ -34,6 +34,8 @@ class BatchWindow {
   BatchWindow(double gap_s, double max_s);
 
   const std::shared_ptr<WaitSignal>& signal() const { return signal_; }
+  // Any thread (the autotuner's choice); submits and holds see it from then on.
+  void set_gap(double gap_s);
   // Any submitting thread, before the work becomes visible to the engine;
   // `first`: the engine's queue was empty.
   void submitted(bool first);
@@ -46,7 +48,7 @@ class BatchWindow {
   static constexpr int64_t kMaxSleepNs = 100'000'000;
 
  private:
-  int64_t gap_ns_;
+  std::atomic<int64_t> gap_ns_;
   int64_t max_ns_;
   std::atomic<int64_t> first_ns_{0};
   std::atomic<int64_t> last_ns_{0};

@@ -46,6 +46,7 @@ EngineOptions engine_options_from_env() {
   o.fusion_threshold = static_cast<uint64_t>(fusion);
   o.cache_capacity = static_cast<size_t>(cache);
   o.fold_bytes = fold < 0 ? kFoldAuto : static_cast<size_t>(fold);
+  o.autotune = autotune_options_from_env();
   return o;
 }
 
@@ -76,6 +77,8 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
         NegotiatorOptions{size_, opt_.fusion_threshold, opt_.stall_check_s, opt_.stall_shutdown_s},
         timeline_.get());
   executors_.push_back(make_cpu_executor(*ctx_, timeline_.get()));
+  cycle_s_.store(opt_.cycle_time_s);
+  make_tuner();
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   RR_CHECK(wake_fd_ >= 0, "rank ", rank_, ": eventfd: ", errno_string(errno));
   waker_ = std::make_shared<CompletionWaker>([this] {
@@ -96,9 +99,11 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
 void Engine::agree_on_settings() {
   // Short keys: a header name holds kMaxHeaderName - 1 characters; values too
   // long for that are compared by digest (still a mismatch, less readable).
-  std::string name = cat("settings RINGREDUCE_* CACHE_CAPACITY=", opt_.cache_capacity,
+  std::string name = cat("RINGREDUCE_* CACHE_CAPACITY=", opt_.cache_capacity,
                          " SMALL_BYTES=", ctx_->options().small_bytes,
-                         " RING_SLICE_BYTES=", ctx_->options().ring_slice_bytes);
+                         " RING_SLICE_BYTES=", ctx_->options().ring_slice_bytes,
+                         // every rank must end the autotuner's samples at the same response
+                         " AUTOTUNE=", opt_.autotune.enabled ? opt_.autotune.steps_per_sample : 0);
   if (name.size() >= static_cast<size_t>(kMaxHeaderName)) {
     const auto d = sha256(name.data(), name.size());
     name = "settings RINGREDUCE_* digest ";
@@ -431,6 +436,7 @@ EngineStats Engine::stats() const {
   s.paired = paired_.load();
   s.gpu_device = gpu_device_.load();
   s.device_holds = device_holds_.load();
+  tuned_stats(s);
   return s;
 }
 
@@ -475,7 +481,7 @@ void Engine::run_round() {
 
 // Arrived messages may hold a round back for a moment (engine_pair.cc).
 bool Engine::ready_to_start() {
-  if (has_work_.load() && (opt_.cycle_time_s <= 0 || now() - last_round_ >= opt_.cycle_time_s))
+  if (has_work_.load() && (cycle_s_.load() <= 0 || now() - last_round_ >= cycle_s_.load()))
     return true;
   if (arrived()) return true;
   return rank_ == 0 && now() >= negotiator_->next_deadline();
@@ -527,7 +533,7 @@ Engine::Wake Engine::idle_wait() {
     }
     check_peers(last_check);
     double timeout = busy ? device_poll_s_.load() : 0.1;
-    if (has_work_.load()) timeout = std::min(timeout, last_round_ + opt_.cycle_time_s - t);
+    if (has_work_.load()) timeout = std::min(timeout, last_round_ + cycle_s_.load() - t);
     if (rank_ == 0) timeout = std::min(timeout, negotiator_->next_deadline() - t);
     timeout = std::min(timeout, hold_deadline() - t);
     block(static_cast<int64_t>(std::max(timeout, 0.0) * 1e9));

@@ -35,6 +35,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "coordination/autotuner.h"
 #include "coordination/batch_window.h"
 #include "coordination/control.h"
 #include "coordination/doorbell_watcher.h"
@@ -63,6 +64,7 @@ struct EngineOptions {
   size_t fold_bytes = kFoldAuto;             // RINGREDUCE_FOLD_BYTES (engine_fold.cc)
   bool paired_rounds = true;                 // RINGREDUCE_PAIRED_ROUNDS (engine_pair.cc)
   int gpu_queue_depth = 0;                   // RINGREDUCE_GPU_QUEUE_DEPTH (hold_for_device)
+  AutotuneOptions autotune;                  // RINGREDUCE_AUTOTUNE* (autotuner.h)
 };
 
 EngineOptions engine_options_from_env();
@@ -81,6 +83,14 @@ struct EngineStats {
   uint64_t paired = 0;                   // of `folded`, without a RESPONSES (engine_pair.cc)
   int64_t gpu_device = -1;               // the device of this rank's first GPU executor
   uint64_t device_holds = 0;             // GPU work held back while the device was behind
+  // The settings the autotuner chose (autotuner.h); without it, the configured
+  // ones and hierarchical = -1.
+  bool autotuning = false;
+  uint64_t autotune_trials = 0;
+  uint64_t fusion_threshold = 0;
+  double cycle_time_ms = 0;
+  double batch_us = 0;
+  int hierarchical = -1;
 };
 
 class Engine : private DriveToken::Driver {
@@ -201,6 +211,11 @@ class Engine : private DriveToken::Driver {
   double hold_deadline() const;
   int64_t within_hold(int64_t timeout_ns) const;
   void execute(const Response& r);
+  // The autotuner (engine_tune.cc).
+  void make_tuner();
+  void retune();
+  void set_tuned(const Tunables& t);
+  void tuned_stats(EngineStats& s) const;
   Executor& executor_for(const Response& r, int32_t device);
   bool async_busy() const;
   bool hold_for_device();
@@ -299,6 +314,12 @@ class Engine : private DriveToken::Driver {
   std::atomic<double> device_poll_s_{0.01};
   std::unique_ptr<DoorbellWatcher> watcher_;  // made on the first mixed shm + TCP sleep
   std::chrono::steady_clock::time_point t0_;
+  // The autotuner (driver only) and what it chose, for stats() (any thread).
+  std::unique_ptr<Autotuner> tuner_;
+  bool hierarchical_tuned_ = false;
+  std::atomic<double> cycle_s_{0};  // RINGREDUCE_CYCLE_TIME_MS, as tuned
+  mutable std::mutex tune_mu_;
+  Tunables tuned_;
   std::thread thread_;
 };
 

@@ -306,6 +306,7 @@ void Engine::process(const std::vector<Response>& rs) {
         // Counted first: a caller woken by the handles may read the stats.
         executed_responses_.fetch_add(1, std::memory_order_relaxed);
         executed_tensors_.fetch_add(r.tensors.size(), std::memory_order_relaxed);
+        if (tuner_ && tuner_->observe(r.tensors, now())) retune();  // engine_tune.cc
         if (r.folded)
           finish_folded(r);
         else

@@ -55,6 +55,8 @@ class Negotiator {
   // When decide() should next run to report a stall (+inf: nothing pending).
   double next_deadline() const;
   size_t pending() const { return table_.size(); }
+  // The autotuner's choice, for the responses decided from now on.
+  void set_fusion_threshold(uint64_t bytes) { opt_.fusion_threshold = bytes; }
   // Nothing pending and nobody joined: decide() on one ready tensor yields
   // exactly that tensor's response (engine_pair.cc relies on it).
   bool quiet() const { return table_.empty() && joined_count_ == 0 && set_joins_.empty(); }

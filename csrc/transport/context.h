@@ -104,6 +104,9 @@ class Context {
   // Global ranks of each host, hosts in order of their lowest rank.
   const std::vector<std::vector<int>>& hosts() const { return hosts_; }
   const ContextOptions& options() const { return opt_; }
+  // The autotuner's choice of RINGREDUCE_HIERARCHICAL_ALLREDUCE (-1, 0, 1),
+  // set by the thread that runs the collectives, between them.
+  void set_hierarchical(int setting) { opt_.hierarchical = setting; }
   const std::vector<PeerInfo>& peers() const { return peers_; }
   Link& link(int peer);
   const ProgressSettings& progress() const { return progress_; }

@@ -22,6 +22,26 @@ def pids() -> None:
     print(f"pid {os.getpid()} child {child.pid}", flush=True)
 
 
+def autotune() -> None:
+    """Steps of three named allreduces until the autotuner is done; its settings, per rank."""
+    import numpy as np
+
+    import ringreduce as rr
+
+    rr.init()
+    xs = [np.full(k, rr.rank() + 1.0) for k in (5, 3000, 70000)]
+    stats = rr._comm()._engine.stats
+    for _ in range(2000):
+        hs = [rr.allreduce_async(x, op=rr.Sum, name=f"g{i}") for i, x in enumerate(xs)]
+        for h in hs:
+            assert (rr.synchronize(h) == 3.0).all()
+        if not stats()["autotuning"]:
+            break
+    keys = ("autotuning", "autotune_trials", "fusion_threshold", "cycle_time_ms", "batch_us")
+    print(f"autotune {rr.rank()} {({k: stats()[k] for k in keys})}", flush=True)
+    rr.shutdown()
+
+
 def settings_or_stall(mode: str) -> None:
     import numpy as np
 
@@ -76,6 +96,8 @@ def main() -> None:
         time.sleep(120)
     elif mode in ("settings", "stall"):
         settings_or_stall(mode)
+    elif mode == "autotune":
+        autotune()
     elif mode == "env":
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "RINGREDUCE_HOST_ID", "OMPI_COMM_WORLD_SIZE", "RR_EXTRA")

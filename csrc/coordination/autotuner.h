@@ -1,0 +1,113 @@
+// The autotuner (Horovod's HOROVOD_AUTOTUNE; here RINGREDUCE_AUTOTUNE): while
+// a job trains, it tries settings of the engine's knobs and keeps the ones
+// under which the job moved the most bytes per second.
+//
+// Knobs. The fusion threshold (0.5-256 MiB, on a log scale), the cycle time
+// (0-5 ms), the submit batching gap (0-2000 us; batch_window.h) and, where it
+// applies (several hosts, one with several ranks), the hierarchical
+// allreduce. A knob the user set (its RINGREDUCE_* or HOROVOD_* variable, a
+// ringrun flag) is held at that value, as in Horovod.
+//
+// Protocol. Every rank feeds observe() the responses it executes, in the
+// order all ranks execute them (the response cache's invariant), before it
+// executes each. A *sample* ends when some tensor name comes for the
+// (steps_per_sample + 1)-th time since the sample began; that response opens
+// the next sample. Because this depends only on the names, every rank ends
+// every sample at the same response. Five samples make one *trial* of a
+// setting; its score is their median in bytes per second of wall time (rank
+// 0's clock; time the job spends computing counts, so the score is the
+// training throughput of a job whose steps move the same bytes). When a trial
+// ends, observe() returns true on every rank; the engine then broadcasts rank
+// 0's choice (decide()) and every rank adopts it before that response runs.
+//
+// Search (rank 0). The first `warmup_samples` trials are discarded (caches,
+// first touches). Then the continuous knobs: the starting setting, three
+// spread test points, then Bayesian optimization (bayes_opt.h) until
+// `bayes_opt_max_samples` trials were scored; then the hierarchical allreduce
+// the other way, if it is tunable. Finally the best-scored setting is kept
+// for the rest of the job and tuning stops (active = false). Each scored
+// trial and the final choice are written to RINGREDUCE_AUTOTUNE_LOG (CSV,
+// Horovod's columns plus batch_us) and logged at info level on rank 0.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "coordination/bayes_opt.h"
+#include "coordination/request.h"
+
+namespace rr {
+
+struct AutotuneOptions {
+  bool enabled = false;            // RINGREDUCE_AUTOTUNE
+  std::string log_path;            // RINGREDUCE_AUTOTUNE_LOG
+  int warmup_samples = 3;          // RINGREDUCE_AUTOTUNE_WARMUP_SAMPLES (trials)
+  int steps_per_sample = 10;       // RINGREDUCE_AUTOTUNE_STEPS_PER_SAMPLE
+  int bayes_opt_max_samples = 20;  // RINGREDUCE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES (trials)
+  double gp_noise = 0.8;           // RINGREDUCE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE
+  // Knobs the user set, held at their values.
+  bool fixed_fusion = false, fixed_cycle = false, fixed_batch = false, fixed_hierarchical = false;
+};
+
+AutotuneOptions autotune_options_from_env();
+
+// The engine's tunable settings, as every rank applies them.
+struct Tunables {
+  double fusion_mb = 256;  // fusion threshold, MiB
+  double cycle_ms = 0;
+  double batch_us = 50;
+  double hierarchical = 0;  // 1: the hierarchical allreduce where it applies
+  double active = 0;        // 1 while tuning goes on
+  double trials = 0;        // scored so far
+};
+
+class Autotuner {
+ public:
+  // `start`: the settings the engine runs with; `hierarchical_tunable`: the
+  // hierarchical allreduce applies to this job and the user did not fix it.
+  Autotuner(AutotuneOptions o, Tunables start, bool hierarchical_tunable, int rank);
+  ~Autotuner();
+
+  // Every rank, before executing each exec response. True: a trial ended here
+  // (on every rank alike); call decide() on rank 0, broadcast, adopt().
+  bool observe(const std::vector<RequestMeta>& tensors, double now);
+  // Rank 0: scores the trial that ended and returns the settings to run next.
+  Tunables decide();
+  // Every rank: the settings rank 0 decided.
+  void adopt(const Tunables& t) { cur_ = t; }
+  const Tunables& current() const { return cur_; }
+
+ private:
+  enum class Phase { kBayes, kHierarchical, kDone };
+  std::vector<int> free_dims() const;
+  std::vector<double> to_unit(const Tunables& t) const;
+  Tunables from_unit(const std::vector<double>& u) const;
+  Tunables next_bayes();
+  void record(double score);
+  Tunables choose(double score);
+  Tunables finish();
+  void write_row(const Tunables& t, double score);
+
+  AutotuneOptions opt_;
+  int rank_;
+  bool hierarchical_tunable_;
+  Phase phase_ = Phase::kBayes;
+  Tunables cur_, best_;
+  double best_score_ = -1;
+  int warmups_left_;
+  int trials_ = 0;  // scored trials
+  std::vector<Tunables> test_points_;
+  std::unique_ptr<BayesOpt> bayes_;
+  // The sample in progress.
+  std::unordered_map<std::string, int> counts_;
+  double bytes_ = 0, sample_start_ = -1;
+  std::vector<double> sample_scores_;
+  std::vector<double> trial_scores_;  // of the trial that ended, for decide()
+  std::ofstream log_;
+};
+
+}  // namespace rr

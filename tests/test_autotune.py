@@ -1,0 +1,214 @@
+"""The autotuner (csrc/coordination/autotuner.h, bayes_opt.h; RINGREDUCE_AUTOTUNE, Horovod's
+HOROVOD_AUTOTUNE): the Bayesian optimizer on known functions, the tuner's trials and choice on
+a simulated clock, and ranks (threads, then processes under mpirun with Horovod's variables)
+that tune together, agree on every setting and keep their results right meanwhile."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import env
+from procs import PYTHON, base_env, require_mpirun, run_procs
+
+import ringreduce as rr
+from ringreduce import _core
+from ringreduce.testing import make_world, run_threaded
+
+co = _core.coordination
+WORKER = str(Path(__file__).parent / "workers" / "launcher_worker.py")
+HEADER = ["hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms",
+          "tensor_fusion_threshold", "score", "batch_us"]
+
+
+def peak(x):  # maximum 0 at (0.7, 0.2)
+    return -((x[0] - 0.7) ** 2 + (x[1] - 0.2) ** 2)
+
+
+def test_bayes_opt_finds_the_peak_of_a_smooth_function():
+    bo = co.BayesOpt(2, 1e-4)
+    for x in ([0.5, 0.5], [0.1, 0.9], [0.9, 0.1], [0.3, 0.3]):
+        bo.add(x, peak(x))
+    best = max(peak(x) for x in ([0.5, 0.5], [0.1, 0.9], [0.9, 0.1], [0.3, 0.3]))
+    for _ in range(16):
+        x = bo.next()
+        assert all(0.0 <= v <= 1.0 for v in x)
+        bo.add(x, peak(x))
+        best = max(best, peak(x))
+    assert best > -0.01  # within 0.1 of the peak; the start's best was -0.05
+    mean, sd = bo.predict([0.5, 0.5])
+    assert abs(mean - peak([0.5, 0.5])) < 0.01 and sd < 0.05  # it interpolates its samples
+    assert bo.samples == 20
+
+
+def test_bayes_opt_is_reproducible_and_starts_at_the_centre():
+    def run():
+        bo = co.BayesOpt(3, 0.8, 7)
+        first = bo.next()
+        out = []
+        for i in range(6):
+            x = bo.next()
+            bo.add(x, math.sin(3 * x[0]) + x[1] - x[2] + 0.1 * i)
+            out.append(x)
+        return first, out
+
+    a, b = run(), run()
+    assert a == b and a[0] == [0.5, 0.5, 0.5]
+
+
+def step_seconds(t):
+    """A made-up job whose step is fastest at a 16 MiB threshold, no cycle time, 800 us gap."""
+    return (0.010 + 0.001 * abs(math.log2(t["fusion_mb"]) - 4) + 0.002 * t["cycle_ms"]
+            + 0.000004 * abs(t["batch_us"] - 800) + (0.002 if t["hierarchical"] else 0.0))
+
+
+def simulate(options, start, hierarchical=False, steps=2000, cost=step_seconds):
+    """Feed an Autotuner steps of four 1 MiB tensors on a clock that cost() advances; returns
+    the tuner, the settings each step ran with, and the log's rows."""
+    log = Path(tempfile.mkdtemp(prefix="rr-at-")) / "autotune.csv"
+    tuner = co.Autotuner({**options, "log_path": str(log)}, start, hierarchical)
+    now, ran = 0.0, []
+    tensors = [{"name": f"t{i}", "shape": [1 << 18]} for i in range(4)]  # float32: 1 MiB
+    for _ in range(steps):
+        for t in tensors:
+            if tuner.observe([t], now):
+                tuner.adopt(tuner.decide())
+        ran.append(tuner.current)
+        now += cost(tuner.current)
+    rows = list(csv.reader(log.open()))
+    return tuner, ran, rows
+
+
+START = {"fusion_mb": 256.0, "cycle_ms": 0.0, "batch_us": 50.0, "hierarchical": 0.0}
+
+
+def test_tuner_scores_trials_then_keeps_the_best():
+    opts = {"warmup_samples": 2, "steps_per_sample": 4, "bayes_opt_max_samples": 12,
+            "gp_noise": 0.01}
+    tuner, ran, rows = simulate(opts, START)
+    final = tuner.current
+    assert final["active"] == 0 and final["trials"] == 12
+    assert rows[0] == HEADER and len(rows) == 1 + 12 + 1  # header, trials, the choice
+    trials = [[float(v) for v in r] for r in rows[1:-1]]
+    # each trial ran 5 samples of 4 steps: 20 steps; the two warmup trials came first
+    assert all(r["fusion_mb"] == 256.0 and r["batch_us"] == 50.0 for r in ran[:3 * 20])
+    assert trials[0][2:4] == [0.0, 256.0] and trials[0][5] == 50.0  # the start is measured
+    best = max(trials, key=lambda r: r[4])
+    assert [float(v) for v in rows[-1]] == best  # the last row is the choice
+    assert [final["cycle_ms"], final["fusion_mb"], final["batch_us"]] == pytest.approx(
+        [best[2], best[3], best[5]], rel=1e-8)
+    for r in trials:  # a score is bytes per microsecond of the simulated clock
+        t = {"fusion_mb": r[3], "cycle_ms": r[2], "batch_us": r[5], "hierarchical": 0}
+        assert r[4] == pytest.approx(4 * (1 << 20) / step_seconds(t) / 1e6, rel=1e-6)
+    assert step_seconds(final) < 0.8 * step_seconds(START)  # it found a faster setting
+    assert all(r == final for r in ran[-100:])  # and kept it
+
+
+def test_knobs_the_user_set_stay_and_hierarchical_is_tried_both_ways():
+    opts = {"warmup_samples": 0, "steps_per_sample": 2, "bayes_opt_max_samples": 6,
+            "fixed_cycle": True, "fixed_fusion": True}
+    start = {**START, "cycle_ms": 1.5, "hierarchical": 1.0}
+    tuner, ran, rows = simulate(opts, start, hierarchical=True, steps=600)
+    assert {(r["cycle_ms"], r["fusion_mb"]) for r in ran} == {(1.5, 256.0)}
+    assert len(rows) == 1 + 6 + 1 + 1  # the Bayesian trials, the other hierarchical, the choice
+    assert [r[0] for r in rows[1:7]] == ["1"] * 6 and rows[7][0] == "0"
+    final = tuner.current
+    assert final["hierarchical"] == 0.0 and final["active"] == 0  # cheaper in step_seconds
+    assert len({r["batch_us"] for r in ran}) > 2  # the free knob moved
+
+
+def test_nothing_to_tune_when_every_knob_is_the_users():
+    opts = {"fixed_cycle": True, "fixed_fusion": True, "fixed_batch": True}
+    tuner, ran, rows = simulate(opts, START, steps=50)
+    assert tuner.current["active"] == 0 and rows == [HEADER]
+    assert all(r == ran[0] for r in ran)
+
+
+def tune_in_threads(n, hosts=None, steps=300, **settings):
+    log = Path(tempfile.mkdtemp(prefix="rr-at-")) / "autotune.csv"
+    base = {"RINGREDUCE_AUTOTUNE": "1", "RINGREDUCE_AUTOTUNE_LOG": str(log),
+            "RINGREDUCE_AUTOTUNE_WARMUP_SAMPLES": "1", "RINGREDUCE_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+            "RINGREDUCE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "5", "RINGREDUCE_SMALL_BYTES": "0"}
+    with env(**{**base, **settings}):
+        comms = make_world(n, hosts)
+    sizes = (3, 1000, 40000)
+
+    def body(c):
+        xs = [np.arange(k, dtype=np.float64) * (c.rank() + 1) for k in sizes]
+        wrong = 0
+        for _ in range(steps):
+            hs = [c.allreduce_async(x, op=rr.Sum, name=f"g{i}") for i, x in enumerate(xs)]
+            for h, k in zip(hs, sizes):
+                wrong += not np.array_equal(h.wait(), np.arange(k) * n * (n + 1) / 2)
+        return wrong, c._engine.stats()
+
+    try:
+        out = run_threaded(n, body, world=comms)
+    finally:
+        for c in comms:
+            c.close()
+    return out, list(csv.reader(log.open()))
+
+
+KNOBS = ("autotuning", "autotune_trials", "fusion_threshold", "cycle_time_ms", "batch_us",
+         "hierarchical")
+
+
+def test_threaded_ranks_tune_together_and_stay_right():
+    out, rows = tune_in_threads(3)
+    assert [w for w, _ in out] == [0, 0, 0]
+    knobs = [{k: s[k] for k in KNOBS} for _, s in out]
+    assert knobs == [knobs[0]] * 3, knobs
+    assert knobs[0]["autotuning"] is False and knobs[0]["autotune_trials"] == 5
+    assert rows[0] == HEADER and len(rows) == 7
+    assert float(rows[-1][5]) == pytest.approx(knobs[0]["batch_us"])
+    assert int(float(rows[-1][3]) * (1 << 20)) == knobs[0]["fusion_threshold"]
+
+
+def test_threaded_hosts_tune_the_hierarchical_allreduce():
+    out, rows = tune_in_threads(4, hosts=["a", "a", "b", "b"], steps=400,
+                                RINGREDUCE_CYCLE_TIME_MS="0")
+    assert [w for w, _ in out] == [0] * 4
+    knobs = [{k: s[k] for k in KNOBS} for _, s in out]
+    assert knobs == [knobs[0]] * 4 and knobs[0]["autotune_trials"] == 6
+    assert {r[0] for r in rows[1:-1]} == {"0", "1"}  # tried both ways
+    assert {r[2] for r in rows[1:]} == {"0"}  # the cycle time was the user's
+    assert all(s["hierarchical_allreduces"] > 0 for _, s in out)
+
+
+def test_horovod_autotune_under_mpirun(tmp_path):
+    mpirun = require_mpirun()
+    log_dir = Path(tempfile.mkdtemp(prefix="rr-at-mpi-"))
+    genv = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(tmp_path / "at.csv"),
+            "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3",
+            "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "4", "HOROVOD_FUSION_THRESHOLD": "1048576"}
+    args = [a for k, v in genv.items() for a in ("-genv", k, v)]
+    job = run_procs([("mpirun", [str(mpirun), "-np", "2", *args, PYTHON, WORKER, "autotune"],
+                      base_env(None, log_dir))], 60, log_dir)
+    proc = job.procs[0]
+    assert proc.returncode == 0, job.describe()
+    got = dict(re.findall(r"autotune (\d) (\{[^}]*\})", proc.stdout))  # lines may interleave
+    assert sorted(got) == ["0", "1"] and got["0"] == got["1"], job.describe()
+    assert "'autotuning': False, 'autotune_trials': 4, 'fusion_threshold': 1048576" in got["0"]
+    rows = list(csv.reader((tmp_path / "at.csv").open()))
+    assert rows[0] == HEADER and len(rows) == 6
+    assert {r[3] for r in rows[1:]} == {"1"}  # HOROVOD_FUSION_THRESHOLD held it at 1 MiB
+
+
+def test_ranks_that_disagree_on_autotune_fail_at_init_naming_it(tmp_path):
+    mpirun = require_mpirun()
+    log_dir = Path(tempfile.mkdtemp(prefix="rr-at-mpi-"))
+    one = [PYTHON, WORKER, "autotune"]
+    job = run_procs([("mpirun", [str(mpirun), "-np", "1", "-env", "RINGREDUCE_AUTOTUNE", "1",
+                                 *one, ":", "-np", "1", *one], base_env(None, log_dir))],
+                    60, log_dir)
+    err = job.procs[0].stderr
+    assert job.procs[0].returncode != 0, job.describe()
+    for rank in (0, 1):  # both ranks raise, showing each rank's value
+        assert f"MismatchError: rank {rank}:" in err, job.describe()
+    assert "AUTOTUNE=0'" in err and "AUTOTUNE=10'" in err, job.describe()

@@ -206,3 +206,15 @@ def test_elastic_benchmark_recovers_both_systems():
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split() and line.split()[0] in ("ringreduce", "torchrun")}
     assert rows["ringreduce"][-1] == "2" and rows["torchrun"][-1] == "3", out
+
+
+def test_autotune_benchmark_tunes_and_reports_every_row():
+    out = stdout(run_single(BENCH / "autotune.py",
+                            ["--repeats", "1", "--scale", "0.01", "--steps", "3",
+                             "--touch-us", "0", "--autotune-steps", "2",
+                             "--autotune-trials", "3"], timeout=120))
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| config")}
+    assert sorted(rows) == ["autotune", "defaults", "mpi"], out
+    assert rows["autotune"][6].strip() == str((3 + 3) * 5 * 2), out  # warmup 3 + 3 trials
+    assert rows["defaults"][6].strip() == "0" and "auto" in rows["defaults"][8], out

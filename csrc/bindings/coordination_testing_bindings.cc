@@ -96,6 +96,7 @@ AutotuneOptions autotune_options_from(const py::dict& d) {
   o.fixed_fusion = d.contains("fixed_fusion") && d["fixed_fusion"].cast<bool>();
   o.fixed_cycle = d.contains("fixed_cycle") && d["fixed_cycle"].cast<bool>();
   o.fixed_batch = d.contains("fixed_batch") && d["fixed_batch"].cast<bool>();
+  if (d.contains("batch_hi_us")) o.batch_hi_us = d["batch_hi_us"].cast<double>();
   return o;
 }
 
@@ -122,7 +123,8 @@ void bind_autotune_testing(py::module_& m) {
              return a.observe(ms, now);
            })
       .def("decide", [](Autotuner& a) { return tunables_dict(a.decide()); })
-      .def("adopt", [](Autotuner& a, const py::dict& d) { a.adopt(tunables_from(d)); })
+      .def("adopt",
+           [](Autotuner& a, const py::dict& d, double now) { a.adopt(tunables_from(d), now); })
       .def_property_readonly("current",
                              [](const Autotuner& a) { return tunables_dict(a.current()); });
 }
@@ -144,6 +146,7 @@ void bind_coordination_testing(py::module_& parent) {
            py::arg("members") = std::vector<int32_t>{})
       .def("decide", [](Negotiator& n, double now) { return response_dicts(n.decide(now)); })
       .def("next_deadline", &Negotiator::next_deadline)
+      .def("set_fusion_threshold", &Negotiator::set_fusion_threshold)
       .def_property_readonly("pending", &Negotiator::pending);
   m.def("plan_fusion", [](const std::vector<py::dict>& tensors, uint64_t threshold) {
     std::vector<Response> ready;

@@ -20,13 +20,28 @@
 // ends, observe() returns true on every rank; the engine then broadcasts rank
 // 0's choice (decide()) and every rank adopts it before that response runs.
 //
+// A job whose names never repeat (unnamed calls are numbered) never ends a
+// sample: after kMaxNames distinct names every rank gives up alike, with a
+// warning on rank 0, and the settings stay as they were.
+//
 // Search (rank 0). The first `warmup_samples` trials are discarded (caches,
 // first touches). Then the continuous knobs: the starting setting, three
 // spread test points, then Bayesian optimization (bayes_opt.h) until
-// `bayes_opt_max_samples` trials were scored; then the hierarchical allreduce
-// the other way, if it is tunable. Finally the best-scored setting is kept
-// for the rest of the job and tuning stops (active = false). Each scored
-// trial and the final choice are written to RINGREDUCE_AUTOTUNE_LOG (CSV,
+// `bayes_opt_max_samples` trials were scored. The model's favourite (the
+// highest posterior mean, which pools neighbouring trials: one trial's median
+// is noisy, and on a flat landscape the highest one is mostly luck) becomes a
+// challenger only if it is rated above the start by more than twice the
+// model's uncertainty. Then duels settle it: the start is the incumbent; each
+// challenger (the favourite, then, where the hierarchical allreduce is
+// tunable, the incumbent with it forced off, then forced on; the start's
+// automatic choice differs by backend, the GPU path running it only when
+// forced) runs four trials against it, incumbent-challenger-challenger-
+// incumbent, and takes its place if it wins both adjacent pairs. The order
+// cancels a steady drift of the machine's speed (trials run minutes apart,
+// the Bayesian ones far from the start's), and two wins out of two let an
+// equal challenger through one time in four. The last incumbent stays for the
+// rest of the job and tuning stops (active = false). Each scored trial and the
+// choice (with its duel score) are written to RINGREDUCE_AUTOTUNE_LOG (CSV,
 // Horovod's columns plus batch_us) and logged at info level on rank 0.
 #pragma once
 
@@ -51,6 +66,9 @@ struct AutotuneOptions {
   double gp_noise = 0.8;           // RINGREDUCE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE
   // Knobs the user set, held at their values.
   bool fixed_fusion = false, fixed_cycle = false, fixed_batch = false, fixed_hierarchical = false;
+  double batch_hi_us = 2000;  // the batching gap's range ends here (RINGREDUCE_BATCH_MAX_US)
+  // "fcbh" with "-" for each knob the tuner may move: ranks must agree on it.
+  std::string fixed_mask() const;
 };
 
 AutotuneOptions autotune_options_from_env();
@@ -60,9 +78,9 @@ struct Tunables {
   double fusion_mb = 256;  // fusion threshold, MiB
   double cycle_ms = 0;
   double batch_us = 50;
-  double hierarchical = 0;  // 1: the hierarchical allreduce where it applies
-  double active = 0;        // 1 while tuning goes on
-  double trials = 0;        // scored so far
+  double hierarchical = -1;  // RINGREDUCE_HIERARCHICAL_ALLREDUCE: -1 automatic, 0, 1
+  double active = 0;         // 1 while tuning goes on
+  double trials = 0;         // scored so far
 };
 
 class Autotuner {
@@ -77,18 +95,30 @@ class Autotuner {
   bool observe(const std::vector<RequestMeta>& tensors, double now);
   // Rank 0: scores the trial that ended and returns the settings to run next.
   Tunables decide();
-  // Every rank: the settings rank 0 decided.
-  void adopt(const Tunables& t) { cur_ = t; }
+  // Every rank: the settings rank 0 decided; the next sample starts at `now`.
+  void adopt(const Tunables& t, double now) {
+    cur_ = t;
+    sample_start_ = now;
+  }
   const Tunables& current() const { return cur_; }
 
  private:
-  enum class Phase { kBayes, kHierarchical, kDone };
+  enum class Phase { kBayes, kDuel, kDone };
+  // A setting to duel the incumbent: `t`, or (hierarchical >= -1) the
+  // incumbent of the time with that hierarchical setting.
+  struct Challenger {
+    Tunables t;
+    double hierarchical;
+  };
   std::vector<int> free_dims() const;
   std::vector<double> to_unit(const Tunables& t) const;
   Tunables from_unit(const std::vector<double>& u) const;
   Tunables next_bayes();
   void record(double score);
   Tunables choose(double score);
+  bool rated_better();
+  Tunables duel(double score);
+  void give_up();
   Tunables finish();
   void write_row(const Tunables& t, double score);
 
@@ -101,6 +131,10 @@ class Autotuner {
   int warmups_left_;
   int trials_ = 0;  // scored trials
   std::vector<Tunables> test_points_;
+  std::vector<Tunables> tried_;  // scored in the Bayesian phase, in bayes_'s order
+  std::vector<Challenger> challengers_;
+  Tunables challenger_;
+  std::vector<double> duel_scores_;
   std::unique_ptr<BayesOpt> bayes_;
   // The sample in progress.
   std::unordered_map<std::string, int> counts_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 namespace rr {
 
@@ -21,10 +22,10 @@ constexpr int64_t kWatchNs = 20000;
 }  // namespace
 
 BatchWindow::BatchWindow(double gap_s, double max_s)
-    : gap_ns_(static_cast<int64_t>(gap_s * 1e9)), max_ns_(static_cast<int64_t>(max_s * 1e9)) {}
+    : gap_ns_(std::llround(gap_s * 1e9)), max_ns_(std::llround(max_s * 1e9)) {}
 
 void BatchWindow::set_gap(double gap_s) {
-  gap_ns_.store(static_cast<int64_t>(gap_s * 1e9), std::memory_order_relaxed);
+  gap_ns_.store(std::llround(gap_s * 1e9), std::memory_order_relaxed);
 }
 
 void BatchWindow::submitted(bool first) {

@@ -36,6 +36,7 @@ class BatchWindow {
   const std::shared_ptr<WaitSignal>& signal() const { return signal_; }
   // Any thread (the autotuner's choice); submits and holds see it from then on.
   void set_gap(double gap_s);
+  double gap_seconds() const { return static_cast<double>(gap_ns_.load()) * 1e-9; }
   // Any submitting thread, before the work becomes visible to the engine;
   // `first`: the engine's queue was empty.
   void submitted(bool first);

@@ -135,6 +135,20 @@ std::pair<double, double> BayesOpt::predict(const std::vector<double>& x) {
   return {mean_ + mu * scale_, sd * scale_};
 }
 
+size_t BayesOpt::best_sample() {
+  if (!fitted_) fit();
+  size_t best = 0;
+  double top = -std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < xs_.size(); ++i) {
+    const double mu = posterior(xs_[i]).first;
+    if (mu > top) {
+      top = mu;
+      best = i;
+    }
+  }
+  return best;
+}
+
 double BayesOpt::improvement(const std::vector<double>& x, double best) const {
   auto [mu, sd] = posterior(x);
   const double gain = mu - best - kExploration;

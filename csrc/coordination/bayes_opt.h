@@ -32,6 +32,9 @@ class BayesOpt {
   void add(std::vector<double> x, double score);
   std::vector<double> next();
   size_t samples() const { return xs_.size(); }
+  // The sample the model rates best (highest posterior mean): with noisy
+  // scores, a better choice than the highest single score. Needs a sample.
+  size_t best_sample();
   // Posterior mean and standard deviation of the score at x (in the scores'
   // own units), for tests and logging.
   std::pair<double, double> predict(const std::vector<double>& x);

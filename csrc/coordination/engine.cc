@@ -47,6 +47,9 @@ EngineOptions engine_options_from_env() {
   o.cache_capacity = static_cast<size_t>(cache);
   o.fold_bytes = fold < 0 ? kFoldAuto : static_cast<size_t>(fold);
   o.autotune = autotune_options_from_env();
+  // A longer gap would be cut at the batch's maximum anyway.
+  o.autotune.batch_hi_us = std::min(o.autotune.batch_hi_us, o.batch_max_s * 1e6);
+  if (!(o.autotune.batch_hi_us > 0)) o.autotune.fixed_batch = true;  // batching is off
   return o;
 }
 
@@ -102,8 +105,10 @@ void Engine::agree_on_settings() {
   std::string name = cat("RINGREDUCE_* CACHE_CAPACITY=", opt_.cache_capacity,
                          " SMALL_BYTES=", ctx_->options().small_bytes,
                          " RING_SLICE_BYTES=", ctx_->options().ring_slice_bytes,
-                         // every rank must end the autotuner's samples at the same response
-                         " AUTOTUNE=", opt_.autotune.enabled ? opt_.autotune.steps_per_sample : 0);
+                         // every rank must end the autotuner's samples at the same
+                         // response and tune the same knobs
+                         " AUTOTUNE=", opt_.autotune.enabled ? opt_.autotune.steps_per_sample : 0,
+                         opt_.autotune.enabled ? ":" + opt_.autotune.fixed_mask() : "");
   if (name.size() >= static_cast<size_t>(kMaxHeaderName)) {
     const auto d = sha256(name.data(), name.size());
     name = "settings RINGREDUCE_* digest ";

@@ -551,11 +551,10 @@ class Communicator(GpuCalls, CompositeCalls):
         """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; on
         other ranks this does nothing), as ``RINGREDUCE_TIMELINE`` does from the start.
 
-        A trace already open is closed first. ``mark_cycles`` is Horovod's and ignored:
-        the trace shows every negotiation, and ringreduce has no fixed cycle to mark.
+        A trace already open is closed first. ``mark_cycles`` (Horovod's) adds an instant
+        event ``CYCLE_START`` across all rows at the start of every negotiation round.
         """
-        del mark_cycles
-        self._engine.start_timeline(os.fspath(file_path))
+        self._engine.start_timeline(os.fspath(file_path), bool(mark_cycles))
 
     def stop_timeline(self) -> None:
         """Close the timeline (the file is then complete, strict JSON); harmless if none."""

@@ -131,6 +131,7 @@ SETTINGS: tuple[Setting, ...] = (
             _longest),
     Setting("HOROVOD_GLOO_IFACE", "RINGREDUCE_IFACE", _text),
     Setting("HOROVOD_DYNAMIC_PROCESS_SETS", "RINGREDUCE_DYNAMIC_PROCESS_SETS", _flag),
+    Setting("HOROVOD_TIMELINE_MARK_CYCLES", "RINGREDUCE_TIMELINE_MARK_CYCLES", _flag),
     Setting("HOROVOD_AUTOTUNE", "RINGREDUCE_AUTOTUNE", _flag),
     Setting("HOROVOD_AUTOTUNE_LOG", "RINGREDUCE_AUTOTUNE_LOG", _text),
     Setting("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "RINGREDUCE_AUTOTUNE_WARMUP_SAMPLES", _number(int)),
@@ -145,7 +146,6 @@ SETTINGS: tuple[Setting, ...] = (
 # Horovod knobs ringreduce has no counterpart for, and why that is safe to say.
 NO_EFFECT: dict[str, str] = {
     "HOROVOD_HIERARCHICAL_ALLGATHER": "allgather always runs the flat ring",
-    "HOROVOD_TIMELINE_MARK_CYCLES": "the timeline has no cycle marks",
     "HOROVOD_NUM_NCCL_STREAMS": "the GPU backend uses one NCCL stream per device",
     "HOROVOD_MPI_THREADS_DISABLE": "MPI is used only to start the job",
     "HOROVOD_THREAD_AFFINITY": "the engine thread is not pinned",

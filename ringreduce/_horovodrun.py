@@ -152,7 +152,8 @@ def _add_tuning(g: Any) -> None:
         g.add_argument(f"--autotune-{name.replace('_', '-')}", type=kind,
                        help=f"the autotuner's {var}")
     g.add_argument("--timeline-filename", help="rank 0 writes a Chrome trace there")
-    g.add_argument("--timeline-mark-cycles", action=flag, help="no effect")
+    g.add_argument("--timeline-mark-cycles", action=flag,
+                   help="mark each negotiation round in the timeline (with --timeline-filename)")
     g.add_argument("--stall-check", action=flag, help="--no-stall-check: no stall warnings")
     g.add_argument(
         "--stall-check-warning-time-seconds",

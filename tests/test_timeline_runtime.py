@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ringreduce as rr
-from ringreduce.testing import run_threaded
+from ringreduce.testing import make_world, run_threaded
 
 
 def names_in(path):
@@ -49,3 +49,41 @@ def test_start_timeline_unwritable_path_names_it(tmp_path):
         return True
 
     assert run_threaded(2, fn, timeout=60) == [True, True]
+
+
+def cycle_marks(path):
+    return [e for e in json.loads(path.read_text()) if e.get("name") == "CYCLE_START"]
+
+
+def test_mark_cycles_draws_each_negotiation_round(tmp_path):
+    marked, plain = tmp_path / "marked.json", tmp_path / "plain.json"
+
+    def fn(c):
+        with rr.use_communicator(c):
+            for path, mark in ((marked, True), (plain, False)):
+                rr.start_timeline(path, mark_cycles=mark)
+                for i in range(3):
+                    c.allreduce(np.ones(4), name=f"step{i}")
+                rr.stop_timeline()
+        return True
+
+    assert run_threaded(2, fn, timeout=60) == [True, True]
+    marks = cycle_marks(marked)
+    assert len(marks) >= 3 and all(m["ph"] == "i" and m["s"] == "g" for m in marks)
+    assert [m["ts"] for m in marks] == sorted(m["ts"] for m in marks)
+    assert cycle_marks(plain) == [] and "step0" in names_in(plain)
+
+
+def test_mark_cycles_from_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "env.json"
+    monkeypatch.setenv("RINGREDUCE_TIMELINE", str(path))
+    monkeypatch.setenv("RINGREDUCE_TIMELINE_MARK_CYCLES", "1")
+    comms = make_world(2)
+    monkeypatch.delenv("RINGREDUCE_TIMELINE")
+    try:
+        assert run_threaded(2, lambda c: c.allreduce(np.ones(2), op=rr.Sum, name="x")[0],
+                            world=comms, timeout=60) == [2.0, 2.0]
+    finally:
+        for c in comms:
+            c.close()
+    assert len(cycle_marks(path)) >= 1

@@ -528,7 +528,7 @@ void bind_engine_class(py::module_& m) {
           py::arg("gpu_device") = -1, py::call_guard<py::gil_scoped_release>())
       .def("join_epoch", &Engine::join_epoch)
       .def("start_timeline", &Engine::start_timeline, py::arg("path"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("mark_cycles") = false, py::call_guard<py::gil_scoped_release>())
       .def("stop_timeline", &Engine::stop_timeline, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
   py::class_<SetEngine, std::shared_ptr<SetEngine>> set(m, "ProcessSetEngine");

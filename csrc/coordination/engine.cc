@@ -33,6 +33,7 @@ EngineOptions engine_options_from_env() {
   o.stall_check_s = env_double("RINGREDUCE_STALL_CHECK_SECONDS", o.stall_check_s);
   o.stall_shutdown_s = env_double("RINGREDUCE_STALL_SHUTDOWN_SECONDS", o.stall_shutdown_s);
   o.timeline_path = env_str("RINGREDUCE_TIMELINE", "");
+  o.timeline_mark_cycles = env_int("RINGREDUCE_TIMELINE_MARK_CYCLES", 0) != 0;
   o.fast_path = env_int("RINGREDUCE_FAST_PATH", 1) != 0;
   const int64_t fold = env_int("RINGREDUCE_FOLD_BYTES", -1);
   o.paired_rounds = env_int("RINGREDUCE_PAIRED_ROUNDS", 1) != 0;
@@ -66,7 +67,8 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
   ctx_->check_usable();
   if (rank_ == 0) {
     timeline_ = std::make_unique<Timeline>();
-    if (!opt_.timeline_path.empty()) timeline_->start(opt_.timeline_path);
+    if (!opt_.timeline_path.empty())
+      timeline_->start(opt_.timeline_path, opt_.timeline_mark_cycles);
   }
   for (int w = 1; rank_ == 0 && w < size_; ++w) workers_.push_back(w);
   early_.resize(size_);
@@ -415,8 +417,8 @@ void Engine::interrupt_after_grace() {
   }
 }
 
-void Engine::start_timeline(const std::string& path) {
-  if (timeline_) timeline_->start(path);
+void Engine::start_timeline(const std::string& path, bool mark_cycles) {
+  if (timeline_) timeline_->start(path, mark_cycles);
 }
 
 void Engine::stop_timeline() {

@@ -60,6 +60,7 @@ struct EngineOptions {
   double stall_check_s = 60;                 // RINGREDUCE_STALL_CHECK_SECONDS
   double stall_shutdown_s = 0;               // RINGREDUCE_STALL_SHUTDOWN_SECONDS
   std::string timeline_path;                 // RINGREDUCE_TIMELINE (rank 0 writes it)
+  bool timeline_mark_cycles = false;         // RINGREDUCE_TIMELINE_MARK_CYCLES
   bool fast_path = true;                     // RINGREDUCE_FAST_PATH (engine_drive.cc)
   size_t fold_bytes = kFoldAuto;             // RINGREDUCE_FOLD_BYTES (engine_fold.cc)
   bool paired_rounds = true;                 // RINGREDUCE_PAIRED_ROUNDS (engine_pair.cc)
@@ -120,7 +121,7 @@ class Engine : private DriveToken::Driver {
   // Completed join()s; changes before the completing join's handle resolves.
   uint64_t join_epoch() const;
   // Horovod's start_timeline/stop_timeline: rank 0 writes the trace; elsewhere no-ops.
-  void start_timeline(const std::string& path);
+  void start_timeline(const std::string& path, bool mark_cycles = false);
   void stop_timeline();
   // A buffer every rank maps (Context::create_shared), from the calling
   // thread; refused once the engine has failed or stopped.

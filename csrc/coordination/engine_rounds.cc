@@ -73,6 +73,7 @@ void Engine::record_local(std::vector<Entry>& fresh) {
 
 void Engine::coordinator_round() {
   const uint64_t k = round_;
+  if (timeline_) timeline_->cycle_start();
   auto what = [k] { return cat("negotiation round ", k); };
   std::vector<Entry> fresh = drain();
   const std::vector<uint8_t> promise = promise_for(fresh);  // engine_pair.cc

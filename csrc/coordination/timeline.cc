@@ -25,7 +25,7 @@ std::string json_escape(const std::string& s) {
 
 }  // namespace
 
-void Timeline::start(const std::string& path) {
+void Timeline::start(const std::string& path, bool mark_cycles) {
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (!f)
     throw_error(ErrorKind::kInvalidArgument, "timeline: cannot write '", path,
@@ -35,6 +35,7 @@ void Timeline::start(const std::string& path) {
   file_ = f;
   rows_.clear();
   current_.clear();
+  mark_cycles_ = mark_cycles;
   start_ = std::chrono::steady_clock::now();
   std::fputs(
       "[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":"
@@ -67,7 +68,13 @@ void Timeline::event(const char* ph, int tid, const std::string& name) {
   auto us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start_);
   buf_ += cat(",\n{\"name\":\"", json_escape(name), "\",\"ph\":\"", ph,
               "\",\"pid\":0,\"tid\":", tid, ",\"ts\":", static_cast<int64_t>(us.count()));
-  buf_ += ph[0] == 'i' ? ",\"s\":\"t\"}" : "}";
+  buf_ += ph[0] == 'i' ? (tid == 0 ? ",\"s\":\"g\"}" : ",\"s\":\"t\"}") : "}";
+}
+
+void Timeline::cycle_start() {
+  if (!active()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (file_ && mark_cycles_) event("i", 0, "CYCLE_START");  // global: a line across all rows
 }
 
 void Timeline::negotiate_begin(const std::string& tensor, const char* op) {

@@ -11,6 +11,8 @@
 //   MEMCPY_IN_FUSION_BUFFER / MEMCPY_OUT_FUSION_BUFFER
 //   <OP> with the algorithm's phases inside (AGREE, RING_REDUCE_SCATTER,
 //        RING_ALLGATHER, DIRECT, BROADCAST_CHAIN, ...)
+// With mark_cycles (Horovod's HOROVOD_TIMELINE_MARK_CYCLES), an instant
+// event CYCLE_START across all rows marks the start of each negotiation round.
 // Events are buffered and appended to the file after every round, so a trace
 // of a crashed job is still readable (the viewer accepts a missing "]");
 // stop() writes the closing bracket, making the file strict JSON.
@@ -50,8 +52,9 @@ class Timeline : public PhaseObserver {
   void flush();
   // Opens `path` (InvalidInputError naming it if it cannot be written), closing a
   // trace already open first.
-  void start(const std::string& path);
-  void stop();  // closes the trace as strict JSON; harmless when none is open
+  void start(const std::string& path, bool mark_cycles = false);
+  void cycle_start();  // a CYCLE_START mark, if the trace marks cycles
+  void stop();         // closes the trace as strict JSON; harmless when none is open
   bool active() const { return active_.load(std::memory_order_relaxed); }
 
  private:
@@ -68,6 +71,7 @@ class Timeline : public PhaseObserver {
   std::unordered_map<std::string, int> rows_;
   std::vector<std::string> current_;
   bool in_phase_ = false;
+  bool mark_cycles_ = false;
   std::chrono::steady_clock::time_point start_;
 };
 

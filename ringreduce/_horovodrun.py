@@ -167,7 +167,8 @@ def _add_tuning(g: Any) -> None:
     )
     g.add_argument("--mpi-threads-disable", action=flag, help="no effect")
     g.add_argument("--num-nccl-streams", type=int, help="no effect")
-    g.add_argument("--thread-affinity", type=int, help="no effect")
+    g.add_argument("--thread-affinity", help="the engine thread's core, one per local rank "
+                   "(\"2,3\"; RINGREDUCE_THREAD_AFFINITY)")
     g.add_argument("--ccl-bgt-affinity", type=int, help="no effect")
     g.add_argument("--gloo-timeout-seconds", type=float, help="as --start-timeout")
     g.add_argument(

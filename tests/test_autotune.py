@@ -22,8 +22,17 @@ from ringreduce.testing import make_world, run_threaded
 
 co = _core.coordination
 WORKER = str(Path(__file__).parent / "workers" / "launcher_worker.py")
-HEADER = ["hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms",
-          "tensor_fusion_threshold", "score", "batch_us"]
+HEADER = ["hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
+          "cycle_time_ms", "tensor_fusion_threshold", "score", "batch_us"]  # Horovod's, then ours
+
+
+def read_log(path):
+    """The log's rows as [hierarchical, allgather, cycle, fusion, score, batch] (after checking
+    Horovod's header and its columns ringreduce has no knob for)."""
+    rows = list(csv.reader(path.open()))
+    assert rows[0] == HEADER
+    assert all(r[2] == "0" and r[3] == "1" for r in rows[1:])  # no torus; the cache is on
+    return [rows[0]] + [[r[0], r[1], r[4], r[5], r[6], r[7]] for r in rows[1:]]
 
 
 def peak(x):  # maximum 0 at (0.7, 0.2)
@@ -82,8 +91,7 @@ def simulate(options, start, hierarchical=False, steps=2000, cost=step_seconds):
                 tuner.adopt(tuner.decide(), now)
         ran.append(tuner.current)
         now += cost(tuner.current)
-    rows = list(csv.reader(log.open()))
-    return tuner, ran, rows
+    return tuner, ran, read_log(log)
 
 
 START = {"fusion_mb": 256.0, "cycle_ms": 0.0, "batch_us": 50.0, "hierarchical": -1.0}
@@ -106,7 +114,7 @@ def test_tuner_scores_trials_then_keeps_the_best():
     tuner, ran, rows = simulate(opts, START)
     final = tuner.current
     assert final["active"] == 0 and final["trials"] == 12 + 4
-    assert rows[0] == HEADER and len(rows) == 1 + 12 + 4 + 1  # header, trials, a duel, choice
+    assert len(rows) == 1 + 12 + 4 + 1  # header, trials, a duel, choice
     trials = [[float(v) for v in r] for r in rows[1:-1]]
     # each trial ran 5 samples of 4 steps: 20 steps; the two warmup trials came first
     assert all(r["fusion_mb"] == 256.0 and r["batch_us"] == 50.0 for r in ran[:3 * 20])
@@ -176,7 +184,7 @@ def tune_in_threads(n, hosts=None, steps=300, **settings):
     finally:
         for c in comms:
             c.close()
-    return out, list(csv.reader(log.open()))
+    return out, read_log(log)
 
 
 KNOBS = ("autotuning", "autotune_trials", "fusion_threshold", "cycle_time_ms", "batch_us",
@@ -189,10 +197,11 @@ def test_threaded_ranks_tune_together_and_stay_right(n):
     assert [w for w, _ in out] == [0] * n
     knobs = [{k: s[k] for k in KNOBS} for _, s in out]
     assert knobs == [knobs[0]] * n, knobs
-    assert knobs[0]["autotuning"] is False and knobs[0]["autotune_trials"] == 5
-    assert rows[0] == HEADER and len(rows) == 7
+    # 5 trials, 4 more if the model's favourite dueled the start (possible on a noisy clock)
+    assert knobs[0]["autotuning"] is False and knobs[0]["autotune_trials"] in (5, 9)
+    assert len(rows) == 1 + knobs[0]["autotune_trials"] + 1
     assert float(rows[-1][5]) == pytest.approx(knobs[0]["batch_us"])
-    assert int(float(rows[-1][3]) * (1 << 20)) == knobs[0]["fusion_threshold"]
+    assert float(rows[-1][3]) * (1 << 20) == pytest.approx(knobs[0]["fusion_threshold"], rel=1e-8)
 
 
 def test_threaded_hosts_tune_the_hierarchical_allreduce():
@@ -222,9 +231,10 @@ def test_horovod_autotune_under_mpirun(tmp_path):
     assert proc.returncode == 0, job.describe()
     got = dict(re.findall(r"autotune (\d) (\{[^}]*\})", proc.stdout))  # lines may interleave
     assert sorted(got) == ["0", "1"] and got["0"] == got["1"], job.describe()
-    assert "'autotuning': False, 'autotune_trials': 4, 'fusion_threshold': 1048576" in got["0"]
-    rows = list(csv.reader((tmp_path / "at.csv").open()))
-    assert rows[0] == HEADER and len(rows) == 6
+    assert re.search(r"'autotuning': False, 'autotune_trials': [48], 'fusion_threshold': 1048576",
+                     got["0"]), got  # 4 trials, 4 more if a favourite dueled the start
+    rows = read_log(tmp_path / "at.csv")
+    assert len(rows) in (6, 10)
     assert {r[3] for r in rows[1:]} == {"1"}  # HOROVOD_FUSION_THRESHOLD held it at 1 MiB
 
 
@@ -246,17 +256,28 @@ def test_ranks_that_disagree_on_autotune_fail_at_init_naming_it(rank0, rank1, sh
                       base_env(None, log_dir))], 60, log_dir)
     err = job.procs[0].stderr
     assert job.procs[0].returncode != 0, job.describe()
-    for rank in (0, 1):  # both ranks raise, showing each rank's value
-        assert f"MismatchError: rank {rank}:" in err, job.describe()
+    # A rank that raised and left may be seen leaving before its header is read (then the
+    # other rank's error is PeerLostError); at least one rank shows both values.
+    assert "MismatchError: rank" in err, job.describe()
     assert all(s in err for s in shown), job.describe()
 
 
-def test_never_repeating_names_stop_the_tuner_alike_on_every_rank():
-    tuner = co.Autotuner({"steps_per_sample": 2}, START)
-    for i in range(100001):
-        assert not tuner.observe([{"name": f"noname.{i}"}], float(i))
-    assert tuner.current["active"] == 0  # every rank counts the same names: it stops alike
-    assert not tuner.observe([{"name": "noname.0"}] * 3, 1e6)
+def test_names_that_stop_repeating_end_tuning_with_the_start_restored():
+    # a few named steps move the settings to a test point, then only new names come
+    tuner = co.Autotuner({"steps_per_sample": 1, "warmup_samples": 0}, START)
+    now = 0.0
+    for _ in range(12):
+        now += 0.01
+        if tuner.observe([{"name": "g"}], now):
+            tuner.adopt(tuner.decide(), now)
+    assert tuner.current["active"] == 1 and tuner.current["fusion_mb"] != 256.0
+    ended = [i for i in range(100001) if tuner.observe([{"name": f"noname.{i}"}], now + i)]
+    assert len(ended) == 1 and ended[0] >= 99999  # by names only: alike on every rank
+    final = tuner.decide()  # rank 0's, which the engine broadcasts
+    assert final["active"] == 0 and final["trials"] == 2
+    assert [final[k] for k in ("fusion_mb", "cycle_ms", "batch_us")] == [256.0, 0.0, 50.0]
+    tuner.adopt(final, now)
+    assert not tuner.observe([{"name": "g"}] * 3, now)
 
 
 def test_the_negotiator_fuses_up_to_the_threshold_it_was_given_last():
@@ -273,13 +294,16 @@ def test_the_negotiator_fuses_up_to_the_threshold_it_was_given_last():
 
 
 def test_a_flat_noisy_landscape_keeps_the_start():
-    rng = np.random.default_rng(3)
+    kept = 0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
 
-    def noisy(t):  # no knob matters; each step varies by +-10%
-        return 0.010 * (1 + 0.1 * rng.standard_normal())
+        def noisy(t, rng=rng):  # no knob matters; each step varies by +-10%
+            return 0.010 * (1 + 0.1 * rng.standard_normal())
 
-    opts = {"warmup_samples": 0, "steps_per_sample": 3, "bayes_opt_max_samples": 10}
-    tuner, _, rows = simulate(opts, START, steps=1000, cost=noisy)
-    final = tuner.current
-    assert final["active"] == 0 and len(rows) == 12
-    assert [final[k] for k in ("fusion_mb", "cycle_ms", "batch_us")] == [256.0, 0.0, 50.0]
+        opts = {"warmup_samples": 0, "steps_per_sample": 3, "bayes_opt_max_samples": 10}
+        tuner, _, rows = simulate(opts, START, steps=1500, cost=noisy)
+        final = tuner.current
+        assert final["active"] == 0
+        kept += [final[k] for k in ("fusion_mb", "cycle_ms", "batch_us")] == [256.0, 0.0, 50.0]
+    assert kept >= 9  # an equal challenger that duels passes one time in four

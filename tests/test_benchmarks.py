@@ -216,5 +216,6 @@ def test_autotune_benchmark_tunes_and_reports_every_row():
     rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| config")}
     assert sorted(rows) == ["autotune", "defaults", "mpi"], out
-    assert rows["autotune"][6].strip() == str((3 + 3) * 5 * 2), out  # warmup 3 + 3 trials
+    # warmup 3 + 3 trials (+ 4 if the model's favourite dueled the start) of 5 x 2 steps
+    assert int(rows["autotune"][6]) in ((3 + 3) * 10, (3 + 3 + 4) * 10), out
     assert rows["defaults"][6].strip() == "0" and "auto" in rows["defaults"][8], out

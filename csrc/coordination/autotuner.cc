@@ -64,6 +64,7 @@ Autotuner::Autotuner(AutotuneOptions o, Tunables start, bool hierarchical_tunabl
       hierarchical_tunable_(hierarchical_tunable),
       cur_(start),
       best_(start),
+      start_(start),
       warmups_left_(opt_.warmup_samples) {
   cur_.active = 1;
   // The start first (so the defaults are always measured), then spread points.
@@ -86,8 +87,8 @@ Autotuner::Autotuner(AutotuneOptions o, Tunables start, bool hierarchical_tunabl
       throw_error(ErrorKind::kInvalidArgument, "rank 0: RINGREDUCE_AUTOTUNE_LOG='", opt_.log_path,
                   "' cannot be written");
     log_.precision(9);
-    log_ << "hierarchical_allreduce,hierarchical_allgather,cycle_time_ms,"
-            "tensor_fusion_threshold,score,batch_us\n";
+    log_ << "hierarchical_allreduce,hierarchical_allgather,torus_allreduce,cache_enabled,"
+            "cycle_time_ms,tensor_fusion_threshold,score,batch_us\n";
     log_.flush();
   }
   if (rank_ == 0 && !(cur_.active > 0))
@@ -144,8 +145,10 @@ bool Autotuner::observe(const std::vector<RequestMeta>& tensors, double now) {
   if (!ended) {
     for (const RequestMeta& m : tensors) ++counts_[m.name];
     bytes_ += bytes;
-    if (counts_.size() > kMaxNames) give_up();
-    return false;
+    if (counts_.size() <= kMaxNames) return false;
+    gave_up_ = true;  // on every rank at this response: end tuning as a trial would end
+    counts_.clear();
+    return true;
   }
   const double dt = now - sample_start_;
   sample_scores_.push_back(dt > 0 ? bytes_ / dt : 0.0);
@@ -159,17 +162,24 @@ bool Autotuner::observe(const std::vector<RequestMeta>& tensors, double now) {
   return true;
 }
 
-void Autotuner::give_up() {
-  cur_.active = 0;
-  counts_.clear();
-  if (rank_ == 0)
-    log(LogLevel::kWarning, rank_, "autotune: ", kMaxNames,
-        " tensor names went by and none came twice, so there are no steps to time; tuning "
-        "stopped with the settings unchanged (name the tensors a step submits: "
-        "DistributedOptimizer does; unnamed calls get new names)");
+// Names stopped repeating: tuning ends with the start's settings, or the
+// incumbent of the duels (a setting that was compared with the start).
+Tunables Autotuner::give_up() {
+  Tunables t = phase_ == Phase::kDuel ? best_ : start_;
+  phase_ = Phase::kDone;
+  t.active = 0;
+  t.trials = trials_;
+  log(LogLevel::kWarning, rank_, "autotune: ", kMaxNames,
+      " tensor names went by without one coming ", opt_.steps_per_sample + 1,
+      " times, so there are no steps to time; tuning stopped, keeping fusion ", t.fusion_mb,
+      " MiB, cycle ", t.cycle_ms, " ms, batch ", t.batch_us, " us, hierarchical ", t.hierarchical,
+      " (name the tensors a step submits: DistributedOptimizer does; unnamed calls get new "
+      "names)");
+  return cur_ = t;
 }
 
 Tunables Autotuner::decide() {
+  if (gave_up_) return give_up();
   std::vector<double> s;
   s.swap(trial_scores_);
   std::sort(s.begin(), s.end());
@@ -271,8 +281,8 @@ void Autotuner::write_row(const Tunables& t, double score) {
   if (!log_.is_open()) return;
   // Horovod's columns and units (score in bytes per microsecond), then ours;
   // hierarchical_allreduce is the setting: -1 automatic (Horovod: 0 or 1).
-  log_ << t.hierarchical << ",0," << t.cycle_ms << "," << t.fusion_mb << "," << score / 1e6 << ","
-       << t.batch_us << "\n";
+  log_ << t.hierarchical << ",0,0," << (opt_.cache_enabled ? 1 : 0) << "," << t.cycle_ms << ","
+       << t.fusion_mb << "," << score / 1e6 << "," << t.batch_us << "\n";
   log_.flush();
 }
 

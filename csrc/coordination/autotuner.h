@@ -21,8 +21,14 @@
 // 0's choice (decide()) and every rank adopts it before that response runs.
 //
 // A job whose names never repeat (unnamed calls are numbered) never ends a
-// sample: after kMaxNames distinct names every rank gives up alike, with a
-// warning on rank 0, and the settings stay as they were.
+// sample: after kMaxNames distinct names in one sample every rank ends tuning
+// there alike, as at the end of a trial, with a warning on rank 0; the start's
+// settings are restored (or the duels' incumbent, a setting compared with it).
+//
+// Log columns: current Horovod's (hierarchical_allreduce, hierarchical_allgather,
+// torus_allreduce, cache_enabled, cycle_time_ms, tensor_fusion_threshold in
+// MiB, score in bytes per microsecond), then batch_us; ringreduce has no
+// hierarchical allgather or torus allreduce (0) and does not tune the cache.
 //
 // Search (rank 0). The first `warmup_samples` trials are discarded (caches,
 // first touches). Then the continuous knobs: the starting setting, three
@@ -67,6 +73,7 @@ struct AutotuneOptions {
   // Knobs the user set, held at their values.
   bool fixed_fusion = false, fixed_cycle = false, fixed_batch = false, fixed_hierarchical = false;
   double batch_hi_us = 2000;  // the batching gap's range ends here (RINGREDUCE_BATCH_MAX_US)
+  bool cache_enabled = true;  // for the log's cache_enabled column (RINGREDUCE_CACHE_CAPACITY)
   // "fcbh" with "-" for each knob the tuner may move: ranks must agree on it.
   std::string fixed_mask() const;
 };
@@ -118,7 +125,7 @@ class Autotuner {
   Tunables choose(double score);
   bool rated_better();
   Tunables duel(double score);
-  void give_up();
+  Tunables give_up();
   Tunables finish();
   void write_row(const Tunables& t, double score);
 
@@ -126,7 +133,8 @@ class Autotuner {
   int rank_;
   bool hierarchical_tunable_;
   Phase phase_ = Phase::kBayes;
-  Tunables cur_, best_;
+  Tunables cur_, best_, start_;
+  bool gave_up_ = false;
   double best_score_ = -1;
   int warmups_left_;
   int trials_ = 0;  // scored trials

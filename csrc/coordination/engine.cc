@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <sstream>
 #include <thread>
 
 #include "collectives/collective_util.h"
@@ -34,6 +36,7 @@ EngineOptions engine_options_from_env() {
   o.stall_shutdown_s = env_double("RINGREDUCE_STALL_SHUTDOWN_SECONDS", o.stall_shutdown_s);
   o.timeline_path = env_str("RINGREDUCE_TIMELINE", "");
   o.timeline_mark_cycles = env_int("RINGREDUCE_TIMELINE_MARK_CYCLES", 0) != 0;
+  o.thread_affinity = env_str("RINGREDUCE_THREAD_AFFINITY", "");
   o.fast_path = env_int("RINGREDUCE_FAST_PATH", 1) != 0;
   const int64_t fold = env_int("RINGREDUCE_FOLD_BYTES", -1);
   o.paired_rounds = env_int("RINGREDUCE_PAIRED_ROUNDS", 1) != 0;
@@ -51,6 +54,7 @@ EngineOptions engine_options_from_env() {
   // A longer gap would be cut at the batch's maximum anyway.
   o.autotune.batch_hi_us = std::min(o.autotune.batch_hi_us, o.batch_max_s * 1e6);
   if (!(o.autotune.batch_hi_us > 0)) o.autotune.fixed_batch = true;  // batching is off
+  o.autotune.cache_enabled = o.cache_capacity > 0;
   return o;
 }
 
@@ -83,6 +87,7 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
         timeline_.get());
   executors_.push_back(make_cpu_executor(*ctx_, timeline_.get()));
   cycle_s_.store(opt_.cycle_time_s);
+  engine_core_ = affinity_core();
   make_tuner();
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   RR_CHECK(wake_fd_ >= 0, "rank ", rank_, ": eventfd: ", errno_string(errno));
@@ -128,6 +133,40 @@ void Engine::agree_on_settings() {
 // and the coordinator shares memory, up to 16 KiB across a socket (README
 // "Folded rounds" has the measurements). Ranks need not agree: a worker folds
 // what its own limit allows, rank 0 folds what every worker sent.
+// Horovod's HOROVOD_THREAD_AFFINITY: "c0,c1,...", entry i the core of local
+// rank i's background thread. Refused (naming the rank, the value and the
+// cores it may use) when this rank has no entry or may not run there.
+int Engine::affinity_core() const {
+  if (opt_.thread_affinity.empty()) return -1;
+  std::vector<int> cores;
+  std::string item;
+  std::stringstream in(opt_.thread_affinity);
+  const int local = ctx_->local_rank();
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  sched_getaffinity(0, sizeof allowed, &allowed);
+  std::string may;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) may += cat(may.empty() ? "" : ",", c);
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long c = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || c < 0 || c >= CPU_SETSIZE)
+      throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='",
+                  opt_.thread_affinity, "': '", item, "' is not a core number");
+    cores.push_back(static_cast<int>(c));
+  }
+  if (local >= static_cast<int>(cores.size()))
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='",
+                opt_.thread_affinity, "' names ", cores.size(), " core(s), one per local rank, ",
+                "but this rank is local rank ", local, " of ", ctx_->local_size());
+  if (!CPU_ISSET(cores[local], &allowed))
+    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='",
+                opt_.thread_affinity, "' gives local rank ", local, " core ", cores[local],
+                ", where this process may not run (it may use cores ", may, ")");
+  return cores[local];
+}
+
 size_t Engine::auto_fold_bytes() const {
   bool socket = false;
   for (int p = 0; p < size_; ++p)
@@ -462,6 +501,12 @@ void Engine::loop() {
   // Named, so that per-thread CPU use (/proc/<pid>/task/*/comm, top -H) tells
   // the engine from the compute threads it competes with.
   pthread_setname_np(pthread_self(), "rr-engine");
+  if (engine_core_ >= 0) {  // checked by affinity_core(): the process may run there
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(engine_core_, &one);
+    pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+  }
   try {
     agree_on_settings();
     while (idle_wait() == Wake::kWork) run_round();

@@ -66,6 +66,7 @@ struct EngineOptions {
   bool paired_rounds = true;                 // RINGREDUCE_PAIRED_ROUNDS (engine_pair.cc)
   int gpu_queue_depth = 0;                   // RINGREDUCE_GPU_QUEUE_DEPTH (hold_for_device)
   AutotuneOptions autotune;                  // RINGREDUCE_AUTOTUNE* (autotuner.h)
+  std::string thread_affinity;               // RINGREDUCE_THREAD_AFFINITY: a core per local rank
 };
 
 EngineOptions engine_options_from_env();
@@ -84,8 +85,8 @@ struct EngineStats {
   uint64_t paired = 0;                   // of `folded`, without a RESPONSES (engine_pair.cc)
   int64_t gpu_device = -1;               // the device of this rank's first GPU executor
   uint64_t device_holds = 0;             // GPU work held back while the device was behind
-  // The settings the autotuner chose (autotuner.h); without it, the configured
-  // ones and hierarchical = -1.
+  // The settings in force: the autotuner's choice (autotuner.h) or the
+  // configured ones; hierarchical: RINGREDUCE_HIERARCHICAL_ALLREDUCE's -1, 0, 1.
   bool autotuning = false;
   uint64_t autotune_trials = 0;
   uint64_t fusion_threshold = 0;
@@ -151,6 +152,7 @@ class Engine : private DriveToken::Driver {
   void reject_locked(const std::vector<Entry>& entries, const std::string& why);
   static RequestMeta rejected_meta(const Rejection& rj);
   void agree_on_settings();
+  int affinity_core() const;  // RINGREDUCE_THREAD_AFFINITY's core for this rank, or -1
   size_t auto_fold_bytes() const;
   void validate(Entry& e);
   void validate_members(const RequestMeta& m) const;
@@ -317,6 +319,7 @@ class Engine : private DriveToken::Driver {
   std::chrono::steady_clock::time_point t0_;
   // The autotuner (driver only) and what it chose, for stats() (any thread).
   std::unique_ptr<Autotuner> tuner_;
+  int engine_core_ = -1;  // the engine thread's core (RINGREDUCE_THREAD_AFFINITY)
   bool hierarchical_tuned_ = false;
   std::atomic<double> cycle_s_{0};  // RINGREDUCE_CYCLE_TIME_MS, as tuned
   mutable std::mutex tune_mu_;

@@ -37,10 +37,12 @@ void Engine::retune() {
   if (rank_ == 0) t = tuner_->decide();
   Tensor desc{&t, {kTunables}, DType::kFloat64, "autotune"};
   broadcast(*ctx_, &t, desc, 0);
-  const auto fusion = static_cast<uint64_t>(t.fusion_mb * (1 << 20));
-  if (rank_ == 0) negotiator_->set_fusion_threshold(fusion);
-  cycle_s_.store(t.cycle_ms * 1e-3);
-  batch_.set_gap(t.batch_us * 1e-6);
+  // A knob held by hand keeps each rank's own value (ranks agree on which are held).
+  const AutotuneOptions& o = opt_.autotune;
+  if (rank_ == 0 && !o.fixed_fusion)
+    negotiator_->set_fusion_threshold(static_cast<uint64_t>(t.fusion_mb * (1 << 20)));
+  if (!o.fixed_cycle) cycle_s_.store(t.cycle_ms * 1e-3);
+  if (!o.fixed_batch) batch_.set_gap(t.batch_us * 1e-6);
   if (hierarchical_tuned_) ctx_->set_hierarchical(static_cast<int>(t.hierarchical));
   set_tuned(t);
   tuner_->adopt(t, now());  // after the exchange: the next trial's time starts here
@@ -59,9 +61,11 @@ void Engine::tuned_stats(EngineStats& s) const {
   std::lock_guard<std::mutex> lock(tune_mu_);
   s.autotuning = tuned_.active > 0;
   s.autotune_trials = static_cast<uint64_t>(tuned_.trials);
-  s.fusion_threshold =
-      tuner_ ? static_cast<uint64_t>(tuned_.fusion_mb * (1 << 20)) : opt_.fusion_threshold;
-  s.hierarchical = tuner_ ? static_cast<int>(tuned_.hierarchical) : ctx_->options().hierarchical;
+  s.fusion_threshold = tuner_ && !opt_.autotune.fixed_fusion
+                           ? static_cast<uint64_t>(tuned_.fusion_mb * (1 << 20))
+                           : opt_.fusion_threshold;
+  s.hierarchical =
+      hierarchical_tuned_ ? static_cast<int>(tuned_.hierarchical) : ctx_->options().hierarchical;
 }
 
 }  // namespace rr

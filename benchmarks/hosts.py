@@ -67,8 +67,10 @@ class Api:
             self.rank, self.size = c.Get_rank(), c.Get_size()
             self.barrier = c.Barrier
             self.sum_ = lambda x: c.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+            self.gather = lambda x: c.allgather(x)
             self.max = lambda v: c.allreduce(v, op=MPI.MAX)
             self.hierarchical = lambda: False
+            self.hierarchical_gather = lambda: False
             self.finish = lambda: None
             return
         import ringreduce as rr
@@ -77,15 +79,21 @@ class Api:
         self.rank, self.size = rr.rank(), rr.size()
         self.barrier = rr.barrier
         self.sum_ = lambda x: rr.allreduce_(x, op=rr.Sum, name="x")
+        self.gather = lambda x: rr.allgather(x, name="g")
         self.max = lambda v: float(rr.allreduce(np.array([v]), op=rr.Max, name="t")[0])
         self.hierarchical = lambda: min(rr.allgather_object(_hier_count(), name="h")) > 0
+        self.hierarchical_gather = lambda: min(
+            rr.allgather_object(_hier_count("hierarchical_allgathers"), name="hg")) > 0
         self.finish = rr.shutdown
 
 
-def worker(sizes: Sequence[int], iters: int, seconds: float, mpi: bool) -> None:
-    """One rank: allreduce float32 buffers of ``sizes`` bytes in place, at least ``iters``
-    times and about ``seconds`` long; rank 0 prints one JSON line per size."""
+def worker(sizes: Sequence[int], iters: int, seconds: float, mpi: bool, op: str) -> None:
+    """One rank: allreduce float32 buffers of ``sizes`` bytes in place (or, ``op`` allgather,
+    gather 1/N of them from every rank), at least ``iters`` times and about ``seconds`` long;
+    rank 0 prints one JSON line per size."""
     api = Api(mpi)
+    if op == "allgather":
+        return gather_worker(api, sizes, iters, seconds)
     np, n = api.np, api.size
     for size in sizes:
         x = np.full(size // 4, api.rank + 1, np.float32)
@@ -108,10 +116,34 @@ def worker(sizes: Sequence[int], iters: int, seconds: float, mpi: bool) -> None:
     api.finish()
 
 
-def _hier_count() -> int:
+def gather_worker(api: Api, sizes: Sequence[int], iters: int, seconds: float) -> None:
+    """worker() for allgather: ``size`` is the output (nccl-tests' convention)."""
+    np, n = api.np, api.size
+    for size in sizes:
+        x = np.full(size // 4 // n, api.rank + 1, np.float32)
+        api.barrier()
+        t0 = time.perf_counter()
+        api.gather(x)
+        count = int(api.max(max(iters, min(200, int(seconds / (time.perf_counter() - t0))))))
+        api.barrier()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            out = api.gather(x)
+        worst = api.max((time.perf_counter() - t0) / count)
+        out = np.concatenate(out) if isinstance(out, list) else out
+        want = np.repeat(np.arange(1, n + 1, dtype=np.float32), x.size)
+        ok = bool(api.max(float(not np.array_equal(out, want))) == 0)
+        hier = api.hierarchical_gather()
+        if api.rank == 0:
+            print(json.dumps({"bytes": x.nbytes * n, "seconds": worst, "ok": ok,
+                              "iters": count, "hierarchical": hier}), flush=True)
+    api.finish()
+
+
+def _hier_count(what: str = "hierarchical_allreduces") -> int:
     from ringreduce import _Process
 
-    return _Process.comm._engine.stats()["hierarchical_allreduces"]
+    return _Process.comm._engine.stats()[what]
 
 
 def stream_receiver(port: int) -> None:
@@ -140,21 +172,22 @@ def stream_sender(addr: str, port: int, total: int) -> None:
 
 # ------------------------------------------------------------------ orchestration
 def run_job(hosts: _netns.Hosts, placement: Sequence[int], sizes: Sequence[int], iters: int,
-            seconds: float, extra_env: dict, timeout: float) -> list[dict]:
+            seconds: float, extra_env: dict, timeout: float, op: str = "allreduce"
+            ) -> list[dict]:
     """Run the worker with rank r on host placement[r]; rank 0's result lines."""
     env = {**os.environ, "MASTER_PORT": "29611", "RINGREDUCE_SECRET": os.urandom(16).hex(),
            "PYTHONUNBUFFERED": "1", "RINGREDUCE_SPIN_US": SPIN_US, **extra_env}
     for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "PMIX_RANK"):
         env.pop(k, None)
-    procs = _netns.spawn(hosts, placement, worker_argv(sizes, iters, seconds), env)
+    procs = _netns.spawn(hosts, placement, worker_argv(sizes, iters, seconds, op=op), env)
     return collect(procs, timeout)
 
 
-def worker_argv(sizes: Sequence[int], iters: int, seconds: float, mpi: bool = False
-                ) -> list[str]:
+def worker_argv(sizes: Sequence[int], iters: int, seconds: float, mpi: bool = False,
+                op: str = "allreduce") -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--worker", *(["--mpi"] if mpi else []),
             "--sizes", ",".join(map(str, sizes)), "--iters", str(iters),
-            "--seconds", str(seconds)]
+            "--seconds", str(seconds), "--op", op]
 
 
 def run_mpich(hosts: _netns.Hosts, sizes: Sequence[int], iters: int, seconds: float,
@@ -216,9 +249,12 @@ HEADER = (f"{'config':<28}{'size':>8}{'time(us)':>12}{'algbw(GB/s)':>13}{'busbw(
           f"{'link(Gbit/s)':>14}{'link%':>7}  check")
 
 
-def print_row(label: str, n: int, r: dict, link_bits: Optional[float]) -> dict:
+def print_row(label: str, n: int, r: dict, link_bits: Optional[float],
+              factor: Optional[float] = None) -> dict:
+    """``factor``: busbw / algbw (nccl-tests: allreduce 2(N-1)/N, the default;
+    allgather (N-1)/N)."""
     algbw = r["bytes"] / r["seconds"] / 1e9
-    busbw = algbw * 2 * (n - 1) / n
+    busbw = algbw * (2 * (n - 1) / n if factor is None else factor)
     pct = f"{100 * busbw * 8e9 / link_bits:.0f}" if link_bits else "-"
     link = f"{link_bits / 1e9:.2f}" if link_bits else "-"
     print(f"{label:<28}{fmt_size(r['bytes']):>8}{r['seconds'] * 1e6:>12.0f}{algbw:>13.3f}"
@@ -266,6 +302,25 @@ def compare_hierarchical(args: argparse.Namespace, sizes: list[int]) -> list[dic
     return rows
 
 
+def compare_hierarchical_allgather(args: argparse.Namespace, sizes: list[int]) -> list[dict]:
+    """RINGREDUCE_HIERARCHICAL_ALLGATHER 0 and 1 at 2 hosts x 2 ranks, placed host by host."""
+    rows, times = [], {}
+    rate = args.hier_rate
+    with _netns.Hosts(2, rate=rate) as hosts:
+        link = _netns.rate_bits(rate)
+        for setting in ("0", "1"):
+            env = {"RINGREDUCE_HIERARCHICAL_ALLGATHER": setting}
+            for r in run_job(hosts, [0, 0, 1, 1], sizes, args.iters, args.seconds, env,
+                             args.timeout, op="allgather"):
+                algo = "hier" if r["hierarchical"] else "flat"
+                rows.append(print_row(f"{rate} 2x2 allgather {algo}", 4, r, link, 3 / 4))
+                times[(setting, r["bytes"])] = r["seconds"]
+    for size in sizes:
+        print(f"# allgather {fmt_size(size)}: hierarchical is "
+              f"{times[('0', size)] / times[('1', size)]:.2f}x the flat ring", flush=True)
+    return rows
+
+
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -299,7 +354,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-mpich", dest="mpich", action="store_false")
     p.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hier-rate", default="1gbit")
-    p.add_argument("--no-hier", action="store_true", help="skip the hierarchical comparison")
+    p.add_argument("--no-hier", action="store_true", help="skip the hierarchical comparisons")
+    p.add_argument("--op", choices=("allreduce", "allgather"), default="allreduce",
+                   help=argparse.SUPPRESS)
     p.add_argument("--no-ceiling", dest="ceiling", action="store_false")
     p.add_argument("--ceiling-bytes", type=parse_size, default=parse_size("512M"))
     p.add_argument("--timeout", type=float, default=300)
@@ -312,7 +369,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     SPIN_US = args.spin_us
     if args.worker:
-        return worker(sizes, args.iters, args.seconds, args.mpi)
+        return worker(sizes, args.iters, args.seconds, args.mpi, args.op)
     if args.receiver is not None:
         return stream_receiver(args.receiver)
     if args.sender:
@@ -333,6 +390,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     rows = sweep_rates(args, sizes)
     if not args.no_hier:
         rows += compare_hierarchical(args, sizes)
+        rows += compare_hierarchical_allgather(args, sizes)
     if args.plot:
         plot(rows, args.plot)
     return None

@@ -117,6 +117,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HOROVOD_CYCLE_TIME", "RINGREDUCE_CYCLE_TIME_MS", _number(float)),
     Setting("HOROVOD_CACHE_CAPACITY", "RINGREDUCE_CACHE_CAPACITY", _number(int)),
     Setting("HOROVOD_HIERARCHICAL_ALLREDUCE", "RINGREDUCE_HIERARCHICAL_ALLREDUCE", _flag),
+    Setting("HOROVOD_HIERARCHICAL_ALLGATHER", "RINGREDUCE_HIERARCHICAL_ALLGATHER", _flag),
     Setting("HOROVOD_TIMELINE", "RINGREDUCE_TIMELINE", _timeline),
     Setting("HOROVOD_STALL_CHECK_TIME_SECONDS", "RINGREDUCE_STALL_CHECK_SECONDS", _number(float)),
     Setting("HOROVOD_STALL_CHECK_DISABLE", "RINGREDUCE_STALL_CHECK_SECONDS", _stall_disable),
@@ -146,7 +147,6 @@ SETTINGS: tuple[Setting, ...] = (
 
 # Horovod knobs ringreduce has no counterpart for, and why that is safe to say.
 NO_EFFECT: dict[str, str] = {
-    "HOROVOD_HIERARCHICAL_ALLGATHER": "allgather always runs the flat ring",
     "HOROVOD_NUM_NCCL_STREAMS": "the GPU backend uses one NCCL stream per device",
     "HOROVOD_MPI_THREADS_DISABLE": "MPI is used only to start the job",
     "HOROVOD_CCL_BGT_AFFINITY": "no oneCCL backend",

@@ -144,7 +144,8 @@ def _add_tuning(g: Any) -> None:
         action=flag,
         help="shm inside hosts, ring across (default: where it wins)",
     )
-    g.add_argument("--hierarchical-allgather", action=flag, help="no effect")
+    g.add_argument("--hierarchical-allgather", action=flag,
+                   help="gather inside hosts, leaders across (default: off)")
     g.add_argument("--autotune", action=flag,
                    help="tune the fusion threshold, cycle time, batching gap and hierarchical "
                    "allreduce while training (README, Autotune)")

@@ -239,10 +239,13 @@ def test_horovod_autotune_under_mpirun(tmp_path):
 
 
 @pytest.mark.parametrize("rank0, rank1, shown", [
-    ({"RINGREDUCE_AUTOTUNE": "1"}, {}, ("AUTOTUNE=10:----'", "AUTOTUNE=0'")),
+    ({"RINGREDUCE_AUTOTUNE": "1"}, {}, ("AUTOTUNE=10:---- ", "AUTOTUNE=0 ")),
     # the same steps, but rank 0 holds the cycle time: it would tune other knobs
     ({"RINGREDUCE_AUTOTUNE": "1", "RINGREDUCE_CYCLE_TIME_MS": "0"}, {"RINGREDUCE_AUTOTUNE": "1"},
-     ("AUTOTUNE=10:-c--'", "AUTOTUNE=10:----'")),
+     ("AUTOTUNE=10:-c--", "AUTOTUNE=10:----")),
+    # the allgather algorithm is each rank's own choice: they must agree on it
+    ({"RINGREDUCE_HIERARCHICAL_ALLGATHER": "1"}, {},
+     ("HIERARCHICAL_ALLGATHER=1'", "HIERARCHICAL_ALLGATHER=0'")),
 ])
 def test_ranks_that_disagree_on_autotune_fail_at_init_naming_it(rank0, rank1, shown):
     mpirun = require_mpirun()

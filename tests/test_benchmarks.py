@@ -183,7 +183,8 @@ def test_gpu_benchmarks_say_what_is_missing_without_a_gpu(program):
 
 def test_hosts_benchmark_across_network_namespaces():
     """benchmarks/hosts.py at toy sizes: 2 namespace hosts on a shaped link (ringreduce and
-    MPICH), and the 2 x 2 hierarchical comparison; skipped where namespaces cannot be made."""
+    MPICH), and the 2 x 2 hierarchical comparisons (allreduce, allgather); skipped where
+    namespaces cannot be made."""
     res = subprocess.run([sys.executable, str(BENCH / "hosts.py"), "--rates", "1gbit",
                           "--hosts", "2", "--sizes", "1M", "--iters", "1", "--seconds", "0"],
                          capture_output=True, text=True, timeout=240)
@@ -193,7 +194,7 @@ def test_hosts_benchmark_across_network_namespaces():
     rows = [line for line in res.stdout.splitlines() if not line.startswith(("#", "config"))]
     assert rows and all(line.endswith("OK") for line in rows), res.stdout
     for label in ("1gbit 2x1 ", "1gbit 2x1 mpich", "2x2 by-host flat", "2x2 by-host hier",
-                  "2x2 interleaved hier"):
+                  "2x2 interleaved hier", "2x2 allgather flat", "2x2 allgather hier"):
         assert any(line.startswith(label) or label in line for line in rows), label
     assert "hierarchical is" in res.stdout
 

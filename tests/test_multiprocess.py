@@ -99,13 +99,17 @@ def test_collectives_env_launch(n):
 ], ids=["AABB", "ABA"])
 def test_collectives_fake_hosts(hosts, quick):
     """RINGREDUCE_HOST_ID splits one machine into fake hosts: shm inside, tcp across; a host
-    with two ranks makes the large allreduces hierarchical (tests/test_hierarchical.py)."""
-    rank_env = [{"RINGREDUCE_HOST_ID": f"fake-host-{h}"} for h in hosts]
+    with two ranks makes the large allreduces hierarchical (tests/test_hierarchical.py), and
+    AABB also asks for the hierarchical allgather (ABA runs the flat ring)."""
+    gather = "0" if quick else "1"
+    rank_env = [{"RINGREDUCE_HOST_ID": f"fake-host-{h}",
+                 "RINGREDUCE_HIERARCHICAL_ALLGATHER": gather} for h in hosts]
     job = run_env_launch(len(hosts), WORKER, ["--quick"] if quick else [], rank_env=rank_env,
                          timeout=120)
     check_collectives(job, hosts)
     for r in range(len(hosts)):
         assert job.event(r, "done")["hierarchical"] > 0, job.describe()
+        assert (job.event(r, "done")["hierarchical_allgathers"] > 0) == (gather == "1")
 
 
 def test_collectives_single_process_without_launcher():

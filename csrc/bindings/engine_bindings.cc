@@ -498,6 +498,7 @@ void bind_engine_class(py::module_& m) {
              d["tensors"] = s.tensors;
              d["shared_allreduces"] = s.shared_allreduces;
              d["hierarchical_allreduces"] = s.hierarchical_allreduces;
+             d["hierarchical_allgathers"] = s.hierarchical_allgathers;
              d["adasum_allreduces"] = s.adasum_allreduces;
              d["caller_rounds"] = s.caller_rounds;
              d["folded"] = s.folded;

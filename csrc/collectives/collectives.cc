@@ -95,8 +95,12 @@ void allgather(Context& ctx, const Tensor& in, const Allocator& alloc) {
       if (src && off[p + 1] > off[p]) std::memcpy(out + off[p], src, off[p + 1] - off[p]);
     }
     if (!direct) {
-      ctx.phase("RING_ALLGATHER");
-      allgather_ring(ctx, out, off, describe_op(d, seq));
+      if (hierarchical_allgather_applies(ctx)) {
+        allgather_hierarchical(ctx, out, off, describe_op(d, seq));
+      } else {
+        ctx.phase("RING_ALLGATHER");
+        allgather_ring(ctx, out, off, describe_op(d, seq));
+      }
     }
   });
 }

@@ -105,6 +105,10 @@ void reduce_scatter_ring(Context& ctx, uint8_t* buf, const std::vector<size_t>& 
                          const uint8_t* own = nullptr);
 void allgather_ring(Context& ctx, uint8_t* out, const std::vector<size_t>& byte_off,
                     const std::string& what);
+// RINGREDUCE_HIERARCHICAL_ALLGATHER is on and hierarchical_applies().
+bool hierarchical_allgather_applies(const Context& ctx);
+void allgather_hierarchical(Context& ctx, uint8_t* out, const std::vector<size_t>& byte_off,
+                            const std::string& what);
 void broadcast_chain(Context& ctx, uint8_t* buf, size_t bytes, int root, const std::string& what);
 void alltoall_pairwise(Context& ctx, const uint8_t* in, const std::vector<size_t>& send_off,
                        uint8_t* out, const std::vector<size_t>& recv_off, const std::string& what);

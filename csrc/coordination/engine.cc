@@ -107,25 +107,28 @@ Engine::Engine(std::shared_ptr<Context> ctx, EngineOptions opt)
 // the thread's first act: a difference fails every rank's engine with a
 // MismatchError that shows each rank's values.
 void Engine::agree_on_settings() {
-  // Short keys: a header name holds kMaxHeaderName - 1 characters; values too
+  // Short lines: a header name holds kMaxHeaderName - 1 characters; values too
   // long for that are compared by digest (still a mismatch, less readable).
-  std::string name = cat("RINGREDUCE_* CACHE_CAPACITY=", opt_.cache_capacity,
-                         " SMALL_BYTES=", ctx_->options().small_bytes,
-                         " RING_SLICE_BYTES=", ctx_->options().ring_slice_bytes,
-                         // every rank must end the autotuner's samples at the same
-                         // response and tune the same knobs
-                         " AUTOTUNE=", opt_.autotune.enabled ? opt_.autotune.steps_per_sample : 0,
-                         opt_.autotune.enabled ? ":" + opt_.autotune.fixed_mask() : "");
-  if (name.size() >= static_cast<size_t>(kMaxHeaderName)) {
-    const auto d = sha256(name.data(), name.size());
-    name = "settings RINGREDUCE_* digest ";
-    const char* hex = "0123456789abcdef";
-    for (int i = 0; i < 16; ++i) {
-      name += hex[d[i] >> 4];
-      name += hex[d[i] & 15];
+  auto agree = [this](std::string name) {
+    if (name.size() >= static_cast<size_t>(kMaxHeaderName)) {
+      const auto d = sha256(name.data(), name.size());
+      name = "settings RINGREDUCE_* digest ";
+      const char* hex = "0123456789abcdef";
+      for (int i = 0; i < 16; ++i) {
+        name += hex[d[i] >> 4];
+        name += hex[d[i] & 15];
+      }
     }
-  }
-  barrier(*ctx_, name);
+    barrier(*ctx_, name);
+  };
+  agree(cat("RINGREDUCE_* CACHE_CAPACITY=", opt_.cache_capacity, " SMALL_BYTES=",
+            ctx_->options().small_bytes, " RING_SLICE_BYTES=", ctx_->options().ring_slice_bytes));
+  // The autotuner: every rank must end its samples at the same response and
+  // tune the same knobs, and run the same allgather algorithm (each rank
+  // chooses it alone).
+  agree(cat("RINGREDUCE_* AUTOTUNE=", opt_.autotune.enabled ? opt_.autotune.steps_per_sample : 0,
+            opt_.autotune.enabled ? ":" + opt_.autotune.fixed_mask() : "",
+            " HIERARCHICAL_ALLGATHER=", ctx_->options().hierarchical_allgather));
 }
 
 // Folding copies a contribution several times (engine_fold.cc) to save one
@@ -476,6 +479,7 @@ EngineStats Engine::stats() const {
   s.tensors = executed_tensors_.load();
   s.shared_allreduces = ctx_->shared_allreduces();
   s.hierarchical_allreduces = ctx_->hierarchical_allreduces();
+  s.hierarchical_allgathers = ctx_->hierarchical_allgathers();
   s.adasum_allreduces = ctx_->adasum_allreduces();
   s.caller_rounds = caller_rounds_.load();
   s.folded = folded_.load();

@@ -79,6 +79,7 @@ struct EngineStats {
   uint64_t tensors = 0;
   uint64_t shared_allreduces = 0;        // over shared buffers (allreduce_shared.cc)
   uint64_t hierarchical_allreduces = 0;  // allreduce_hierarchical.cc
+  uint64_t hierarchical_allgathers = 0;  // allgather_hierarchical.cc
   uint64_t adasum_allreduces = 0;        // collectives.h adasum(), any size
   uint64_t caller_rounds = 0;            // of `rounds`, run by a waiting caller (engine_drive.cc)
   uint64_t folded = 0;                   // of `responses`, finished in their round (engine_fold.cc)

@@ -54,6 +54,11 @@ ContextOptions options_from_env(int rank, int size, const std::string& secret) {
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_SHM_STREAM_SEND='", stream,
                 "' is not one of auto, always, never");
   o.hierarchical = static_cast<int>(env_int("RINGREDUCE_HIERARCHICAL_ALLREDUCE", -1));
+  o.hierarchical_allgather =
+      static_cast<int>(env_int("RINGREDUCE_HIERARCHICAL_ALLGATHER", o.hierarchical_allgather));
+  if (o.hierarchical_allgather < 0 || o.hierarchical_allgather > 1)
+    throw_error(ErrorKind::kInvalidArgument,
+                "RINGREDUCE_HIERARCHICAL_ALLGATHER=", o.hierarchical_allgather, " is not 0 or 1");
   if (o.hierarchical < -1 || o.hierarchical > 1)
     throw_error(ErrorKind::kInvalidArgument, "RINGREDUCE_HIERARCHICAL_ALLREDUCE=", o.hierarchical,
                 " is not 0 or 1");

@@ -70,6 +70,9 @@ struct ContextOptions {
   // RINGREDUCE_HIERARCHICAL_ALLREDUCE: 1 on, 0 off, -1 (unset) automatic
   // (allreduce_hierarchical.cc; the ranks agree through the header).
   int hierarchical = -1;
+  // RINGREDUCE_HIERARCHICAL_ALLGATHER: 1 on, 0 off (default; ranks agree on it
+  // at start-up: allgather_hierarchical.cc).
+  int hierarchical_allgather = 0;
 };
 
 // Reads RINGREDUCE_* settings over the defaults.
@@ -140,6 +143,8 @@ class Context {
   void count_shared_allreduce() { shared_allreduces_.fetch_add(1); }
   uint64_t hierarchical_allreduces() const { return hierarchical_allreduces_.load(); }
   void count_hierarchical_allreduce() { hierarchical_allreduces_.fetch_add(1); }
+  uint64_t hierarchical_allgathers() const { return hierarchical_allgathers_.load(); }
+  void count_hierarchical_allgather() { hierarchical_allgathers_.fetch_add(1); }
   // Adasum allreduces (the adasum() entry point), counted on the job's context.
   uint64_t adasum_allreduces() const { return adasum_allreduces_.load(); }
   void count_adasum_allreduce() {
@@ -207,6 +212,7 @@ class Context {
   SharedRegistry shared_;
   std::atomic<uint64_t> shared_allreduces_{0};
   std::atomic<uint64_t> hierarchical_allreduces_{0};
+  std::atomic<uint64_t> hierarchical_allgathers_{0};
   std::atomic<uint64_t> adasum_allreduces_{0};
   std::vector<std::vector<int>> hosts_;
   Context* parent_ = nullptr;  // set on group views only

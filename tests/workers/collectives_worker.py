@@ -344,8 +344,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     compare_hashes()
     from ringreduce import _Process
 
+    stats = _Process.comm._engine.stats()
     event("done", seconds=time.monotonic() - t0, results=len(HASHES),
-          hierarchical=_Process.comm._engine.stats()["hierarchical_allreduces"])
+          hierarchical=stats["hierarchical_allreduces"],
+          hierarchical_allgathers=stats["hierarchical_allgathers"])
     rank = rr.rank()
     rr.shutdown()
     say(f"OK rank {rank}")

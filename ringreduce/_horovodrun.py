@@ -59,6 +59,7 @@ _CONFIG_KEYS = {
     ("library_options", "mpi_threads_disable"): "mpi_threads_disable",
     ("library_options", "num_nccl_streams"): "num_nccl_streams",
     ("library_options", "gloo_timeout_seconds"): "gloo_timeout_seconds",
+    ("library_options", "thread_affinity"): "thread_affinity",
     ("logging", "level"): "log_level",
 }
 _NO_EFFECT_KEYS = {("logging", "with_timestamp"), ("library_options", "ccl_bgt_affinity")}

@@ -277,7 +277,7 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path):
         "  hierarchical_allreduce: true\nautotune:\n  enabled: false\n"
         "  warmup_samples: 5\ntimeline:\n  filename: tl.json\nstall_check:\n"
         "  enabled: false\n  warning_time_seconds: 10\nlogging:\n  level: ERROR\n"
-        "  with_timestamp: true\n"
+        "  with_timestamp: true\nlibrary_options:\n  thread_affinity: '2,3'\n"
     )
     a = _flags("--config-file", str(cfg), "--cycle-time-ms", "1")
     assert a.rank_env == {
@@ -289,6 +289,7 @@ def test_config_file_fills_what_the_command_line_left_out(tmp_path):
         "RINGREDUCE_LOG_LEVEL": "error",
         "RINGREDUCE_AUTOTUNE": "0",
         "RINGREDUCE_AUTOTUNE_WARMUP_SAMPLES": "5",
+        "RINGREDUCE_THREAD_AFFINITY": "2,3",
     }
     cfg.write_text("params:\n  fusion_threshold: 16\n")
     with pytest.raises(rr.InvalidInputError, match="unknown setting params.fusion_threshold"):

@@ -100,7 +100,8 @@ def test_collectives_env_launch(n):
 def test_collectives_fake_hosts(hosts, quick):
     """RINGREDUCE_HOST_ID splits one machine into fake hosts: shm inside, tcp across; a host
     with two ranks makes the large allreduces hierarchical (tests/test_hierarchical.py), and
-    AABB also asks for the hierarchical allgather (ABA runs the flat ring)."""
+    AABB also asks for the hierarchical allgather (ABA, which would qualify, is left with the
+    flat ring; its staging path runs in tests/test_hierarchical.py's threads)."""
     gather = "0" if quick else "1"
     rank_env = [{"RINGREDUCE_HOST_ID": f"fake-host-{h}",
                  "RINGREDUCE_HIERARCHICAL_ALLGATHER": gather} for h in hosts]

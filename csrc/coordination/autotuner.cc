@@ -281,8 +281,9 @@ void Autotuner::write_row(const Tunables& t, double score) {
   if (!log_.is_open()) return;
   // Horovod's columns and units (score in bytes per microsecond), then ours;
   // hierarchical_allreduce is the setting: -1 automatic (Horovod: 0 or 1).
-  log_ << t.hierarchical << ",0,0," << (opt_.cache_enabled ? 1 : 0) << "," << t.cycle_ms << ","
-       << t.fusion_mb << "," << score / 1e6 << "," << t.batch_us << "\n";
+  log_ << t.hierarchical << "," << opt_.hierarchical_allgather << ",0,"
+       << (opt_.cache_enabled ? 1 : 0) << "," << t.cycle_ms << "," << t.fusion_mb << ","
+       << score / 1e6 << "," << t.batch_us << "\n";
   log_.flush();
 }
 

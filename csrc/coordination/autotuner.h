@@ -27,8 +27,9 @@
 //
 // Log columns: current Horovod's (hierarchical_allreduce, hierarchical_allgather,
 // torus_allreduce, cache_enabled, cycle_time_ms, tensor_fusion_threshold in
-// MiB, score in bytes per microsecond), then batch_us; ringreduce has no
-// hierarchical allgather or torus allreduce (0) and does not tune the cache.
+// MiB, score in bytes per microsecond), then batch_us; the hierarchical
+// allgather and the cache are not tuned (their settings are shown), and there
+// is no torus allreduce (0).
 //
 // Search (rank 0). The first `warmup_samples` trials are discarded (caches,
 // first touches). Then the continuous knobs: the starting setting, three
@@ -72,8 +73,9 @@ struct AutotuneOptions {
   double gp_noise = 0.8;           // RINGREDUCE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE
   // Knobs the user set, held at their values.
   bool fixed_fusion = false, fixed_cycle = false, fixed_batch = false, fixed_hierarchical = false;
-  double batch_hi_us = 2000;  // the batching gap's range ends here (RINGREDUCE_BATCH_MAX_US)
-  bool cache_enabled = true;  // for the log's cache_enabled column (RINGREDUCE_CACHE_CAPACITY)
+  double batch_hi_us = 2000;       // the batching gap's range ends here (RINGREDUCE_BATCH_MAX_US)
+  bool cache_enabled = true;       // for the log's cache_enabled column (RINGREDUCE_CACHE_CAPACITY)
+  int hierarchical_allgather = 0;  // for the log (RINGREDUCE_HIERARCHICAL_ALLGATHER, not tuned)
   // "fcbh" with "-" for each knob the tuner may move: ranks must agree on it.
   std::string fixed_mask() const;
 };

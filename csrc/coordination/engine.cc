@@ -131,45 +131,55 @@ void Engine::agree_on_settings() {
             " HIERARCHICAL_ALLGATHER=", ctx_->options().hierarchical_allgather));
 }
 
+// Horovod's HOROVOD_THREAD_AFFINITY: "c0,c1,...", entry i the core of local
+// rank i's background thread. A value that is not a list of core numbers is
+// refused on every rank alike (they read the same value). A list too short
+// for this host, or a core this thread may not use, leaves the thread
+// unpinned with a warning, as Horovod does: horovodrun's --thread-affinity
+// takes one number, and a ported job must still run.
+int Engine::affinity_core() const {
+  const std::string& v = opt_.thread_affinity;
+  if (v.empty()) return -1;
+  std::vector<int> cores;
+  std::string item;
+  std::stringstream in(v);
+  while (std::getline(in, item, ',')) {
+    const bool digits = !item.empty() && item.size() < 8 &&
+                        item.find_first_not_of("0123456789") == std::string::npos;
+    const long c = digits ? std::strtol(item.c_str(), nullptr, 10) : -1;
+    if (c < 0 || c >= CPU_SETSIZE || v.back() == ',')
+      throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='", v,
+                  "': '", item, "' is not a core number (0 to ", CPU_SETSIZE - 1,
+                  "), one per local rank, comma-separated");
+    cores.push_back(static_cast<int>(c));
+  }
+  const int local = ctx_->local_rank();
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return -1;
+  std::string may;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) may += cat(may.empty() ? "" : ",", c);
+  if (local >= static_cast<int>(cores.size())) {
+    log(LogLevel::kWarning, rank_, "RINGREDUCE_THREAD_AFFINITY='", v, "' names ", cores.size(),
+        " core(s), one per local rank, but this rank is local rank ", local, " of ",
+        ctx_->local_size(), ": its engine thread is not pinned");
+    return -1;
+  }
+  if (!CPU_ISSET(cores[local], &allowed)) {
+    log(LogLevel::kWarning, rank_, "RINGREDUCE_THREAD_AFFINITY='", v, "' gives local rank ", local,
+        " core ", cores[local], ", which this process may not use (cores ", may,
+        "): its engine thread is not pinned");
+    return -1;
+  }
+  return cores[local];
+}
+
 // Folding copies a contribution several times (engine_fold.cc) to save one
 // crossing of a link: worth it up to 1 KiB where every link between this rank
 // and the coordinator shares memory, up to 16 KiB across a socket (README
 // "Folded rounds" has the measurements). Ranks need not agree: a worker folds
 // what its own limit allows, rank 0 folds what every worker sent.
-// Horovod's HOROVOD_THREAD_AFFINITY: "c0,c1,...", entry i the core of local
-// rank i's background thread. Refused (naming the rank, the value and the
-// cores it may use) when this rank has no entry or may not run there.
-int Engine::affinity_core() const {
-  if (opt_.thread_affinity.empty()) return -1;
-  std::vector<int> cores;
-  std::string item;
-  std::stringstream in(opt_.thread_affinity);
-  const int local = ctx_->local_rank();
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  sched_getaffinity(0, sizeof allowed, &allowed);
-  std::string may;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &allowed)) may += cat(may.empty() ? "" : ",", c);
-  while (std::getline(in, item, ',')) {
-    char* end = nullptr;
-    const long c = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || c < 0 || c >= CPU_SETSIZE)
-      throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='",
-                  opt_.thread_affinity, "': '", item, "' is not a core number");
-    cores.push_back(static_cast<int>(c));
-  }
-  if (local >= static_cast<int>(cores.size()))
-    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='",
-                opt_.thread_affinity, "' names ", cores.size(), " core(s), one per local rank, ",
-                "but this rank is local rank ", local, " of ", ctx_->local_size());
-  if (!CPU_ISSET(cores[local], &allowed))
-    throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='",
-                opt_.thread_affinity, "' gives local rank ", local, " core ", cores[local],
-                ", where this process may not run (it may use cores ", may, ")");
-  return cores[local];
-}
-
 size_t Engine::auto_fold_bytes() const {
   bool socket = false;
   for (int p = 0; p < size_; ++p)
@@ -509,7 +519,10 @@ void Engine::loop() {
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(engine_core_, &one);
-    pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+    const int err = pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+    if (err != 0)
+      log(LogLevel::kWarning, rank_, "RINGREDUCE_THREAD_AFFINITY: pinning the engine thread to ",
+          "core ", engine_core_, " failed: ", errno_string(err));
   }
   try {
     agree_on_settings();

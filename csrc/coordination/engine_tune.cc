@@ -20,7 +20,8 @@ void Engine::make_tuner() {
     if (rank_ == 0) log(LogLevel::kInfo, rank_, "autotune: a job of one rank has nothing to tune");
     return;
   }
-  const AutotuneOptions& o = opt_.autotune;
+  AutotuneOptions o = opt_.autotune;
+  o.hierarchical_allgather = ctx_->options().hierarchical_allgather;
   Tunables start;
   start.fusion_mb = static_cast<double>(opt_.fusion_threshold) / (1 << 20);
   start.cycle_ms = opt_.cycle_time_s * 1e3;

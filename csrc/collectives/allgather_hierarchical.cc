@@ -25,7 +25,6 @@
 // so all run this or all run the flat ring. Bytes are copied, never combined:
 // the output is identical to the flat ring's.
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "collectives/collective_util.h"
@@ -61,8 +60,8 @@ void allgather_hierarchical(Context& ctx, uint8_t* out, const std::vector<size_t
   // order, and the output itself is the staging buffer (no copies).
   bool in_order = true;
   for (int r = 0; r < ctx.size(); ++r) in_order &= pos[r] == off[r];
-  std::unique_ptr<uint8_t[]> owned(in_order ? nullptr : new uint8_t[host_off.back()]);
-  uint8_t* staged = in_order ? out : owned.get();
+  // Otherwise a staging buffer kept between calls (slot 6: no other user).
+  uint8_t* staged = in_order ? out : ctx.scratch(6, host_off.back());
   const size_t own = off[me + 1] - off[me];
   if (!in_order && own) std::memcpy(staged + pos[me], out + off[me], own);
   std::vector<size_t> local_off;

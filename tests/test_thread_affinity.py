@@ -45,7 +45,7 @@ def test_thread_affinity_pins_each_local_ranks_engine_thread():
 @pytest.mark.parametrize("value, match", [
     ("x", "'x' is not a core number"),
     ("0,,1", "'' is not a core number"),
-    ("0,", "is not a core number"),
+    ("0,", "'' is not a core number"),
     (" 0", "' 0' is not a core number"),
     ("99999", "'99999' is not a core number"),
     ("", None),  # unset: no pinning

@@ -142,12 +142,13 @@ int Engine::affinity_core() const {
   if (v.empty()) return -1;
   std::vector<int> cores;
   std::string item;
-  std::stringstream in(v);
+  // getline drops a last empty item: read "0," as "0," + "" as the user wrote it
+  std::stringstream in(v.back() == ',' ? v + "," : v);
   while (std::getline(in, item, ',')) {
     const bool digits = !item.empty() && item.size() < 8 &&
                         item.find_first_not_of("0123456789") == std::string::npos;
     const long c = digits ? std::strtol(item.c_str(), nullptr, 10) : -1;
-    if (c < 0 || c >= CPU_SETSIZE || v.back() == ',')
+    if (c < 0 || c >= CPU_SETSIZE)
       throw_error(ErrorKind::kInvalidArgument, "rank ", rank_, ": RINGREDUCE_THREAD_AFFINITY='", v,
                   "': '", item, "' is not a core number (0 to ", CPU_SETSIZE - 1,
                   "), one per local rank, comma-separated");

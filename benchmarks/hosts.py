@@ -89,54 +89,35 @@ class Api:
 
 def worker(sizes: Sequence[int], iters: int, seconds: float, mpi: bool, op: str) -> None:
     """One rank: allreduce float32 buffers of ``sizes`` bytes in place (or, ``op`` allgather,
-    gather 1/N of them from every rank), at least ``iters`` times and about ``seconds`` long;
-    rank 0 prints one JSON line per size."""
+    gather 1/N of them from every rank: ``size`` is the output, nccl-tests' convention), at
+    least ``iters`` times and about ``seconds`` long; rank 0 prints one JSON line per size."""
     api = Api(mpi)
-    if op == "allgather":
-        return gather_worker(api, sizes, iters, seconds)
     np, n = api.np, api.size
+    gather = op == "allgather"
     for size in sizes:
-        x = np.full(size // 4, api.rank + 1, np.float32)
+        x = np.full(size // 4 // (n if gather else 1), api.rank + 1, np.float32)
+        call = (lambda x=x: api.gather(x)) if gather else (lambda x=x: api.sum_(x))
         api.barrier()
         t0 = time.perf_counter()
-        api.sum_(x)  # warmup; its time sets the count, agreed by all ranks
+        call()  # warmup; its time sets the count, agreed by all ranks
         count = int(api.max(max(iters, min(200, int(seconds / (time.perf_counter() - t0))))))
         api.barrier()
         t0 = time.perf_counter()
         for _ in range(count):
-            api.sum_(x)
+            out = call()
         worst = api.max((time.perf_counter() - t0) / count)
-        x.fill(api.rank + 1)
-        api.sum_(x)
-        ok = bool(api.max(float(not (x == n * (n + 1) / 2).all())) == 0)
-        hier = api.hierarchical()
+        if gather:
+            out = np.concatenate(out) if isinstance(out, list) else out
+            good = np.array_equal(out, np.repeat(np.arange(1, n + 1, dtype=np.float32), x.size))
+        else:  # the timed calls summed x again and again: sum a fresh one
+            x.fill(api.rank + 1)
+            call()
+            good = bool((x == n * (n + 1) / 2).all())
+        ok = bool(api.max(float(not good)) == 0)
+        hier = api.hierarchical_gather() if gather else api.hierarchical()
         if api.rank == 0:
-            print(json.dumps({"bytes": size, "seconds": worst, "ok": ok, "iters": count,
-                              "hierarchical": hier}), flush=True)
-    api.finish()
-
-
-def gather_worker(api: Api, sizes: Sequence[int], iters: int, seconds: float) -> None:
-    """worker() for allgather: ``size`` is the output (nccl-tests' convention)."""
-    np, n = api.np, api.size
-    for size in sizes:
-        x = np.full(size // 4 // n, api.rank + 1, np.float32)
-        api.barrier()
-        t0 = time.perf_counter()
-        api.gather(x)
-        count = int(api.max(max(iters, min(200, int(seconds / (time.perf_counter() - t0))))))
-        api.barrier()
-        t0 = time.perf_counter()
-        for _ in range(count):
-            out = api.gather(x)
-        worst = api.max((time.perf_counter() - t0) / count)
-        out = np.concatenate(out) if isinstance(out, list) else out
-        want = np.repeat(np.arange(1, n + 1, dtype=np.float32), x.size)
-        ok = bool(api.max(float(not np.array_equal(out, want))) == 0)
-        hier = api.hierarchical_gather()
-        if api.rank == 0:
-            print(json.dumps({"bytes": x.nbytes * n, "seconds": worst, "ok": ok,
-                              "iters": count, "hierarchical": hier}), flush=True)
+            print(json.dumps({"bytes": x.nbytes * (n if gather else 1), "seconds": worst,
+                              "ok": ok, "iters": count, "hierarchical": hier}), flush=True)
     api.finish()
 
 

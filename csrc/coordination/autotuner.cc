@@ -76,11 +76,12 @@ Autotuner::Autotuner(AutotuneOptions o, Tunables start, bool hierarchical_tunabl
     if (!opt_.fixed_cycle) test_points_[i].cycle_ms = cycle[i - 1];
     if (!opt_.fixed_batch) test_points_[i].batch_us = batch[i - 1];
   }
-  if (free_dims().empty()) test_points_.resize(1);
-  if (!free_dims().empty())
-    bayes_ = std::make_unique<BayesOpt>(static_cast<int>(free_dims().size()), opt_.gp_noise);
-  else if (!hierarchical_tunable_)
-    cur_.active = 0;  // every knob is the user's: nothing to tune
+  const size_t free = free_dims().size();
+  if (free > 0)
+    bayes_ = std::make_unique<BayesOpt>(static_cast<int>(free), opt_.gp_noise);
+  else
+    test_points_.resize(1);  // only the hierarchical allreduce (if any) to tune
+  if (free == 0 && !hierarchical_tunable_) cur_.active = 0;  // every knob is the user's
   if (rank_ == 0 && !opt_.log_path.empty()) {
     log_.open(opt_.log_path, std::ios::out | std::ios::trunc);
     if (!log_)
@@ -97,7 +98,7 @@ Autotuner::Autotuner(AutotuneOptions o, Tunables start, bool hierarchical_tunabl
         "RINGREDUCE_CYCLE_TIME_MS, RINGREDUCE_BATCH_US, RINGREDUCE_HIERARCHICAL_ALLREDUCE or "
         "their Horovod names): nothing to tune");
   else if (rank_ == 0)
-    log(LogLevel::kInfo, rank_, "autotune: tuning ", free_dims().size(), " knob(s)",
+    log(LogLevel::kInfo, rank_, "autotune: tuning ", free, " knob(s)",
         hierarchical_tunable_ ? " and the hierarchical allreduce" : "", "; ", opt_.warmup_samples,
         " warmup trial(s), ", kSamplesPerTrial, " samples of ", opt_.steps_per_sample,
         " steps each");

@@ -158,9 +158,6 @@ int Engine::affinity_core() const {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return -1;
-  std::string may;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &allowed)) may += cat(may.empty() ? "" : ",", c);
   if (local >= static_cast<int>(cores.size())) {
     log(LogLevel::kWarning, rank_, "RINGREDUCE_THREAD_AFFINITY='", v, "' names ", cores.size(),
         " core(s), one per local rank, but this rank is local rank ", local, " of ",
@@ -168,6 +165,9 @@ int Engine::affinity_core() const {
     return -1;
   }
   if (!CPU_ISSET(cores[local], &allowed)) {
+    std::string may;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &allowed)) may += cat(may.empty() ? "" : ",", c);
     log(LogLevel::kWarning, rank_, "RINGREDUCE_THREAD_AFFINITY='", v, "' gives local rank ", local,
         " core ", cores[local], ", which this process may not use (cores ", may,
         "): its engine thread is not pinned");
